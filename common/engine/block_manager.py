@@ -1,0 +1,196 @@
+"""Paged KV bookkeeping: which block holds what, who references it, what may be reused.
+
+Plain CPU code, no tensors. A block is in exactly one of three states:
+  * referenced: ref_count > 0, in some sequence's block table;
+  * cached: ref_count == 0 but named by a hash, kept in an LRU so a later request with
+    the same prefix can take it back (the local prefix cache);
+  * free: ref_count == 0 and unnamed.
+Allocation takes free blocks first, then evicts the least recently used cached block.
+`check_integrity` verifies all of the above against the sequences' block tables.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence as Seq
+from typing import Protocol
+
+
+class KVEventSink(Protocol):
+    """Receives the names of blocks entering and leaving the prefix cache."""
+
+    def stored(self, block_hashes: list[int]) -> None: ...
+
+    def removed(self, block_hashes: list[int]) -> None: ...
+
+
+class BlockManagerError(RuntimeError):
+    """Bookkeeping is inconsistent: a bug, never a user error."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventSink | None = None):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.events = events
+
+    # ---- queries -------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation could take (free plus evictable cached)."""
+        return len(self.free_blocks) + len(self.cached_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_blocks)
+
+    def match_prefix(self, block_hashes: Seq[int], token_ids: Seq[int], max_blocks: int) -> list[int]:
+        """Block ids holding the longest cached prefix, at most `max_blocks` long.
+
+        The tokens are compared too, so a hash collision is a miss, never wrong KV.
+        Takes no references.
+        """
+        matched: list[int] = []
+        size = self.block_size
+        for index, block_name in enumerate(block_hashes[:max_blocks]):
+            block_id = self.hash_to_block.get(block_name)
+            if block_id is None:
+                break
+            if self.block_tokens[block_id] != tuple(token_ids[index * size:(index + 1) * size]):
+                break
+            matched.append(block_id)
+        return matched
+
+    def num_matched_cached(self, block_hashes: Seq[int], max_blocks: int) -> int:
+        """How many leading blocks are named in the cache (hashes only, for ordering)."""
+        count = 0
+        for block_name in block_hashes[:max_blocks]:
+            if block_name not in self.hash_to_block:
+                break
+            count += 1
+        return count
+
+    def blocks_to_take(self, hit_blocks: Iterable[int], num_new: int) -> int:
+        """Available blocks that reusing `hit_blocks` plus `num_new` fresh ones consumes."""
+        return num_new + sum(1 for block_id in hit_blocks if self.ref_counts[block_id] == 0)
+
+    # ---- mutations -----------------------------------------------------------------
+
+    def take(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each (cached or referenced) block."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                if block_id not in self.cached_blocks:
+                    raise BlockManagerError(f"block {block_id} is free, not cached; cannot share it")
+                del self.cached_blocks[block_id]
+            self.ref_counts[block_id] += 1
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` fresh blocks with one reference each; evicts LRU cached blocks."""
+        if count > self.num_available:
+            raise BlockManagerError(f"asked for {count} blocks, {self.num_available} available")
+        allocated: list[int] = []
+        evicted: list[int] = []
+        for _ in range(count):
+            if self.free_blocks:
+                block_id = self.free_blocks.popleft()
+            else:
+                block_id, _ = self.cached_blocks.popitem(last=False)
+                evicted.append(self._forget(block_id))
+            self.ref_counts[block_id] = 1
+            allocated.append(block_id)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
+        return allocated
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Drop one reference from each block; unreferenced named blocks stay cached.
+
+        Released in reverse so a sequence's tail is evicted before its prefix.
+        """
+        for block_id in reversed(block_ids):
+            count = self.ref_counts[block_id] - 1
+            if count < 0:
+                raise BlockManagerError(f"block {block_id} released more often than taken")
+            self.ref_counts[block_id] = count
+            if count == 0:
+                if self.block_hash[block_id] is not None:
+                    self.cached_blocks[block_id] = None
+                else:
+                    self.free_blocks.append(block_id)
+
+    def commit(self, block_ids: Seq[int], block_hashes: Seq[int], token_ids: Seq[int],
+               first: int, last: int) -> None:
+        """Name blocks first..last-1 of a sequence now that their KV is computed.
+
+        A name already held by another block (two requests computed the same prefix
+        at once) leaves this block unnamed; it is freed normally later.
+        """
+        stored: list[int] = []
+        size = self.block_size
+        for index in range(first, last):
+            block_id, block_name = block_ids[index], block_hashes[index]
+            if self.block_hash[block_id] is not None or block_name in self.hash_to_block:
+                continue
+            self.block_hash[block_id] = block_name
+            self.block_tokens[block_id] = tuple(token_ids[index * size:(index + 1) * size])
+            self.hash_to_block[block_name] = block_id
+            stored.append(block_name)
+        if stored and self.events is not None:
+            self.events.stored(stored)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached (unreferenced) block; returns how many."""
+        evicted = [self._forget(block_id) for block_id in self.cached_blocks]
+        self.free_blocks.extend(self.cached_blocks)
+        self.cached_blocks.clear()
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
+        return len(evicted)
+
+    def _forget(self, block_id: int) -> int:
+        block_name = self.block_hash[block_id]
+        del self.hash_to_block[block_name]
+        self.block_hash[block_id] = None
+        self.block_tokens[block_id] = None
+        return block_name
+
+    # ---- integrity -----------------------------------------------------------------
+
+    def check_integrity(self, block_tables: Iterable[Seq[int]]) -> None:
+        """Raise BlockManagerError unless the bookkeeping matches these block tables
+        (one per live sequence)."""
+        expected = [0] * self.num_blocks
+        for table in block_tables:
+            for block_id in table:
+                expected[block_id] += 1
+        if expected != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
+            raise BlockManagerError(f"ref counts disagree with block tables at blocks {bad[:10]}")
+        free, cached = set(self.free_blocks), set(self.cached_blocks)
+        if len(free) != len(self.free_blocks):
+            raise BlockManagerError("a block is in the free list twice")
+        if free & cached:
+            raise BlockManagerError(f"blocks both free and cached: {sorted(free & cached)[:10]}")
+        unreferenced = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        if free | cached != unreferenced:
+            raise BlockManagerError("free and cached blocks are not exactly the unreferenced ones")
+        if any(self.block_hash[b] is not None for b in free):
+            raise BlockManagerError("a free block still carries a name")
+        if any(self.block_hash[b] is None for b in cached):
+            raise BlockManagerError("a cached block has no name")
+        named = {b: h for b, h in enumerate(self.block_hash) if h is not None}
+        if {h: b for b, h in named.items()} != self.hash_to_block or len(named) != len(self.hash_to_block):
+            raise BlockManagerError("the hash index disagrees with the blocks' names")

@@ -1,0 +1,269 @@
+"""The offline engine: requests in, tokens out, one `step()` at a time.
+
+Engine wires the parts (checkpoint, model, KV pool, block manager, scheduler, runner)
+and turns each step's samples into per-request outputs. The serving roles drive the same
+object from their loops.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from common.detokenizer import IncrementalDetokenizer
+from common.engine.block_manager import BlockManager, KVEventSink
+from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
+from common.engine.config import DTYPES, EngineConfig
+from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.model import CausalLM
+from common.engine.queue_policy import make_queue_policy
+from common.engine.runner import ModelRunner
+from common.engine.scheduler import Scheduler, SchedulerConfig
+from common.engine.sequence import Sequence
+from common.hashing import root_hash
+from common.logs import get_logger
+from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
+from kernels.attention import select_backend
+
+log = get_logger("engine")
+
+
+class EngineConfigError(ValueError):
+    """The engine cannot start with this configuration; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str | None = None  # the whole output text, set when finished
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens that went through the model (prefill + decode)
+    num_prefix_hit_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None):
+        _check_config(config)
+        self.config = config
+        self.model_config = load_model_config(config.model_dir)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.model_fingerprint, self.tokenizer_fingerprint = fingerprints(config.model_dir)
+        self.device = torch.device(config.device)
+        self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
+        layout = KVLayout.for_model(self.model_config, config.block_size, config.dtype)
+        num_blocks = _num_kv_blocks(config, layout, self.max_model_len)
+
+        dtype = getattr(torch, config.dtype)
+        self.model = CausalLM(self.model_config, dtype, self.device, self.max_model_len)
+        self.model.load_hf_weights(load_state_dict(config.model_dir, self.model_config))
+        self.kv_cache = KVCache(layout, num_blocks, self.device)
+        backend = select_backend(config.attention_backend, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, kv_events)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            config.enable_prefix_caching),
+            self.block_manager, make_queue_policy(config.queue_policy))
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._root_hashes: dict[str, int] = {}
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
+                 device=str(self.device), attention_backend=backend.name, kv_blocks=num_blocks,
+                 block_size=config.block_size, max_model_len=self.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Seq[int],
+                    params: SamplingParams | None = None, tenant_salt: str | None = None) -> None:
+        """Queue a request; raises InvalidRequestError naming a bad parameter."""
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        params.validate()
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise InvalidRequestError("prompt", "token ids must be integers")
+        validate_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
+        seq = Sequence(
+            request_id=request_id, prompt_len=len(prompt_ids), token_ids=prompt_ids,
+            params=params, arrival_index=next(self._arrivals),
+            root_hash=self._root_hash(self.config.tenant_salt if tenant_salt is None else tenant_salt),
+            block_size=self.config.block_size, eos_token_ids=self._eos,
+            max_model_len=self.max_model_len, arrival_time=time.perf_counter())
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is not running."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: Seq[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    # ---- stepping ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling iteration; outputs for requests that got a token."""
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions += len(plan.preempted)
+        if plan.is_empty:
+            return []
+        self.stats.num_prefix_hit_tokens += plan.num_cached_tokens
+        result = self.runner.execute(plan)
+        self.scheduler.complete(plan)
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += result.num_computed_tokens
+        self.stats.num_generated_tokens += len(result.token_ids)
+        now = time.perf_counter()
+        return [self._advance(seq, token, logprob, now)
+                for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs)]
+
+    def _advance(self, seq: Sequence, token_id: int, logprob: dict | None, now: float) -> RequestOutput:
+        seq.append_token(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = seq.check_stop(token_id)
+        if seq.detokenizer is not None:
+            stop_text = seq.detokenizer.find_stop(seq.detokenizer.push(token_id))
+            if stop_text is not None:
+                reason, seq.stop_text = "stop", stop_text
+        if reason is None:
+            return RequestOutput(seq.request_id, [token_id], False,
+                                 logprobs=[logprob] if logprob else [])
+        self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq),
+                             [logprob] if logprob else [])
+
+    def _final_text(self, seq: Sequence) -> str:
+        if seq.stop_text is not None:
+            return seq.detokenizer.text
+        return self.decode(seq.output_ids)
+
+    # ---- convenience ---------------------------------------------------------------
+
+    def generate(self, prompts: Seq[str | Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Run prompts to completion, batched; results in prompt order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("params", f"{len(params)} params for {len(prompts)} prompts")
+        batch = f"gen-{next(self._arrivals)}-"
+        ids = [f"{batch}{index}" for index in range(len(prompts))]
+        seqs = []
+        for request_id, prompt, request_params in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, request_params)
+            seqs.append(self._seqs[request_id])
+        pending = set(ids)
+        while pending:
+            for output in self.step():
+                if output.finished:
+                    pending.discard(output.request_id)
+        done = time.perf_counter()
+        return [GenerationResult(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.prompt_len],
+            token_ids=seq.output_ids, text=self._final_text(seq), finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens, ttft_s=seq.first_token_time - seq.arrival_time,
+            e2e_s=done - seq.arrival_time, logprobs=seq.logprobs) for seq in seqs]
+
+    def check_integrity(self) -> None:
+        """Verify block bookkeeping against every live sequence (tests call this)."""
+        self.block_manager.check_integrity(self.scheduler.live_block_tables())
+
+    def _root_hash(self, tenant_salt: str) -> int:
+        if tenant_salt not in self._root_hashes:
+            self._root_hashes[tenant_salt] = root_hash(
+                self.model_fingerprint, self.tokenizer_fingerprint, self.config.adapter_id,
+                self.config.dtype, self.config.block_size, tenant_salt)
+        return self._root_hashes[tenant_salt]
+
+
+def _check_config(config: EngineConfig) -> None:
+    if config.dtype not in DTYPES:
+        raise EngineConfigError(f"dtype: unsupported {config.dtype!r}; choose one of {DTYPES}")
+    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise EngineConfigError(f"{name}: must be a positive integer, got {value!r}")
+    if config.num_kv_blocks is None and not config.kv_cache_gb > 0:
+        raise EngineConfigError(f"kv_cache_gb: must be > 0, got {config.kv_cache_gb}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineConfigError(f"device: {config.device!r} requested but CUDA is not available")
+
+
+def _max_model_len(config: EngineConfig, model_limit: int) -> int:
+    if config.max_model_len is None:
+        return model_limit
+    if not 0 < config.max_model_len <= model_limit:
+        raise EngineConfigError(f"max_model_len: must be in [1, {model_limit}] for this model, "
+                                f"got {config.max_model_len}")
+    return config.max_model_len
+
+
+def _num_kv_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int) -> int:
+    needed = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+        source = f"num_kv_blocks={num_blocks}"
+    else:
+        num_blocks = layout.blocks_for_bytes(config.kv_cache_gb * 2**30)
+        source = f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks} blocks"
+    if num_blocks < needed:
+        need_gb = needed * layout.bytes_per_block / 2**30
+        raise EngineConfigError(
+            f"kv_cache_gb: the KV pool is too small: {source} of {config.block_size} tokens "
+            f"({layout.bytes_per_block} bytes each), but one sequence of max_model_len="
+            f"{max_model_len} needs {needed} blocks ({need_gb:.4f} GiB); raise --kv-cache-gb "
+            f"or lower --max-model-len")
+    return num_blocks

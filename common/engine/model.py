@@ -1,0 +1,124 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5/3) over flattened batches.
+
+A step's tokens from all sequences run as one [tokens, hidden] batch through the
+projections; only attention knows about sequences, through the backend's per-step
+metadata. Weights are loaded from Hugging Face names and fused (q/k/v into one
+projection, gate/up into one) so each layer runs few, large matmuls. Arithmetic follows
+the reference implementation's order and dtypes so logits match it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.config import ModelConfig
+from common.engine.kv_cache import KVCache
+from common.engine.rope import RotaryEmbedding, apply_rotary
+from kernels.attention import AttentionBackend
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, scaled in the input dtype (as the reference does)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.q_size = config.num_heads * head_dim
+        self.kv_size = config.num_kv_heads * head_dim
+        self.config = config
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm = param(hidden)
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.q_norm = param(head_dim) if config.qk_norm else None
+        self.k_norm = param(head_dim) if config.qk_norm else None
+        self.o_weight = param(hidden, self.q_size)
+        self.post_norm = param(hidden)
+        self.gate_up_weight = param(2 * config.intermediate_size, hidden)
+        self.down_weight = param(hidden, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                backend: AttentionBackend, metadata: object) -> torch.Tensor:
+        config = self.config
+        tokens = hidden.shape[0]
+        normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
+        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(tokens, config.num_heads, config.head_dim)
+        key = key.view(tokens, config.num_kv_heads, config.head_dim)
+        value = value.view(tokens, config.num_kv_heads, config.head_dim)
+        if self.q_norm is not None:
+            query = rms_norm(query, self.q_norm, config.rms_norm_eps)
+            key = rms_norm(key, self.k_norm, config.rms_norm_eps)
+        query = apply_rotary(query, cos, sin)
+        key = apply_rotary(key, cos, sin)
+        attended = backend.forward(query, key, value, key_cache, value_cache, metadata)
+        hidden = hidden + F.linear(attended.reshape(tokens, self.q_size), self.o_weight)
+        normed = rms_norm(hidden, self.post_norm, config.rms_norm_eps)
+        gate, up = F.linear(normed, self.gate_up_weight).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype,
+                                              device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
+                                       requires_grad=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
+                kv_cache: KVCache, backend: AttentionBackend, metadata: object) -> torch.Tensor:
+        """Runs the flat batch, writing its K/V into the cache; returns fp32 logits of
+        the rows in `logits_rows`."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(positions, self.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_cache.keys[index], kv_cache.values[index],
+                           backend, metadata)
+        selected = rms_norm(hidden[logits_rows], self.final_norm, self.config.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(selected, head).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy (and fuse) weights given under Hugging Face names."""
+
+        def get(name: str) -> torch.Tensor:
+            return state_dict[name].to(self.dtype)
+
+        self.embed.copy_(get("model.embed_tokens.weight"))
+        self.final_norm.copy_(get("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.copy_(get("lm_head.weight"))
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            layer.input_norm.copy_(get(prefix + "input_layernorm.weight"))
+            layer.post_norm.copy_(get(prefix + "post_attention_layernorm.weight"))
+            layer.qkv_weight.copy_(torch.cat([get(attn + f"{p}_proj.weight") for p in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"]))
+            if layer.q_norm is not None:
+                layer.q_norm.copy_(get(attn + "q_norm.weight"))
+                layer.k_norm.copy_(get(attn + "k_norm.weight"))
+            layer.o_weight.copy_(get(attn + "o_proj.weight"))
+            layer.gate_up_weight.copy_(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
+            layer.down_weight.copy_(get(mlp + "down_proj.weight"))

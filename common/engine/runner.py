@@ -1,0 +1,96 @@
+"""Executes a SchedulePlan: builds the step's tensors, runs the model, samples.
+
+Everything per token is done with numpy/torch array ops; Python loops only over
+sequences (and their block lists) once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.engine.kv_cache import KVCache
+from common.engine.model import CausalLM
+from common.engine.sampler import Sampler
+from common.engine.scheduler import ScheduledChunk, SchedulePlan
+from common.engine.sequence import Sequence
+from kernels.attention import AttentionBackend, AttentionInputs
+
+
+@dataclass
+class StepResult:
+    """Tokens sampled this step, for the sequences whose chunk reached their end."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[dict | None]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        chunks = sorted(plan.chunks, key=lambda chunk: chunk.num_new != 1)
+        inputs, input_ids, positions = self._build_inputs(chunks)
+        sampling = [index for index, chunk in enumerate(chunks) if chunk.samples]
+        seqs = [chunks[index].seq for index in sampling]
+        if not sampling:
+            logits_rows = torch.zeros(0, dtype=torch.long, device=self.device)
+        else:
+            ends = np.asarray(inputs.query_starts) + np.asarray(inputs.query_lens) - 1
+            logits_rows = torch.from_numpy(ends[sampling]).to(self.device)
+        metadata = self.backend.prepare(inputs)
+        logits = self.model(input_ids, positions, logits_rows, self.kv_cache, self.backend, metadata)
+        if not sampling:
+            return StepResult([], [], [], len(input_ids))
+        token_ids, logprobs = self.sampler.sample(logits, seqs)
+        return StepResult(seqs, token_ids, logprobs, len(input_ids))
+
+    def _build_inputs(self, chunks: list[ScheduledChunk]):
+        size = self.block_size
+        query_lens = np.fromiter((c.num_new for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        query_starts = np.zeros(len(chunks), dtype=np.int64)
+        np.cumsum(query_lens[:-1], out=query_starts[1:])
+        num_tokens = int(query_lens.sum())
+        num_single = int((query_lens == 1).sum())
+
+        if num_single == len(chunks):  # pure decode: one token per sequence
+            flat_ids = [c.seq.token_ids[c.start] for c in chunks]
+            positions = starts
+            seq_of_token = np.arange(len(chunks))
+        else:
+            flat_ids = []
+            for c in chunks:
+                flat_ids.extend(c.seq.token_ids[c.start:c.start + c.num_new])
+            seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+            positions = np.arange(num_tokens) + (starts - query_starts)[seq_of_token]
+
+        max_blocks = max(len(c.seq.block_ids) for c in chunks)
+        block_table = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+        for row, c in enumerate(chunks):
+            block_table[row, :len(c.seq.block_ids)] = c.seq.block_ids
+        slot_mapping = block_table[seq_of_token, positions // size] * size + positions % size
+
+        device = self.device
+        inputs = AttentionInputs(
+            query_starts=query_starts.tolist(),
+            query_lens=query_lens.tolist(),
+            context_lens=(starts + query_lens).tolist(),
+            num_single=num_single,
+            block_size=size,
+            block_table=torch.from_numpy(block_table).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        )
+        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
+        return inputs, input_ids, torch.from_numpy(positions).to(device)

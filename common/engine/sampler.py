@@ -1,0 +1,82 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+All rows are processed as tensors; the only per-row Python work is drawing noise from
+a request's own generator when it has a seed, so the same seed gives the same tokens
+whatever else shares the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.engine.sequence import Sequence
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
+        """logits: [rows, vocab] fp32, one row per sequence. Returns token ids and, per
+        row, a logprobs record or None."""
+        params = [seq.params for seq in seqs]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, seqs)
+        token_list = tokens.tolist()
+        if all(p.logprobs is None for p in params):
+            return token_list, [None] * len(seqs)
+        return token_list, self._logprobs(logits, tokens, params)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [seq.params for seq in seqs]
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                   device=device, dtype=logits.dtype)
+        scaled = logits / temperature[:, None]
+        if any(0 < p.top_k < logits.shape[-1] for p in params):
+            scaled = _apply_top_k(scaled, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            scaled = _apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[row].exponential_(generator=seq.generator)
+        # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict | None]:
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        most = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+        records: list[dict | None] = []
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                records.append(None)
+                continue
+            top = []
+            if p.logprobs:
+                top = list(zip(top_ids[row, :p.logprobs].tolist(), top_values[row, :p.logprobs].tolist()))
+            records.append({"token_id": int(tokens[row]), "logprob": chosen[row], "top": top})
+        return records
+
+
+def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = scaled.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=scaled.device)
+    top_values = scaled.topk(int(ks.max()), dim=-1).values
+    threshold = top_values.gather(1, (ks - 1)[:, None])
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
+def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -1,0 +1,180 @@
+"""Iteration-level scheduling: continuous batching with chunked prefill.
+
+The scheduler decides; it does not compute. `schedule()` returns a SchedulePlan (which
+sequences advance by how many tokens this step, who was preempted), the model runner
+executes it, and `complete()` records what was computed. Preemption is by recompute:
+a preempted sequence drops its blocks (they stay in the prefix cache while unevicted)
+and is prefilled again, prompt plus output so far, when it is readmitted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.engine.block_manager import BlockManager
+from common.engine.queue_policy import QueuePolicy
+from common.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`seq` computes tokens [start, start + num_new) this step."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a new token is
+        sampled from its logits."""
+        return self.start + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulePlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hits of the sequences admitted this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: QueuePolicy):
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def complete(self, plan: SchedulePlan) -> None:
+        """Record that the plan ran: advance progress and name newly full blocks."""
+        size = self.block_size
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.num_new
+            if self.config.enable_prefix_caching:
+                self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
+                                          chunk.start // size, seq.num_computed // size)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stopped, aborted, failed) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def live_block_tables(self) -> list[list[int]]:
+        return [seq.block_ids for seq in self.running + self.waiting]
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _blocks_needed(self, seq: Sequence, num_tokens_after: int) -> int:
+        return -(-num_tokens_after // self.block_size) - len(seq.block_ids)
+
+    def _schedule_running(self, plan: SchedulePlan, budget: int) -> int:
+        """Advance running sequences in admission order, preempting from the back when
+        blocks run out. Returns the budget left."""
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            if budget == 0:
+                kept.append(seq)
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            needed = self._blocks_needed(seq, seq.num_computed + num_new)
+            while needed > self.block_manager.num_available and queue:
+                victim = queue.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+            if needed > self.block_manager.num_available:
+                self._preempt(seq)
+                plan.preempted.append(seq)
+                continue
+            seq.block_ids.extend(self.block_manager.allocate(needed))
+            plan.chunks.append(ScheduledChunk(seq, seq.num_computed, num_new))
+            kept.append(seq)
+            budget -= num_new
+        self.running = kept
+        return budget
+
+    def _admit_waiting(self, plan: SchedulePlan, budget: int) -> None:
+        ordered = self.policy.order(self.waiting, self._cached_blocks)
+        for seq in ordered:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hits = self._prefix_hits(seq)
+            num_cached = len(hits) * self.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            fresh = -(-(num_cached + num_new) // self.block_size) - len(hits)
+            if self.block_manager.blocks_to_take(hits, fresh) > self.block_manager.num_available:
+                break
+            self.block_manager.take(hits)
+            seq.block_ids = hits + self.block_manager.allocate(fresh)
+            seq.num_computed = num_cached
+            plan.num_cached_tokens += num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.chunks.append(ScheduledChunk(seq, num_cached, num_new))
+            budget -= num_new
+
+    def _max_hit_blocks(self, seq: Sequence) -> int:
+        """At least one token must be computed to get logits, and computed tokens must
+        never land in a shared block, so the last block boundary before the final token
+        bounds the hit."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        return self.block_manager.match_prefix(seq.block_hashes, seq.token_ids, self._max_hit_blocks(seq))
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        return self.block_manager.num_matched_cached(seq.block_hashes, self._max_hit_blocks(seq))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.release(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(0, seq)

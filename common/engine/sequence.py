@@ -1,0 +1,91 @@
+"""The engine-side state of one request."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.hashing import chain_hashes
+from common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request's tokens, KV blocks and progress.
+
+    `token_ids` holds the prompt followed by every generated token; the first
+    `num_computed` of them have KV in `block_ids`. `block_hashes[i]` names block i once
+    all of its tokens are known (DESIGN §3); it is extended as tokens arrive.
+    """
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int
+    root_hash: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_text: str | None = None  # the stop string that ended it, if one did
+    logprobs: list[dict] = field(default_factory=list)
+    generator: object = None  # a per-request torch.Generator when params.seed is set
+    detokenizer: object = None  # an IncrementalDetokenizer when stop strings are watched
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def extend_hashes(self) -> None:
+        """Name every block whose tokens are all known and not yet named."""
+        named_tokens = len(self.block_hashes) * self.block_size
+        if self.num_tokens - named_tokens < self.block_size:
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
+        self.block_hashes.extend(
+            chain_hashes(parent, self.token_ids[named_tokens:], self.block_size))
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self.extend_hashes()
+
+    def check_stop(self, token_id: int) -> str | None:
+        """The finish reason the newest token causes, from ids and lengths alone."""
+        params = self.params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            return "length"
+        return None

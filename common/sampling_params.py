@@ -1,0 +1,84 @@
+"""Sampling parameters of one request and their validation.
+
+Kept free of torch so that light processes (tokenizer, router, client SDK) can build and
+check them before a request ever reaches an engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k 0 disables top-k. logprobs=None returns none;
+    logprobs=n returns the sampled token's logprob and the n most likely alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad parameter."""
+        _check_int("max_tokens", self.max_tokens, low=1)
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise InvalidRequestError("temperature", "must be a number")
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise InvalidRequestError("temperature", f"must be >= 0 and finite, got {self.temperature}")
+        _check_int("top_k", self.top_k, low=0)
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0)
+        for stop_string in self.stop:
+            if not isinstance(stop_string, str) or not stop_string:
+                raise InvalidRequestError("stop", "every stop string must be a non-empty string")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+
+def validate_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt must be non-empty, in the vocabulary, and leave room for one new token."""
+    if len(prompt_ids) == 0:
+        raise InvalidRequestError("prompt", "is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"has {len(prompt_ids)} tokens; the context window is {max_model_len} "
+            "and must leave room for at least one generated token")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_int(param: str, value, low: int | None = None, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(param, f"must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidRequestError(param, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise InvalidRequestError(param, f"must be <= {high}, got {value}")

@@ -1,0 +1,84 @@
+"""One attention interface over the paged KV cache, and the choice of backend.
+
+Every step the runner describes its batch once (AttentionInputs); the backend turns that
+into its own metadata (`prepare`), then each layer calls `forward`, which writes the
+step's new K/V into the cache and attends over each sequence's whole context.
+
+Batch layout contract: the step's tokens are flattened; sequences whose query is a single
+token come first (rows 0..num_single-1, one each), then the multi-token chunks.
+"""
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionInputs:
+    """One step's batch, as every backend needs it.
+
+    query_starts/query_lens: each sequence's rows in the flat batch; context_lens: its
+    KV length once this step's tokens are written; block_table: [seqs, max_blocks]
+    block ids (padded with 0); slot_mapping: [tokens] the cache slot each new token's
+    K/V goes to.
+    """
+
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    num_single: int
+    block_size: int
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def prepare(self, inputs: AttentionInputs) -> object:
+        """Per-step metadata, computed once and shared by all layers."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """query [tokens, q_heads, head_dim], key/value [tokens, kv_heads, head_dim];
+        caches [slots, kv_heads, head_dim]. Returns [tokens, q_heads, head_dim]."""
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called `name`, or for "auto" the best this machine has."""
+    from kernels.sdpa_paged import SdpaPagedBackend
+
+    if name == "auto":
+        name = "flash" if flash_attn_available(device) else "sdpa"
+    if name == "sdpa":
+        return SdpaPagedBackend()
+    if name == "flash":
+        if not flash_attn_available(device):
+            raise RuntimeError("attention_backend 'flash' needs a CUDA device and the flash-attn "
+                               "package (pip install 'baton[gpu]')")
+        from kernels.flash_paged import FlashPagedBackend
+
+        return FlashPagedBackend()
+    raise ValueError(f"attention_backend: unknown backend {name!r}; choose auto, sdpa or flash")
+
+
+def context_slots(block_table: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """[seqs, max_len] cache slot of every context position (padding points at slot
+    0 and must be masked)."""
+    num_blocks = -(-max_len // block_size)
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = block_table[:, :num_blocks, None] * block_size + offsets
+    return slots.reshape(block_table.shape[0], -1)[:, :max_len]
