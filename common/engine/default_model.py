@@ -6,12 +6,12 @@ path runs everywhere, and transformers can load the same directory to pin correc
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,11 +83,14 @@ def write_default_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Pat
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        tmp_dir.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
         _write_checkpoint_files(tmp_dir, size, seed)
         _fsync_dir(tmp_dir)
         try:
             os.rename(tmp_dir, out_dir)  # atomic; replaces out_dir only if it is empty
         except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
             raise FileExistsError(f"{out_dir}: already holds a checkpoint "
                                   f"(written concurrently by another process)") from exc
         _fsync_dir(out_dir.parent)
@@ -160,11 +163,11 @@ def _write_weights(path: Path, cfg: ModelConfig, seed: int) -> None:
     tensors = {}
     for name, shape in expected_tensors(cfg).items():
         if name.endswith("norm.weight"):
-            weight = torch.ones(shape)
-        elif name == "model.embed_tokens.weight":
-            weight = torch.randn(shape, generator=generator)
-        else:
-            weight = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            continue
+        std = 1.0 if name == "model.embed_tokens.weight" else shape[-1] ** -0.5
+        # normal_ draws in place: the small model is ~125M weights, so no extra copies.
+        weight = torch.empty(shape).normal_(0.0, std, generator=generator)
         tensors[name] = weight.to(torch.bfloat16)
     save_file(tensors, str(path), metadata={"format": "pt"})
     _fsync_file(path)

@@ -110,6 +110,8 @@ class Engine:
         if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         params.validate()
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("prompt", "is empty")
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
             raise InvalidRequestError("prompt", "token ids must be integers")

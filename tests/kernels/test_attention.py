@@ -1,0 +1,75 @@
+"""The paged SDPA backend against dense causal attention on the same K/V."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionInputs, select_backend
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
+
+
+def reference(q, k, v):
+    """Causal attention for one sequence whose last q.shape[0] positions are the queries."""
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / DIM ** 0.5
+    offset = k.shape[0] - q.shape[0]
+    causal = torch.arange(k.shape[0])[None, :] <= (torch.arange(q.shape[0])[:, None] + offset)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("shape", [
+    [(0, 1)],                            # one decode token, no context
+    [(9, 1), (3, 1), (17, 1)],           # decode of unequal contexts
+    [(0, 11)],                           # one fresh prompt
+    [(5, 1), (0, 7), (12, 6), (3, 9)],   # decode then chunks with and without context
+])
+def test_sdpa_paged_matches_dense(shape):
+    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    num_blocks = 64
+    key_cache = torch.zeros(num_blocks * BLOCK, KV_HEADS, DIM)
+    value_cache = torch.zeros_like(key_cache)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered, non-contiguous blocks
+    tables, full_keys, full_values = [], [], []
+    for context, new in shape:
+        total = context + new
+        blocks = [free.pop() for _ in range(-(-total // BLOCK))]
+        tables.append(blocks)
+        keys = torch.randn(total, KV_HEADS, DIM, generator=generator)
+        values = torch.randn(total, KV_HEADS, DIM, generator=generator)
+        for pos in range(context):  # earlier context already in the cache
+            slot = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+            key_cache[slot], value_cache[slot] = keys[pos], values[pos]
+        full_keys.append(keys)
+        full_values.append(values)
+    query_lens = [new for _, new in shape]
+    query_starts = [sum(query_lens[:i]) for i in range(len(shape))]
+    queries = [torch.randn(new, HEADS, DIM, generator=generator) for _, new in shape]
+    slots = [tables[i][pos // BLOCK] * BLOCK + pos % BLOCK
+             for i, (context, new) in enumerate(shape) for pos in range(context, context + new)]
+    width = max(map(len, tables))
+    inputs = AttentionInputs(
+        query_starts=query_starts, query_lens=query_lens,
+        context_lens=[c + n for c, n in shape],
+        num_single=sum(1 for _, n in shape if n == 1) if shape[0][1] == 1 else 0,
+        block_size=BLOCK,
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots))
+    backend = select_backend("sdpa", torch.device("cpu"))
+    new_keys = torch.cat([k[c:] for k, (c, _) in zip(full_keys, shape)])
+    new_values = torch.cat([v[c:] for v, (c, _) in zip(full_values, shape)])
+    output = backend.forward(torch.cat(queries), new_keys, new_values, key_cache, value_cache,
+                             backend.prepare(inputs))
+    expected = torch.cat([reference(q, k, v) for q, k, v in zip(queries, full_keys, full_values)])
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_selects_sdpa_without_cuda():
+    assert select_backend("auto", torch.device("cpu")).name == "sdpa"
+    with pytest.raises(RuntimeError, match="flash-attn"):
+        select_backend("flash", torch.device("cpu"))

@@ -1,0 +1,66 @@
+"""`svc` as a user runs it: real subprocesses, real files."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.sampling_params import SamplingParams
+
+REPO = Path(__file__).parents[2]
+
+
+def svc(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if cache is not None:
+        env["BATON_CACHE_DIR"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=REPO)
+
+
+def test_model_init_writes_a_loadable_checkpoint_and_refuses_to_overwrite(tmp_path):
+    target = tmp_path / "m"
+    done = svc("model", "init", str(target), "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in target.iterdir()}
+    again = svc("model", "init", str(target))
+    assert again.returncode != 0 and str(target) in again.stderr
+
+
+def test_generate_json_matches_the_engine(tiny_model_dir):
+    done = svc("generate", "--model", str(tiny_model_dir), "--prompt-ids", "5,6,7,8",
+               "--max-tokens", "12", "--ignore-eos", "--dtype", "float32", "--json")
+    assert done.returncode == 0, done.stderr
+    output = json.loads(done.stdout.strip().splitlines()[-1])
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, dtype="float32", kv_cache_gb=0.05))
+    [expected] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert output["token_ids"] == expected.token_ids
+    assert output["text"] == expected.text and output["finish_reason"] == "length"
+
+
+def test_generate_without_model_uses_the_default_in_the_cache(tmp_path):
+    done = svc("generate", "--prompt", "hello", "--max-tokens", "4", "--ignore-eos", "--json", cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]) == 4
+    assert (tmp_path / "models" / "tiny-seed0" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    ([], "exactly one of --prompt"),
+])
+def test_generate_bad_arguments_fail_clearly(tiny_model_dir, args, fragment):
+    done = svc("generate", "--model", str(tiny_model_dir), *args)
+    assert done.returncode != 0 and fragment in done.stderr
+
+
+def test_generate_with_a_broken_checkpoint_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    done = svc("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert done.returncode != 0 and "config.json" in done.stderr
