@@ -48,9 +48,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+                kv_layer: torch.Tensor, metadata: object) -> torch.Tensor:
         """query [tokens, q_heads, head_dim], key/value [tokens, kv_heads, head_dim];
-        caches [slots, kv_heads, head_dim]. Returns [tokens, q_heads, head_dim]."""
+        kv_layer [2 (K, V), slots, kv_heads, head_dim], this layer's cache. Returns
+        [tokens, q_heads, head_dim]."""
 
 
 def flash_attn_available(device: torch.device) -> bool:

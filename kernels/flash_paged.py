@@ -43,11 +43,10 @@ class FlashPagedBackend(AttentionBackend):
         return FlashMetadata(inputs.slot_mapping, slots, cu_q, cu_k,
                              max(inputs.query_lens), max(inputs.context_lens))
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: FlashMetadata):
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
-        keys = key_cache.index_select(0, metadata.context_slots)
-        values = value_cache.index_select(0, metadata.context_slots)
+    def forward(self, query, key, value, kv_layer, metadata: FlashMetadata):
+        kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
+        kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
+        keys, values = kv_layer.index_select(1, metadata.context_slots)
         return flash_attn_varlen_func(
             query, keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
             metadata.max_seqlen_q, metadata.max_seqlen_k, causal=True)

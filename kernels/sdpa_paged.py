@@ -47,15 +47,15 @@ class SdpaPagedBackend(AttentionBackend):
             groups.append(self._chunk_group(inputs))
         return SdpaMetadata(inputs.slot_mapping, groups)
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: SdpaMetadata):
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+    def forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
+        kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
+        kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
         if len(metadata.groups) == 1 and metadata.groups[0].row_index is None:
-            return self._attend(metadata.groups[0], query, key, value, key_cache, value_cache)
+            return self._attend(metadata.groups[0], query, key, value, kv_layer)
         output = torch.empty_like(query)
         for group in metadata.groups:
             rows = slice(group.first_row, group.first_row + group.num_rows)
-            attended = self._attend(group, query, key, value, key_cache, value_cache)
+            attended = self._attend(group, query, key, value, kv_layer)
             if group.row_index is None:
                 output[rows] = attended
             else:
@@ -65,7 +65,7 @@ class SdpaPagedBackend(AttentionBackend):
     # ---- per layer -----------------------------------------------------------------
 
     @staticmethod
-    def _attend(group: _Group, query, key, value, key_cache, value_cache) -> torch.Tensor:
+    def _attend(group: _Group, query, key, value, kv_layer) -> torch.Tensor:
         rows = slice(group.first_row, group.first_row + group.num_rows)
         if group.slots is None:  # one fresh chunk: causal over its own K/V
             q = query[rows].transpose(0, 1).unsqueeze(0)
@@ -77,10 +77,9 @@ class SdpaPagedBackend(AttentionBackend):
             q = query[rows].view(group.num_seqs, group.query_len, *query.shape[1:])
         else:
             q = query[group.row_index]
-        flat_slots = group.slots.reshape(-1)
-        shape = (*group.slots.shape, *key_cache.shape[1:])
-        k = key_cache.index_select(0, flat_slots).view(shape)
-        v = value_cache.index_select(0, flat_slots).view(shape)
+        # K and V of every context position in one gather: [2, seqs, ctx, kv_heads, dim].
+        gathered = kv_layer.index_select(1, group.slots.reshape(-1))
+        k, v = gathered.view(2, *group.slots.shape, *kv_layer.shape[2:])
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=group.mask, enable_gqa=True)

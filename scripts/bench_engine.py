@@ -322,7 +322,7 @@ def last_json_line(stdout: str) -> dict | None:
     return None
 
 
-def merge_vllm(result: dict, vllm: dict, baton_tokens: list[list[int]]) -> None:
+def merge_vllm(result: dict, vllm: dict, tokens: dict[str, list[list[int]]]) -> None:
     """Fold the worker's figures into `result` (raw lists under result['raw'])."""
     if "vllm_error" in vllm:
         result["vllm_error"] = vllm["vllm_error"]
@@ -333,7 +333,9 @@ def merge_vllm(result: dict, vllm: dict, baton_tokens: list[list[int]]) -> None:
             result["raw"][key] = vllm.pop(key)
     result.update(vllm)
     result["ratio_vs_vllm"] = result["baton_decode_tok_s"] / vllm["vllm_decode_tok_s"]
-    result["baton_vllm_greedy_match"] = token_agreement(baton_tokens, vllm_tokens)
+    result["baton_vllm_greedy_match"] = token_agreement(tokens["baton"], vllm_tokens)
+    if "hf" in tokens:
+        result["hf_vllm_greedy_match"] = token_agreement(tokens["hf"], vllm_tokens)
     result["vllm_note"] = ("vLLM ran in its own process after the Baton/HF runs (no "
                            "alternation possible); OMP bind: " + result["vllm_bind"])
 
@@ -376,16 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     work = make_workload(vocab_size_of(model_dir), args.seed)
     engine = build_engine(model_dir, args.max_num_batched_tokens)
     hf_model = None if args.skip_hf else load_hf(model_dir)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
     run = run_in_process(engine, hf_model, work, args.repeats)
     result = {"model": str(model_dir), "size": args.size if args.model is None else "custom",
               "threads": torch.get_num_threads(), "repeats": args.repeats,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "torch": torch.__version__, **summarize(run), "raw": run["raw"],
-              "in_process_s": time.perf_counter() - started}
+              "in_process_s": time.perf_counter() - started,
+              "loadavg_1m": [load_start, os.getloadavg()[0]]}
     if args.vllm_python:
         result["vllm_bind"] = args.vllm_bind
-        merge_vllm(result, run_vllm(args, model_dir, work), run["tokens"]["baton"])
+        merge_vllm(result, run_vllm(args, model_dir, work), run["tokens"])
     print_table(result)
     if args.json:
         print(json.dumps(result), flush=True)

@@ -44,8 +44,8 @@ class KVCache:
         self.data = torch.zeros(
             layout.num_layers, 2, num_blocks * layout.block_size, layout.num_kv_heads,
             layout.head_dim, dtype=getattr(torch, layout.dtype), device=device)
-        self.keys = [self.data[layer, 0] for layer in range(layout.num_layers)]
-        self.values = [self.data[layer, 1] for layer in range(layout.num_layers)]
+        # Per layer, K and V side by side: [2, slots, kv_heads, head_dim].
+        self.layers = [self.data[layer] for layer in range(layout.num_layers)]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """A copy of one block's K and V for all layers: [layers, 2, block_size, kv_heads, head_dim]."""

@@ -19,9 +19,9 @@ from kernels.attention import AttentionBackend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, scaled in the input dtype (as the reference does)."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+    """RMSNorm normalised with fp32 accumulation, then scaled in the input dtype, as the
+    reference does (torch's kernel accumulates in fp32 for half types; tests pin it)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 class DecoderLayer(nn.Module):
@@ -46,22 +46,22 @@ class DecoderLayer(nn.Module):
         self.down_weight = param(hidden, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor,
-                backend: AttentionBackend, metadata: object) -> torch.Tensor:
+                kv_layer: torch.Tensor, backend: AttentionBackend, metadata: object) -> torch.Tensor:
         config = self.config
         tokens = hidden.shape[0]
         normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(tokens, config.num_heads, config.head_dim)
-        key = key.view(tokens, config.num_kv_heads, config.head_dim)
+        query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        query_key = query_key.view(tokens, config.num_heads + config.num_kv_heads, config.head_dim)
         value = value.view(tokens, config.num_kv_heads, config.head_dim)
         if self.q_norm is not None:
-            query = rms_norm(query, self.q_norm, config.rms_norm_eps)
-            key = rms_norm(key, self.k_norm, config.rms_norm_eps)
-        query = apply_rotary(query, cos, sin)
-        key = apply_rotary(key, cos, sin)
-        attended = backend.forward(query, key, value, key_cache, value_cache, metadata)
+            query_key = torch.cat([
+                rms_norm(query_key[:, :config.num_heads], self.q_norm, config.rms_norm_eps),
+                rms_norm(query_key[:, config.num_heads:], self.k_norm, config.rms_norm_eps)], dim=1)
+        # q and k rotate together: one op for both.
+        query, key = apply_rotary(query_key, cos, sin).split(
+            [config.num_heads, config.num_kv_heads], dim=1)
+        attended = backend.forward(query, key, value, kv_layer, metadata)
         hidden = hidden + F.linear(attended.reshape(tokens, self.q_size), self.o_weight)
         normed = rms_norm(hidden, self.post_norm, config.rms_norm_eps)
         gate, up = F.linear(normed, self.gate_up_weight).chunk(2, dim=-1)
@@ -91,8 +91,7 @@ class CausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.lookup(positions, self.dtype)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache.keys[index], kv_cache.values[index],
-                           backend, metadata)
+            hidden = layer(hidden, cos, sin, kv_cache.layers[index], backend, metadata)
         selected = rms_norm(hidden[logits_rows], self.final_norm, self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         return F.linear(selected, head).float()

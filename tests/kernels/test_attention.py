@@ -31,8 +31,8 @@ def test_sdpa_paged_matches_dense(shape):
     generator = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     num_blocks = 64
-    key_cache = torch.zeros(num_blocks * BLOCK, KV_HEADS, DIM)
-    value_cache = torch.zeros_like(key_cache)
+    kv_layer = torch.zeros(2, num_blocks * BLOCK, KV_HEADS, DIM)
+    key_cache, value_cache = kv_layer
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered, non-contiguous blocks
     tables, full_keys, full_values = [], [], []
@@ -63,7 +63,7 @@ def test_sdpa_paged_matches_dense(shape):
     backend = select_backend("sdpa", torch.device("cpu"))
     new_keys = torch.cat([k[c:] for k, (c, _) in zip(full_keys, shape)])
     new_values = torch.cat([v[c:] for v, (c, _) in zip(full_values, shape)])
-    output = backend.forward(torch.cat(queries), new_keys, new_values, key_cache, value_cache,
+    output = backend.forward(torch.cat(queries), new_keys, new_values, kv_layer,
                              backend.prepare(inputs))
     expected = torch.cat([reference(q, k, v) for q, k, v in zip(queries, full_keys, full_values)])
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
