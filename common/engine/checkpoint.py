@@ -102,7 +102,18 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         bos_token_id=_get_optional_token_id(raw, "bos_token_id", path),
         eos_token_ids=_eos_token_ids(raw, model_dir, path),
         torch_dtype=_torch_dtype(raw, path),
+        sliding_window=_sliding_window(raw, model_type, path),
     )
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, path: Path) -> int | None:
+    """The window of a sliding-window model; Qwen configs carry one that is off unless
+    `use_sliding_window` is true."""
+    if raw.get("sliding_window") is None:
+        return None
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    return _get_positive_int(raw, "sliding_window", path)
 
 
 def _head_dim(raw: dict[str, Any], hidden_size: int, num_heads: int, path: Path) -> int:

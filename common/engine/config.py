@@ -47,6 +47,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # Attention span of sliding-window models (Mistral v0.1). Baton attends over the whole
+    # context, which equals sliding-window attention only up to this length, so the
+    # engine caps max_model_len at it.
+    sliding_window: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this engine runs exactly for this model."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.model_fingerprint, self.tokenizer_fingerprint = fingerprints(config.model_dir)
         self.device = torch.device(config.device)
-        self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
+        self.max_model_len = _max_model_len(config, self.model_config.context_limit)
         layout = KVLayout.for_model(self.model_config, config.block_size, config.dtype)
         num_blocks = _num_kv_blocks(config, layout, self.max_model_len)
 

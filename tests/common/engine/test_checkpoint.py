@@ -549,3 +549,16 @@ def test_fingerprints_of_a_broken_dir(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 3)
     message = error_of(fingerprints, tmp_path)
     assert str(tmp_path / "model.safetensors") in message and "corrupt" in message
+
+
+def test_sliding_window_caps_the_context_limit(tmp_path: Path) -> None:
+    mistral = load_model_config(write_config(tmp_path / "m", MICRO_CONFIG, model_type="mistral",
+                                             sliding_window=64))
+    assert mistral.sliding_window == 64 and mistral.context_limit == 64
+    # Qwen configs carry a window that is off unless use_sliding_window is true.
+    qwen_off = load_model_config(write_config(tmp_path / "q", MICRO_CONFIG, model_type="qwen2",
+                                              sliding_window=64, use_sliding_window=False))
+    assert qwen_off.sliding_window is None and qwen_off.context_limit == 128
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        load_model_config(write_config(tmp_path / "bad", MICRO_CONFIG, model_type="mistral",
+                                       sliding_window=-4))
