@@ -187,8 +187,8 @@ def hf_prefix_pair(model, work: Workload, prefix_cache) -> tuple[float, float]:
     cache = copy.deepcopy(prefix_cache)
     with torch.inference_mode():
         cold, _ = timed(model, input_ids=full, use_cache=True, logits_to_keep=1)
-        hit, _ = timed(model, input_ids=suffix, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1)
+        hit, _ = timed(model, input_ids=suffix, use_cache=True, logits_to_keep=1,
+                       **cache_kwarg(model, cache))
     return cold, hit
 
 
@@ -198,9 +198,18 @@ def hf_prefix_cache(model, work: Workload):
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([work.prefix]), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        model(input_ids=torch.tensor([work.prefix]), use_cache=True, logits_to_keep=1,
+              **cache_kwarg(model, cache))
     return cache
+
+
+def cache_kwarg(model, cache) -> dict:
+    """`cache=` where the model's forward takes it (transformers >= 5.2x), else the
+    older `past_key_values=`."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 # ---------------------------------------------------------------------- in-process runs

@@ -3,6 +3,7 @@ happen inside the commands that need them so light roles stay light."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +90,191 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
         click.echo(f"[{len(result.token_ids)} tokens, finish_reason={result.finish_reason}, "
                    f"ttft={result.ttft_s * 1000:.1f} ms, total={result.e2e_s * 1000:.1f} ms]",
                    err=True)
+
+
+# ---- cluster roles ---------------------------------------------------------------------
+
+ROLE_FLAGS = [
+    ("--host", str, "host the cluster's sockets bind and connect on"),
+    ("--port-base", int, "first of the cluster's ZeroMQ ports"),
+    ("--http-host", str, "address the HTTP gateway binds"),
+    ("--http-port", int, "port of the HTTP gateway"),
+    ("--router-address", str, "the router's ZeroMQ endpoint"),
+    ("--model", str, "checkpoint directory (default: the tiny embedded model)"),
+    ("--model-name", str, "the model's name in the OpenAI API"),
+    ("--dtype", str, "bfloat16 or float32"),
+    ("--kv-cache-gb", float, "size of each worker's KV pool"),
+    ("--max-num-batched-tokens", int, "per-step token budget"),
+    ("--max-num-seqs", int, "most requests in a worker's batch"),
+    ("--max-model-len", int, "context limit (0 = the model's)"),
+    ("--queue-policy", str, "fcfs or lpm"),
+    ("--threads", int, "torch threads per worker (0 = torch's default)"),
+    ("--policy", str, "placement policy: round_robin or least_load"),
+    ("--max-queued-requests", int, "per worker, beyond its batch; more are refused"),
+    ("--worker-timeout-s", float, "a worker silent this long is dropped"),
+    ("--heartbeat-interval-s", float, "how often workers report"),
+    ("--request-timeout-s", float, "default deadline of a request"),
+    ("--log-level", str, "debug, info, warning or error"),
+]
+
+
+def role_options(function):
+    for flag, kind, help_text in reversed(ROLE_FLAGS):
+        function = click.option(flag, type=kind, default=None, help=help_text)(function)
+    return click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                        help="TOML config file (BATON_* variables and flags override it)")(function)
+
+
+def _load_config(config_path: Path | None, flags: dict):
+    from common.config import ConfigError, load_config
+
+    overrides = {flag.lstrip("-").replace("-", "_"): flags.get(flag.lstrip("-").replace("-", "_"))
+                 for flag, _, _ in ROLE_FLAGS}
+    try:
+        return load_config(config_path, overrides=overrides)
+    except ConfigError as error:
+        raise click.ClickException(f"config: {error}") from error
+
+
+@main.command()
+@click.argument("role", type=click.Choice(["tokenizer", "router", "worker"]))
+@click.option("--index", type=int, default=0, show_default=True, help="worker number (ports derive from it)")
+@click.option("--check-config", is_flag=True, help="validate the configuration and exit")
+@role_options
+def start(role: str, index: int, check_config: bool, config_path: Path | None, **flags) -> None:
+    """Run one role of a cluster in this process."""
+    config = _load_config(config_path, flags)
+    configure_logging(config.log_level)
+    if check_config:
+        _check_role(role, config)
+        click.echo(f"config ok for {role}")
+        return
+    try:
+        if role == "router":
+            from services.router.main import run
+
+            run(config)
+        elif role == "worker":
+            from services.worker.main import run
+
+            run(config, index)
+        else:
+            from services.tokenizer.main import run
+
+            run(config)
+    except (RuntimeError, ValueError, TimeoutError) as error:
+        raise click.ClickException(f"{role}: {error}") from error
+
+
+def _check_role(role: str, config) -> None:
+    """What starting the role would check first, without starting it."""
+    if role in ("worker", "tokenizer") and config.model:
+        from common.engine.checkpoint import CheckpointError, load_model_config
+
+        try:
+            load_model_config(Path(config.model))
+        except CheckpointError as error:
+            raise click.ClickException(f"config: model: {error}") from error
+
+
+@main.command()
+@click.option("--workers", type=int, default=1, show_default=True)
+@role_options
+def up(workers: int, config_path: Path | None, **flags) -> None:
+    """Start a single-node cluster (router, workers, tokenizer) and supervise it."""
+    import signal
+    import threading
+
+    from services.supervisor import Child, Supervisor
+
+    if workers < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--workers")
+    config = _load_config(config_path, flags)
+    if not config.model:
+        from common.engine.default_model import default_model_dir
+
+        flags["model"] = str(default_model_dir())
+    if not config.threads:  # workers sharing this machine split its cores
+        flags["threads"] = max(1, (os.cpu_count() or 1) // workers)
+    base = [sys.executable, "-m", "services.cli", "start"]
+    passed = [arg for flag, _, _ in ROLE_FLAGS if flags.get(key := flag.lstrip("-").replace("-", "_")) is not None
+              for arg in (flag, str(flags[key]))]
+    if config_path is not None:
+        passed += ["--config", str(config_path)]
+    children = [Child("router", [*base, "router", *passed])]
+    children += [Child(f"worker-{i}", [*base, "worker", "--index", str(i), *passed]) for i in range(workers)]
+    children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
+    supervisor = Supervisor(children)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        supervisor.start_all()
+        click.echo(f"baton cluster up: {workers} worker(s)\n"
+                   f"  SDK      {config.sdk}\n"
+                   f"  HTTP     http://{config.http_host}:{config.http_port}/v1\n"
+                   f"  metrics  http://{config.http_host}:{config.http_port}/metrics (tokenizer), "
+                   f"http://{config.host}:{config.router_metrics_port}/metrics (router), "
+                   f"http://{config.host}:{config.worker_metrics_port(0)}/metrics (worker-0, +2 per worker)\n"
+                   f"  status   svc status --port-base {config.port_base}", )
+        supervisor.watch(stop)
+    except RuntimeError as error:
+        raise click.ClickException(str(error)) from error
+    finally:
+        supervisor.stop_all()
+
+
+@main.command()
+@click.option("--timeout-s", type=float, default=3.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@role_options
+def status(timeout_s: float, as_json: bool, config_path: Path | None, **flags) -> None:
+    """Show each worker's health, load and KV usage, as the router sees them."""
+    import msgspec
+    import zmq
+
+    from common.protocol import Status, StatusRequest, decode
+    from common.sockets import client_socket, send
+
+    config = _load_config(config_path, flags)
+    context = zmq.Context()
+    socket = client_socket(context, zmq.DEALER, config, config.router)
+    try:
+        send(socket, StatusRequest())
+        if not socket.poll(int(timeout_s * 1000)):
+            raise click.ClickException(f"router at {config.router} did not answer within {timeout_s} s")
+        reply, _ = decode(socket.recv_multipart())
+    finally:
+        socket.close(0)
+        context.term()
+    if not isinstance(reply, Status):
+        raise click.ClickException(f"unexpected reply from the router: {reply}")
+    if as_json:
+        click.echo(msgspec.json.encode(reply).decode())
+        return
+    click.echo(f"router {config.router}  policy={reply.policy}  routed={reply.requests_routed}  "
+               f"kv_events={reply.kv_events_received}")
+    click.echo(f"{'worker':<12}{'health':<9}{'seen':>7}{'running':>9}{'waiting':>9}{'in_flight':>11}"
+               f"{'kv_used':>9}{'kv_cached':>11}{'kv_total':>10}")
+    for w in reply.workers:
+        click.echo(f"{w.worker_id:<12}{'ok' if w.healthy else 'down':<9}{w.last_seen_s:>6.1f}s{w.running:>9}"
+                   f"{w.waiting:>9}{w.in_flight:>11}{w.kv_blocks_used:>9}{w.kv_blocks_cached:>11}"
+                   f"{w.kv_blocks_total:>10}")
+
+
+@main.group()
+def keys() -> None:
+    """ZeroMQ CURVE keys."""
+
+
+@keys.command("generate")
+def keys_generate() -> None:
+    """Print a fresh server and client key pair as TOML for the config file."""
+    from common.sockets import generate_curve_keys
+
+    click.echo("curve_enabled = true")
+    for name, value in generate_curve_keys().items():
+        click.echo(f'{name} = "{value}"')
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -99,6 +99,13 @@ def write_default_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Pat
     return out_dir
 
 
+def default_model_path(cache_root: Path | None = None, size: str = "tiny", seed: int = 0) -> Path:
+    """Where the default model of (size, seed) lives; nothing is written."""
+    if cache_root is None:
+        cache_root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
+    return Path(cache_root) / "models" / f"{size}-seed{seed}"
+
+
 def default_model_dir(cache_root: Path | None = None, size: str = "tiny",
                       seed: int = 0) -> Path:
     """`<cache_root>/models/<size>-seed<seed>`, written on first use.
@@ -106,9 +113,7 @@ def default_model_dir(cache_root: Path | None = None, size: str = "tiny",
     `cache_root` defaults to $BATON_CACHE_DIR, else ~/.cache/baton. Safe when several
     processes race to create it: the losers use the winner's copy, identical anyway.
     """
-    if cache_root is None:
-        cache_root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
-    model_dir = Path(cache_root) / "models" / f"{size}-seed{seed}"
+    model_dir = default_model_path(cache_root, size, seed)
     if _is_non_empty_dir(model_dir):
         return model_dir
     try:

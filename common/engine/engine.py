@@ -45,6 +45,8 @@ class RequestOutput:
     finish_reason: str | None = None
     text: str | None = None  # the whole output text, set when finished
     logprobs: list[dict] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,13 +181,14 @@ class Engine:
             stop_text = seq.detokenizer.find_stop(seq.detokenizer.push(token_id))
             if stop_text is not None:
                 reason, seq.stop_text = "stop", stop_text
+        logprobs = [logprob] if logprob else []
         if reason is None:
-            return RequestOutput(seq.request_id, [token_id], False,
-                                 logprobs=[logprob] if logprob else [])
+            return RequestOutput(seq.request_id, [token_id], False, logprobs=logprobs,
+                                 num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached_tokens)
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq),
-                             [logprob] if logprob else [])
+        return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq), logprobs,
+                             seq.prompt_len, seq.num_cached_tokens)
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.stop_text is not None:

@@ -1,0 +1,222 @@
+"""The cluster configuration every role reads: TOML file < BATON_* environment < flags.
+
+One flat, frozen dataclass; each role takes the fields it needs. Addresses default to
+ports counted from `port_base` on `host`, so a whole single-node cluster needs only one
+number. Every value is validated at start; errors name the key and where it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "BATON_"
+ROUTER_POLICIES = ("round_robin", "least_load")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    host: str = "127.0.0.1"
+    port_base: int = 7100
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    router_address: str = ""  # default tcp://host:port_base
+    sdk_address: str = ""  # default tcp://host:port_base+1
+    stream_address: str = ""  # default tcp://host:port_base+2
+
+    model: str = ""  # checkpoint directory; "" = the embedded tiny default
+    model_name: str = "baton-default"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    kv_cache_gb: float = 1.0
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # 0 = the model's own limit
+    queue_policy: str = "fcfs"
+    threads: int = 0  # torch threads per worker; 0 = torch's default (svc up splits the cores)
+
+    policy: str = "round_robin"
+    heartbeat_interval_s: float = 0.5
+    worker_timeout_s: float = 3.0
+    max_queued_requests: int = 256  # per worker, beyond its running batch
+    max_queued_tokens: int = 262144  # per worker, prompt tokens waiting
+    request_timeout_s: float = 600.0
+
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
+    curve_enabled: bool = False
+    curve_server_public: str = ""
+    curve_server_secret: str = ""
+    curve_client_public: str = ""
+    curve_client_secret: str = ""
+
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived addresses ---------------------------------------------------------
+
+    def port(self, offset: int) -> int:
+        return self.port_base + offset
+
+    def address(self, offset: int) -> str:
+        return f"tcp://{self.host}:{self.port(offset)}"
+
+    @property
+    def router(self) -> str:
+        return self.router_address or self.address(0)
+
+    @property
+    def sdk(self) -> str:
+        return self.sdk_address or self.address(1)
+
+    @property
+    def stream(self) -> str:
+        return self.stream_address or self.address(2)
+
+    @property
+    def router_metrics_port(self) -> int:
+        return self.port(3)
+
+    def worker_events_address(self, index: int) -> str:
+        return self.address(10 + 2 * index)
+
+    def worker_metrics_port(self, index: int) -> int:
+        return self.port(11 + 2 * index)
+
+
+def _validate(config: ClusterConfig) -> None:
+    if not 0 < config.port_base <= 65535 - 11:  # room for the derived ports up to worker 0's
+        raise ConfigError(f"port_base: must be in 1..65524 (ports up to port_base+11 are derived), "
+                          f"got {config.port_base}")
+    if not 0 < config.http_port < 65536:
+        raise ConfigError(f"http_port: must be a port number in 1..65535, got {config.http_port}")
+    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "request_timeout_s"):
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"{name}: must be > 0, got {getattr(config, name)}")
+    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
+                 "max_queued_tokens"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {getattr(config, name)}")
+    if config.threads < 0:
+        raise ConfigError(f"threads: must be >= 0 (0 = torch's default), got {config.threads}")
+    if config.max_model_len < 0:
+        raise ConfigError(f"max_model_len: must be >= 0 (0 = the model's limit), got {config.max_model_len}")
+    if config.worker_timeout_s <= config.heartbeat_interval_s:
+        raise ConfigError("worker_timeout_s: must exceed heartbeat_interval_s "
+                          f"({config.worker_timeout_s} <= {config.heartbeat_interval_s})")
+    if config.policy not in ROUTER_POLICIES:
+        raise ConfigError(f"policy: unknown {config.policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+    if config.queue_policy not in ("fcfs", "lpm"):
+        raise ConfigError(f"queue_policy: unknown {config.queue_policy!r}; choose fcfs or lpm")
+    if config.dtype not in ("bfloat16", "float32", "float16"):
+        raise ConfigError(f"dtype: unsupported {config.dtype!r}")
+    for name in ("router_address", "sdk_address", "stream_address"):
+        value = getattr(config, name)
+        if value and "://" not in value:
+            raise ConfigError(f"{name}: {value!r} is not a ZeroMQ endpoint like tcp://host:port")
+    if config.model and not Path(config.model).is_dir():
+        raise ConfigError(f"model: {config.model!r} is not a directory")
+    if config.curve_enabled:
+        for name in ("curve_server_public", "curve_server_secret", "curve_client_public",
+                     "curve_client_secret"):
+            if len(getattr(config, name)) != 40:
+                raise ConfigError(f"{name}: curve_enabled needs a 40-character Z85 key "
+                                  "(make them with `svc keys generate`)")
+    if config.log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log_level: unknown {config.log_level!r}")
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
+    """Defaults, then the TOML file, then BATON_* variables, then `overrides` (flags;
+    None values are ignored). Raises ConfigError naming the bad key and its source."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(_from_toml(Path(path)))
+    values.update(_from_env(os.environ if env is None else env))
+    values.update({k: _check_type(k, v, "overrides") for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return ClusterConfig(**values)
+    except TypeError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _field_types() -> dict[str, Any]:
+    hints = get_type_hints(ClusterConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ClusterConfig)}
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))  # TOML is UTF-8 whatever the locale
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as error:  # a directory, no permission, ...
+        raise ConfigError(f"{path}: cannot read config file: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    # Sections only group keys for readers; [api_keys] is the one table value.
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        section = value if isinstance(value, dict) and key != "api_keys" else {key: value}
+        for name, item in section.items():
+            if name in flat:
+                raise ConfigError(f"{name}: set twice in {path}")
+            flat[name] = item
+    return {key: _check_type(key, value, f"{path}") for key, value in flat.items()}
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    types = _field_types()
+    values = {}
+    for name, kind in types.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        values[name] = _parse_env(name, raw, kind)
+    return values
+
+
+def _parse_env(name: str, raw: str, kind: Any) -> Any:
+    source = f"environment {ENV_PREFIX}{name.upper()}"
+    try:
+        if kind is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if kind is str:
+            return raw
+        # api_keys: "key1=tenant1,key2=tenant2"
+        pairs = (item.split("=", 1) for item in raw.split(",") if item.strip())
+        return {key.strip(): tenant.strip() for key, tenant in pairs}
+    except ValueError:
+        raise ConfigError(f"{name}: {source}={raw!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+
+
+def _check_type(name: str, value: Any, source: str) -> Any:
+    types = _field_types()
+    if name not in types:
+        raise ConfigError(f"{name}: unknown key in {source}")
+    kind = types[name]
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}.get(kind)
+    if ok is None:  # the dict field
+        ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    if not ok:
+        raise ConfigError(f"{name}: {source} gives {value!r}, expected {getattr(kind, '__name__', kind)}")
+    return float(value) if kind is float else value

@@ -1,0 +1,274 @@
+"""Every message that crosses a process boundary, typed, in one module.
+
+Wire format (a ZeroMQ multipart message, after any routing identity frames):
+  frame 0  one byte: the MessageType
+  frame 1  the message body, msgpack (a msgspec Struct, encoded as a map)
+  frame 2… payloads: token id arrays as raw little-endian uint32, zero-copy
+Decoding checks the type byte, the body's fields and types, the payload count and the
+sizes, and raises ProtocolError naming what is wrong. Nothing is ever pickled.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS_PER_FRAME = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; the text says what is wrong."""
+
+
+class MessageType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    HEARTBEAT = 3
+    GENERATE = 4
+    ABORT = 5
+    TOKENS = 6
+    ERROR = 7
+    STATUS_REQUEST = 8
+    STATUS = 9
+    KV_EVENTS = 10
+    SUBMIT = 11
+    CHUNK = 12
+
+
+class ErrorCode(str, enum.Enum):
+    INVALID_REQUEST = "invalid_request"
+    OVERLOADED = "overloaded"
+    UNAVAILABLE = "unavailable"
+    WORKER_LOST = "worker_lost"
+    TIMEOUT = "timeout"
+    REFUSED = "refused"
+    INTERNAL = "internal"
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True):
+    """SamplingParams on the wire (the engine validates ranges)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class Hello(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker announcing itself to the router."""
+
+    protocol_version: int
+    worker_id: str
+    role: str
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    kv_blocks: int
+    block_size: int
+    max_model_len: int
+    events_address: str
+    metrics_address: str
+
+
+class Welcome(msgspec.Struct, forbid_unknown_fields=True):
+    """The router's answer to Hello: accepted, or refused with the reason."""
+
+    accepted: bool
+    reason: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+    rehello: bool = False  # the router does not know this worker (any more): say hello again
+
+
+class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
+    worker_id: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_total: int
+    prefix_hit_tokens: int = 0
+    computed_tokens: int = 0
+    finished: list[str] = []  # requests ended since the last heartbeat
+
+
+class Generate(msgspec.Struct, forbid_unknown_fields=True):
+    """A tokenised request; the prompt's token ids travel as payload frame 0."""
+
+    request_id: str
+    sampling: Sampling
+    stream_address: str  # where the worker PUSHes this request's tokens
+    tenant: str = ""
+    arrival_time: float = 0.0
+    deadline: float = 0.0  # wall-clock seconds; 0 = none
+
+
+class Abort(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: str
+    reason: str = "abort"
+
+
+class Tokens(msgspec.Struct, forbid_unknown_fields=True):
+    """New tokens of one request from a worker; `finished` ends the stream."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    worker_id: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[dict[str, Any]] = []
+
+
+class Error(msgspec.Struct, forbid_unknown_fields=True):
+    """A failed request (or, with an empty request_id, a refused message)."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+    retry_after_s: float = 0.0
+    tokens_sent: bool = False  # whether the failed request had already streamed tokens
+
+
+class StatusRequest(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
+    worker_id: str
+    healthy: bool
+    last_seen_s: float
+    running: int
+    waiting: int
+    in_flight: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_total: int
+    metrics_address: str
+
+
+class Status(msgspec.Struct, forbid_unknown_fields=True):
+    policy: str
+    workers: list[WorkerStatus]
+    requests_routed: int
+    kv_events_received: int
+
+
+class KvEvents(msgspec.Struct, forbid_unknown_fields=True):
+    """Blocks (by DESIGN §3 hash) that entered or left a worker's prefix cache."""
+
+    worker_id: str
+    stored: list[int] = []
+    removed: list[int] = []
+
+
+class Submit(msgspec.Struct, forbid_unknown_fields=True):
+    """A client's request to the tokenizer: text in `prompt`, or token ids as payload 0."""
+
+    request_id: str
+    sampling: Sampling
+    prompt: str | None = None
+    api_key: str = ""
+    timeout_s: float = 0.0  # 0 = the server's default
+
+
+class Chunk(msgspec.Struct, forbid_unknown_fields=True):
+    """Tokenizer to client: new tokens and their text; the last one has `finished`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[dict[str, Any]] = []
+
+
+MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
+    MessageType.HELLO: Hello,
+    MessageType.WELCOME: Welcome,
+    MessageType.HEARTBEAT: Heartbeat,
+    MessageType.GENERATE: Generate,
+    MessageType.ABORT: Abort,
+    MessageType.TOKENS: Tokens,
+    MessageType.ERROR: Error,
+    MessageType.STATUS_REQUEST: StatusRequest,
+    MessageType.STATUS: Status,
+    MessageType.KV_EVENTS: KvEvents,
+    MessageType.SUBMIT: Submit,
+    MessageType.CHUNK: Chunk,
+}
+MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
+PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1)}
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGE_CLASSES.items()}
+
+
+def encode(message: msgspec.Struct, payloads: list[np.ndarray] | None = None) -> list[bytes | memoryview]:
+    """Frames for `message`: type byte, body, then each payload array's raw buffer."""
+    kind = MESSAGE_TYPES[type(message)]
+    frames: list[bytes | memoryview] = [bytes([kind]), _ENCODER.encode(message)]
+    for array in payloads or ():
+        frames.append(memoryview(np.ascontiguousarray(array, dtype="<u4")))
+    return frames
+
+
+def decode(frames: list[bytes]) -> tuple[msgspec.Struct, list[np.ndarray]]:
+    """The message and its payload arrays; ProtocolError for anything malformed."""
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames (type, body), got {len(frames)}")
+    type_frame, body = bytes(frames[0]), frames[1]
+    if len(type_frame) != 1:
+        raise ProtocolError(f"type frame must be 1 byte, got {len(type_frame)}")
+    try:
+        kind = MessageType(type_frame[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message type {type_frame[0]}") from None
+    if len(body) > MAX_BODY_BYTES:
+        raise ProtocolError(f"{kind.name} body is {len(body)} bytes, over the {MAX_BODY_BYTES} limit")
+    try:
+        message = _DECODERS[kind].decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ProtocolError(f"bad {kind.name} body: {error}") from None
+    allowed = PAYLOAD_COUNTS.get(kind, (0,))
+    payload_frames = frames[2:]
+    if len(payload_frames) not in allowed:
+        raise ProtocolError(f"{kind.name} carries {' or '.join(map(str, allowed))} payload frame(s), "
+                            f"got {len(payload_frames)}")
+    return message, [_token_array(kind, frame) for frame in payload_frames]
+
+
+def _token_array(kind: MessageType, frame: bytes) -> np.ndarray:
+    if len(frame) % 4:
+        raise ProtocolError(f"{kind.name} token payload of {len(frame)} bytes is not a uint32 array")
+    if len(frame) // 4 > MAX_TOKENS_PER_FRAME:
+        raise ProtocolError(f"{kind.name} token payload has {len(frame) // 4} tokens, over the "
+                            f"{MAX_TOKENS_PER_FRAME} limit")
+    return np.frombuffer(frame, dtype="<u4")
+
+
+def sampling_from_params(params) -> Sampling:
+    """Wire form of a SamplingParams."""
+    return Sampling(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                    top_p=params.top_p, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+                    stop=list(params.stop), ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+
+
+def params_from_sampling(sampling: Sampling):
+    """SamplingParams from its wire form (unvalidated: call .validate())."""
+    from common.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                          top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                          stop_token_ids=tuple(sampling.stop_token_ids), stop=tuple(sampling.stop),
+                          ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)

@@ -1,0 +1,113 @@
+"""What the sync and async clients share: building requests, reading replies."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from common.errors import BatonError, InvalidRequest, error_from_code
+from common.protocol import Chunk, Error, ProtocolError, Submit, decode, encode, sampling_from_params
+from common.sampling_params import InvalidRequestError, SamplingParams
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"
+
+
+@dataclass
+class StreamChunk:
+    """New tokens of a streaming request and the text they completed."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    logprobs: list[dict] = field(default_factory=list)
+
+
+def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
+                 sampling: dict) -> tuple[str, list]:
+    """(request id, frames) of a Submit; invalid parameters raise InvalidRequest here."""
+    if (prompt is None) == (token_ids is None):
+        raise InvalidRequest("prompt: give exactly one of prompt and token_ids")
+    try:
+        params = SamplingParams(**_tuples(sampling))
+        params.validate()
+    except TypeError as error:
+        raise InvalidRequest(f"sampling: {error}") from None
+    except InvalidRequestError as error:
+        raise InvalidRequest(str(error)) from None
+    request_id = uuid.uuid4().hex
+    submit = Submit(request_id=request_id, sampling=sampling_from_params(params), prompt=prompt,
+                    api_key=api_key, timeout_s=timeout_s)
+    payloads = None if token_ids is None else [list(token_ids)]
+    return request_id, encode(submit, payloads)
+
+
+def _tuples(sampling: dict) -> dict:
+    converted = dict(sampling)
+    for key in ("stop", "stop_token_ids"):
+        if key in converted:
+            value = converted[key]
+            converted[key] = (value,) if isinstance(value, (str, int)) else tuple(value)
+    return converted
+
+
+def parse_reply(frames: list[bytes]) -> Chunk | Error | object:
+    try:
+        message, _ = decode(frames)
+    except ProtocolError as error:
+        return Error(request_id="", code="internal", message=f"malformed reply: {error}")
+    return message
+
+
+def raise_for(message: Error) -> None:
+    raise error_from_code(message.code, message.message, message.retry_after_s)
+
+
+class Accumulator:
+    """Turns a request's chunks into a Result, with client-side timings."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.start = time.perf_counter()
+        self.first_at: float | None = None
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> StreamChunk:
+        if self.first_at is None and chunk.token_ids:
+            self.first_at = time.perf_counter()
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.last = chunk
+        return StreamChunk(self.request_id, list(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason)
+
+    def result(self) -> Result:
+        end = time.perf_counter()
+        first = self.first_at or end
+        count = len(self.token_ids)
+        last = self.last
+        return Result(self.request_id, "".join(self.text), self.token_ids,
+                      last.finish_reason if last else None, last.num_prompt_tokens if last else 0,
+                      last.num_cached_tokens if last else 0, first - self.start,
+                      (end - first) / (count - 1) if count > 1 else 0.0, end - self.start, self.logprobs)
+
+
+__all__ = ["Accumulator", "BatonError", "DEFAULT_ADDRESS", "Result", "StreamChunk", "build_submit",
+           "parse_reply", "raise_for"]

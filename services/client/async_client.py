@@ -1,0 +1,130 @@
+"""The asyncio client: many concurrent requests over one socket."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from common.errors import RequestTimeout, ServerUnavailable
+from common.protocol import Abort, Chunk, Error, Status, StatusRequest, encode
+from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
+                                     parse_reply, raise_for)
+
+
+class AsyncClient:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str = "", timeout_s: float = 120.0,
+                 connect_timeout_s: float = 5.0, curve: dict | None = None):
+        self.address = address
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.socket.curve_serverkey = curve["server_public"].encode()
+            self.socket.curve_publickey = curve["client_public"].encode()
+            self.socket.curve_secretkey = curve["client_secret"].encode()
+        self.socket.connect(address)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.status_waiters: list[asyncio.Future] = []
+        self.reader: asyncio.Task | None = None
+        self.checked = False
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Abort every request in flight and close the socket."""
+        for request_id in list(self.queues):
+            await self.abort(request_id)
+        if self.reader is not None:
+            self.reader.cancel()
+        self.socket.close(0)
+        self.context.term()
+
+    async def status(self, timeout_s: float | None = None) -> Status:
+        self._ensure_reader()
+        waiter = asyncio.get_running_loop().create_future()
+        self.status_waiters.append(waiter)
+        await self.socket.send_multipart(encode(StatusRequest()))
+        try:
+            message = await asyncio.wait_for(waiter, timeout_s or self.connect_timeout_s)
+        except TimeoutError:
+            raise ServerUnavailable(f"no answer from {self.address}") from None
+        finally:
+            if waiter in self.status_waiters:
+                self.status_waiters.remove(waiter)
+        if isinstance(message, Error):
+            raise_for(message)
+        return message
+
+    async def generate(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
+                       **sampling) -> Result:
+        accumulator = None
+        async for accumulator, _ in self._run(prompt, token_ids, timeout_s, sampling):
+            pass
+        return accumulator.result()
+
+    async def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
+                     **sampling) -> AsyncIterator[StreamChunk]:
+        """Yield chunks as they come; closing the iterator early aborts the request."""
+        async for _, chunk in self._run(prompt, token_ids, timeout_s, sampling):
+            yield chunk
+
+    async def abort(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+        if not self.socket.closed:
+            await self.socket.send_multipart(encode(Abort(request_id=request_id)))
+
+    async def _run(self, prompt, token_ids, timeout_s, sampling):
+        if not self.checked:
+            await self.status()
+            self.checked = True
+        timeout_s = timeout_s or self.timeout_s
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        await self.socket.send_multipart(frames, copy=False)
+        accumulator = Accumulator(request_id)
+        deadline = asyncio.get_running_loop().time() + timeout_s + 1.0
+        finished = False
+        try:
+            while not finished:
+                remaining = deadline - asyncio.get_running_loop().time()
+                try:
+                    message = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
+                except TimeoutError:
+                    raise RequestTimeout(f"no result within {timeout_s:.1f} s") from None
+                if isinstance(message, Error):
+                    finished = True
+                    raise_for(message)
+                chunk = accumulator.add(message)
+                finished = chunk.finished
+                yield accumulator, chunk
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self.queues.pop(request_id, None)
+
+    def _ensure_reader(self) -> None:
+        if self.reader is None:
+            self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            message = parse_reply(await self.socket.recv_multipart())
+            if isinstance(message, (Status, Error)) and not getattr(message, "request_id", None):
+                if self.status_waiters:
+                    waiter = self.status_waiters.pop(0)
+                    if not waiter.done():
+                        waiter.set_result(message)
+                continue
+            queue = self.queues.get(getattr(message, "request_id", ""))
+            if queue is not None and isinstance(message, (Chunk, Error)):
+                queue.put_nowait(message)

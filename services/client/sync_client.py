@@ -1,0 +1,120 @@
+"""The blocking client: one request at a time per Client, every wait bounded."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from common.errors import RequestTimeout, ServerUnavailable
+from common.protocol import Abort, Chunk, Error, Status, StatusRequest, encode
+from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
+                                     parse_reply, raise_for)
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str = "", timeout_s: float = 120.0,
+                 connect_timeout_s: float = 5.0, curve: dict | None = None):
+        """`curve`: {"server_public", "client_public", "client_secret"} Z85 keys when the
+        cluster runs with CURVE on."""
+        self.address = address
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.socket.curve_serverkey = curve["server_public"].encode()
+            self.socket.curve_publickey = curve["client_public"].encode()
+            self.socket.curve_secretkey = curve["client_secret"].encode()
+        self.socket.connect(address)
+        self.active: str | None = None
+        self.checked = False
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Abort the request in flight, if any, and close the socket."""
+        if self.socket.closed:
+            return
+        if self.active is not None:
+            self.abort(self.active)
+        self.socket.close(0)
+        self.context.term()
+
+    def status(self, timeout_s: float | None = None) -> Status:
+        """The cluster's workers as the router sees them; ServerUnavailable if no answer."""
+        self.socket.send_multipart(encode(StatusRequest()))
+        deadline = time.monotonic() + (timeout_s or self.connect_timeout_s)
+        while True:
+            message = self._receive(deadline, ServerUnavailable(f"no answer from {self.address}"))
+            if isinstance(message, Status):
+                return message
+            if isinstance(message, Error) and not message.request_id:
+                raise_for(message)
+
+    def generate(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
+                 **sampling) -> Result:
+        """Run one request to completion."""
+        stream = self._run(prompt, token_ids, timeout_s, sampling)
+        accumulator = None
+        for accumulator, _ in stream:
+            pass
+        return accumulator.result()
+
+    def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
+               **sampling) -> Iterator[StreamChunk]:
+        """Yield chunks as they come; closing the iterator early aborts the request."""
+        for _, chunk in self._run(prompt, token_ids, timeout_s, sampling):
+            yield chunk
+
+    def abort(self, request_id: str) -> None:
+        self.socket.send_multipart(encode(Abort(request_id=request_id)))
+        if self.active == request_id:
+            self.active = None
+
+    def _run(self, prompt, token_ids, timeout_s, sampling):
+        if not self.checked:
+            self.status()
+            self.checked = True
+        timeout_s = timeout_s or self.timeout_s
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        self.socket.send_multipart(frames, copy=False)
+        self.active = request_id
+        accumulator = Accumulator(request_id)
+        deadline = time.monotonic() + timeout_s + 1.0  # the server's own deadline fires first
+        try:
+            while True:
+                message = self._receive(deadline, RequestTimeout(f"no result within {timeout_s:.1f} s"))
+                if getattr(message, "request_id", None) != request_id:
+                    continue  # a late reply to an earlier, abandoned request
+                if isinstance(message, Error):
+                    self.active = None
+                    raise_for(message)
+                if isinstance(message, Chunk):
+                    chunk = accumulator.add(message)
+                    if chunk.finished:
+                        self.active = None
+                    yield accumulator, chunk
+                    if chunk.finished:
+                        return
+        finally:
+            if self.active == request_id:
+                self.abort(request_id)
+
+    def _receive(self, deadline: float, on_timeout: Exception):
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not self.socket.poll(remaining_ms):
+            raise on_timeout
+        return parse_reply(self.socket.recv_multipart())

@@ -1,0 +1,53 @@
+"""What the HTTP gateway needs from the tokenizer role, as an interface.
+
+The tokenizer service implements it over ZeroMQ (router, workers); the gateway only
+translates HTTP/OpenAI shapes to these calls and back.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class StreamEvent:
+    """A request's progress: new tokens and the text they completed (a delta)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class FrontendApi(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a prompt text (with the tokenizer's special tokens)."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def tenant_for(self, api_key: str | None) -> str:
+        """The tenant an API key maps to; raises common.errors.Unauthorized for a bad key
+        (or a missing one when keys are configured)."""
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 tenant: str) -> AsyncIterator[StreamEvent]:
+        """Stream the request's events; the last has finished=True. Raises a
+        common.errors.BatonError subclass on failure (InvalidRequest, Rejected, ...).
+        Closing the iterator early aborts the request."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> dict:
+        """{"ok": bool, ...details}; ok is False when no worker can serve."""
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of this role's metrics."""

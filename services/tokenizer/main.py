@@ -1,0 +1,48 @@
+"""Entry point of the `tokenizer` role: the SDK socket and the HTTP gateway."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from common.config import ClusterConfig, ConfigError
+from services.tokenizer.service import TokenizerService
+
+
+def model_dir(config: ClusterConfig) -> Path:
+    """The checkpoint to tokenise for; the default must already exist (a worker or
+    `svc up` writes it) because writing weights needs torch, which this role avoids."""
+    if config.model:
+        return Path(config.model)
+    from common.engine.default_model import default_model_path
+
+    path = default_model_path()
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"model: no --model given and the default model is not at {path} yet; "
+                          "run `svc model init` there or start a worker first")
+    return path
+
+
+async def serve(config: ClusterConfig) -> None:
+    from services.tokenizer.openai_api import OpenAIGateway
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    service = TokenizerService(config, model_dir(config))
+    gateway = OpenAIGateway(service)
+
+    async def serve_http(stop_event: asyncio.Event) -> None:
+        await gateway.serve(config.http_host, config.http_port, stop_event)
+
+    await service.run(stop, serve_http)
+
+
+def run(config: ClusterConfig) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

@@ -1,0 +1,381 @@
+"""The `tokenizer` role: the cluster's front door.
+
+It owns the client sockets (the SDK's ROUTER socket and the HTTP gateway), turns text
+into token ids, sends each request to the router, receives the worker's tokens on a PULL
+socket, detokenises them incrementally (holding back text that could still become a stop
+string) and streams the result to the client. A worker lost before it streamed anything
+is retried transparently; after that the client gets a typed error.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from common.config import ClusterConfig
+from common.detokenizer import IncrementalDetokenizer
+from common.engine.checkpoint import load_model_config, load_tokenizer
+from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUnavailable, Unauthorized,
+                           error_from_code)
+from common.logs import get_logger
+from common.metrics import Registry
+from common.protocol import (Abort, Chunk, Error, ErrorCode, Generate, ProtocolError, Status, StatusRequest,
+                             Submit, Tokens, decode, encode, params_from_sampling, sampling_from_params)
+from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
+from common.sockets import Auth, client_socket, server_socket, split_routed
+from services.tokenizer.frontend_api import StreamEvent
+
+log = get_logger("tokenizer")
+MAX_TRANSPARENT_RETRIES = 2
+STREAM_QUEUE_LIMIT = 4096
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    detokenizer: IncrementalDetokenizer
+    deadline: float
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(STREAM_QUEUE_LIMIT))
+    released_chars: int = 0
+    tokens_sent: int = 0
+    retries: int = 0
+    first_token_at: float | None = None
+    done: bool = False
+
+
+class TokenizerMetrics:
+    def __init__(self, registry: Registry):
+        self.ttft = registry.histogram("baton_ttft_seconds", "Time to first token")
+        self.tpot = registry.histogram("baton_tpot_seconds", "Time per output token after the first")
+        self.e2e = registry.histogram("baton_e2e_seconds", "Request latency, arrival to last token")
+        self.requests = registry.counter("baton_requests_total", "Requests by outcome", labels=("outcome",))
+        self.retries = registry.counter("baton_request_retries_total", "Requests re-placed after a lost worker")
+        self.bad_messages = registry.counter("baton_tokenizer_bad_messages_total", "Malformed messages")
+        self.running = registry.gauge("baton_tokenizer_requests_in_flight", "Requests in flight")
+
+
+class TokenizerService:
+    """Implements services.tokenizer.frontend_api.FrontendApi over the cluster."""
+
+    def __init__(self, config: ClusterConfig, model_dir: Path):
+        self.config = config
+        self.tokenizer = load_tokenizer(model_dir)
+        model_config = load_model_config(model_dir)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(config.max_model_len or model_config.context_limit, model_config.context_limit)
+        self.model_name = config.model_name
+        self.model_dir = model_dir
+        self.registry = Registry()
+        self.metrics = TokenizerMetrics(self.registry)
+        self.registry.gauge("baton_tokenizer_workers", "Healthy workers the router reports",
+                            collect=lambda: len(self.last_status.workers) if self.last_status else 0)
+        self.requests: dict[str, RequestState] = {}
+        self.sdk_tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self.last_status: Status | None = None
+        self.last_status_at = 0.0
+        self.identity = f"tokenizer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.sync_context = zmq.Context()
+        self.auth = Auth(self.sync_context, config)
+        self.context = zmq.asyncio.Context.shadow(self.sync_context)
+        self.sdk = server_socket(self.context, zmq.ROUTER, config, config.sdk)
+        self.stream = server_socket(self.context, zmq.PULL, config, config.stream)
+        self.router = client_socket(self.context, zmq.DEALER, config, config.router, self.identity)
+
+    # ---- FrontendApi ---------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def tenant_for(self, api_key: str | None) -> str:
+        if not self.config.api_keys:
+            return ""
+        tenant = self.config.api_keys.get(api_key or "")
+        if tenant is None:
+            raise Unauthorized("missing or unknown API key")
+        return tenant
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       tenant: str, timeout_s: float = 0.0) -> AsyncIterator[StreamEvent]:
+        timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
+        state = self._admit(request_id, prompt_ids, params, tenant, timeout_s)
+        try:
+            while True:
+                remaining = state.deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(state.queue.get(), max(remaining, 0.0))
+                except TimeoutError:
+                    self.metrics.requests.inc(outcome="timeout")
+                    raise RequestTimeout(f"no result within {timeout_s:.1f} s") from None
+                if isinstance(item, BatonError):
+                    self.metrics.requests.inc(outcome=item.code.value)
+                    raise item
+                yield item
+                if item.finished:
+                    self._record_finish(state, item)
+                    return
+        finally:
+            self.requests.pop(request_id, None)
+            self.metrics.running.set(len(self.requests))
+            if not state.done:
+                state.done = True
+                await self._send_router(Abort(request_id=request_id, reason="client gone"))
+
+    async def abort(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is not None and not state.done:
+            state.done = True
+            await self._send_router(Abort(request_id=request_id))
+            state.queue.put_nowait(StreamEvent([], "", finished=True, finish_reason="abort"))
+
+    def health(self) -> dict:
+        fresh = time.monotonic() - self.last_status_at < self.config.worker_timeout_s
+        workers = len(self.last_status.workers) if self.last_status and fresh else 0
+        return {"ok": fresh and workers > 0, "role": "tokenizer", "router_reachable": fresh,
+                "workers": workers, "in_flight": len(self.requests)}
+
+    def metrics_text(self) -> str:
+        return self.registry.render()
+
+    # ---- requests ------------------------------------------------------------------
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str,
+               timeout_s: float) -> RequestState:
+        try:
+            params.validate()
+            validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
+        except InvalidRequestError as error:
+            self.metrics.requests.inc(outcome="invalid_request")
+            raise InvalidRequest(str(error)) from None
+        if request_id in self.requests:
+            raise InvalidRequest(f"request_id: {request_id!r} is already in flight")
+        state = RequestState(request_id, list(prompt_ids), params, tenant,
+                             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
+                             deadline=time.monotonic() + timeout_s)
+        self.requests[request_id] = state
+        self.metrics.running.set(len(self.requests))
+        self._place(state)
+        return state
+
+    def _place(self, state: RequestState) -> None:
+        generate = Generate(request_id=state.request_id, sampling=sampling_from_params(state.params),
+                            stream_address=self.config.stream, tenant=state.tenant,
+                            arrival_time=time.time(),
+                            deadline=time.time() + max(state.deadline - time.monotonic(), 0.0))
+        self.router.send_multipart(encode(generate, [state.prompt_ids]), copy=False)
+
+    async def _send_router(self, message) -> None:
+        try:
+            await self.router.send_multipart(encode(message), copy=False)
+        except zmq.ZMQError as error:
+            log.warning("router_send_failed", error=str(error))
+
+    def _record_finish(self, state: RequestState, event: StreamEvent) -> None:
+        state.done = True
+        now = time.monotonic()
+        self.metrics.requests.inc(outcome=event.finish_reason or "stop")
+        self.metrics.e2e.observe(now - state.arrival)
+        if state.first_token_at is not None and state.tokens_sent > 1:
+            self.metrics.tpot.observe((now - state.first_token_at) / (state.tokens_sent - 1))
+
+    def _on_tokens(self, message: Tokens) -> None:
+        state = self.requests.get(message.request_id)
+        if state is None or state.done:
+            return
+        if state.first_token_at is None and message.token_ids:
+            state.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(state.first_token_at - state.arrival)
+        state.tokens_sent += len(message.token_ids)
+        detokenizer = state.detokenizer
+        stopped = False
+        for token_id in message.token_ids:
+            if detokenizer.find_stop(detokenizer.push(token_id)) is not None:
+                stopped = True
+                break
+        finished = message.finished or stopped
+        text = self._releasable_text(state, finished)
+        event = StreamEvent(message.token_ids, text, finished,
+                            "stop" if stopped else message.finish_reason,
+                            message.num_prompt_tokens, message.num_cached_tokens, message.logprobs)
+        if stopped and not message.finished:
+            asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="stop string")))
+        self._deliver(state, event)
+
+    @staticmethod
+    def _releasable_text(state: RequestState, finished: bool) -> str:
+        """New text, less a tail that could be the start of a stop string."""
+        text = state.detokenizer.text
+        end = len(text)
+        if not finished and state.detokenizer.longest_stop > 1:
+            end = max(state.released_chars, end - (state.detokenizer.longest_stop - 1))
+        released = text[state.released_chars:end]
+        state.released_chars = end
+        return released
+
+    def _on_error(self, message: Error) -> None:
+        if not message.request_id:
+            log.warning("peer_reported_error", code=message.code.value, message=message.message)
+            return
+        state = self.requests.get(message.request_id)
+        if state is None or state.done:
+            return
+        if message.code == ErrorCode.WORKER_LOST and state.tokens_sent == 0 \
+                and state.retries < MAX_TRANSPARENT_RETRIES:
+            state.retries += 1
+            self.metrics.retries.inc()
+            log.warning("request_replaced", request_id=state.request_id, why=message.message)
+            self._place(state)
+            return
+        self._deliver(state, error_from_code(message.code, message.message, message.retry_after_s))
+
+    def _deliver(self, state: RequestState, item) -> None:
+        try:
+            state.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            log.error("stream_queue_full", request_id=state.request_id)
+            state.queue = asyncio.Queue(1)
+            state.queue.put_nowait(ServerUnavailable("the client is not reading its stream"))
+
+    # ---- the loops -----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, serve_http=None) -> None:
+        """Serve until `stop` is set; `serve_http(stop)` runs the HTTP gateway beside."""
+        tasks = [asyncio.create_task(loop()) for loop in
+                 (self._stream_loop, self._router_loop, self._sdk_loop, self._status_loop)]
+        if serve_http is not None:
+            tasks.append(asyncio.create_task(serve_http(stop)))
+        log.info("ready", role="tokenizer", sdk=self.config.sdk, stream=self.config.stream,
+                 router=self.config.router)
+        print(f"baton tokenizer ready: sdk {self.config.sdk}", flush=True)
+        try:
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception():
+                    raise task.exception()
+        finally:
+            for task in [*tasks, *self.sdk_tasks.values()]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.close()
+
+    def close(self) -> None:
+        for socket in (self.sdk, self.stream, self.router):
+            socket.close(0)
+        self.auth.stop()
+        self.sync_context.term()
+
+    async def _stream_loop(self) -> None:
+        while True:
+            frames = await self.stream.recv_multipart()
+            message, _ = self._decode(frames, "worker stream")
+            if isinstance(message, Tokens):
+                self._on_tokens(message)
+            elif isinstance(message, Error):
+                self._on_error(message)
+
+    async def _router_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            message, _ = self._decode(frames, "router")
+            if isinstance(message, Error):
+                self._on_error(message)
+            elif isinstance(message, Status):
+                self.last_status, self.last_status_at = message, time.monotonic()
+
+    async def _status_loop(self) -> None:
+        while True:
+            await self._send_router(StatusRequest())
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    def _decode(self, frames: list[bytes], source: str):
+        try:
+            message, payloads = decode(frames)
+        except ProtocolError as error:
+            self.metrics.bad_messages.inc()
+            log.warning("bad_message", source=source, error=str(error))
+            return None, []
+        return message, payloads
+
+    # ---- the SDK socket ------------------------------------------------------------
+
+    async def _sdk_loop(self) -> None:
+        while True:
+            frames = await self.sdk.recv_multipart()
+            try:
+                identity, body = split_routed(frames)
+            except ProtocolError:
+                continue
+            message, payloads = self._decode(body, "client")
+            if message is None:
+                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
+                                                  message="malformed message"))
+            elif isinstance(message, Submit):
+                self._on_submit(identity, message, payloads)
+            elif isinstance(message, Abort):
+                task = self.sdk_tasks.get((identity, message.request_id))
+                if task is not None:
+                    task.cancel()
+            elif isinstance(message, StatusRequest):
+                await self._reply(identity, self._status_for_client(message))
+            else:
+                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
+                                                  message=f"clients may not send {type(message).__name__}"))
+
+    def _status_for_client(self, _request) -> Status | Error:
+        if self.last_status is None or not self.health()["router_reachable"]:
+            return Error(request_id="", code=ErrorCode.UNAVAILABLE, message="the router is not reachable")
+        return self.last_status
+
+    def _on_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:
+        key = (identity, submit.request_id)
+        if key in self.sdk_tasks:
+            asyncio.ensure_future(self._reply(identity, Error(
+                request_id=submit.request_id, code=ErrorCode.INVALID_REQUEST,
+                message=f"request_id: {submit.request_id!r} is already in flight")))
+            return
+        task = asyncio.create_task(self._serve_submit(identity, submit, payloads))
+        self.sdk_tasks[key] = task
+        task.add_done_callback(lambda _: self.sdk_tasks.pop(key, None))
+
+    async def _serve_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:
+        internal_id = f"sdk-{uuid.uuid4().hex}"
+        try:
+            tenant = self.tenant_for(submit.api_key)
+            if submit.prompt is not None:
+                if not submit.prompt:
+                    raise InvalidRequest("prompt: is empty")
+                prompt_ids = self.tokenize(submit.prompt)
+            elif payloads:
+                prompt_ids = payloads[0].astype("int64").tolist()
+            else:
+                raise InvalidRequest("prompt: give text or token ids")
+            params = params_from_sampling(submit.sampling)
+            async for event in self.generate(internal_id, prompt_ids, params, tenant, submit.timeout_s):
+                await self._reply(identity, Chunk(
+                    request_id=submit.request_id, token_ids=event.token_ids, text=event.text,
+                    finished=event.finished, finish_reason=event.finish_reason,
+                    num_prompt_tokens=event.num_prompt_tokens, num_cached_tokens=event.num_cached_tokens,
+                    logprobs=event.logprobs))
+        except BatonError as error:
+            await self._reply(identity, Error(request_id=submit.request_id, code=error.code,
+                                              message=error.message, retry_after_s=error.retry_after_s))
+
+    async def _reply(self, identity: bytes, message) -> None:
+        try:
+            await self.sdk.send_multipart([identity, *encode(message)], copy=False)
+        except zmq.ZMQError as error:  # the client is gone
+            log.info("client_gone", error=str(error))

@@ -1,0 +1,34 @@
+"""Entry point of the `worker` role: build the engine, then serve it."""
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from common.config import ClusterConfig
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import Engine
+from services.worker.service import KvEventBuffer, WorkerService
+
+
+def engine_config(config: ClusterConfig) -> EngineConfig:
+    return EngineConfig(
+        model_dir=Path(config.model) if config.model else default_model_dir(),
+        dtype=config.dtype, device=config.device, block_size=config.block_size,
+        kv_cache_gb=config.kv_cache_gb, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len or None,
+        queue_policy=config.queue_policy)
+
+
+def run(config: ClusterConfig, index: int) -> None:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    events = KvEventBuffer()
+    engine = Engine(engine_config(config), kv_events=events)
+    WorkerService(config, index, engine, events).run(stop)

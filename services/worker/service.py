@@ -1,0 +1,252 @@
+"""The `worker` role: an engine doing both prefill and decode, served over ZeroMQ.
+
+One thread runs the loop: drain the router's messages without blocking, step the engine,
+push each request's new tokens to the tokenizer that asked for them, publish KV events,
+heartbeat. The loop waits on sockets only while the engine is idle.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from common.config import ClusterConfig
+from common.engine.engine import Engine, RequestOutput
+from common.logs import get_logger
+from common.metrics import Registry
+from common.metrics_server import MetricsServer
+from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
+                             KvEvents, ProtocolError, Tokens, Welcome, decode, params_from_sampling)
+from common.sampling_params import InvalidRequestError
+from common.sockets import Auth, client_socket, send, server_socket
+
+log = get_logger("worker")
+HELLO_TIMEOUT_S = 10.0
+MAX_MESSAGES_PER_TURN = 256  # bounds how long one turn drains before the engine steps again
+
+
+class WorkerRefused(RuntimeError):
+    """The router refused this worker (protocol or model mismatch)."""
+
+
+class KvEventBuffer:
+    """Collects the engine's KV events (it is the BlockManager's KVEventSink) between
+    publishes."""
+
+    def __init__(self) -> None:
+        self._stored: list[int] = []
+        self._removed: list[int] = []
+
+    def stored(self, block_hashes: list[int]) -> None:
+        self._stored.extend(block_hashes)
+
+    def removed(self, block_hashes: list[int]) -> None:
+        self._removed.extend(block_hashes)
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        drained = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return drained
+
+
+class WorkerMetrics:
+    def __init__(self, registry: Registry):
+        self.requests = registry.counter("baton_worker_requests_total", "Requests ended, by outcome",
+                                         labels=("outcome",))
+        self.generated = registry.counter("baton_worker_generated_tokens_total", "Tokens generated")
+        self.prefix_hits = registry.counter("baton_worker_prefix_hit_tokens_total",
+                                            "Prompt tokens served from the prefix cache")
+        self.queue_time = registry.histogram("baton_worker_queue_seconds", "Arrival to first step")
+        self.running = registry.gauge("baton_worker_running_requests", "Requests in the running batch")
+        self.waiting = registry.gauge("baton_worker_waiting_requests", "Requests waiting for admission")
+        self.kv_used = registry.gauge("baton_worker_kv_blocks_used", "KV blocks referenced")
+        self.kv_cached = registry.gauge("baton_worker_kv_blocks_cached", "KV blocks free but cached")
+
+
+class WorkerService:
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
+        self.config = config
+        self.index = index
+        self.worker_id = f"worker-{index}"
+        self.engine = engine
+        self.events = events
+        self.registry = Registry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.streams: dict[str, str] = {}  # request id -> tokenizer stream address
+        self.deadlines: dict[str, float] = {}
+        self.finished: list[str] = []
+        self.context = zmq.Context()
+        self.auth = Auth(self.context, config)
+        self.router = client_socket(self.context, zmq.DEALER, config, config.router, self.worker_id)
+        self.publisher = server_socket(self.context, zmq.PUB, config, config.worker_events_address(index))
+        self.pushers: dict[str, zmq.Socket] = {}
+        self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
+                                            self.registry, self.health)
+        self.last_heartbeat = 0.0
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self.metrics_server.start()
+        try:
+            self._hello()
+            log.info("ready", role="worker", worker_id=self.worker_id, router=self.config.router,
+                     events=self.config.worker_events_address(self.index),
+                     metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
+            print(f"baton worker {self.worker_id} ready", flush=True)
+            while not stop.is_set():
+                self._turn()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.metrics_server.stop()
+        for socket in [self.router, self.publisher, *self.pushers.values()]:
+            socket.close(0)
+        self.auth.stop()
+        self.context.term()
+
+    def health(self) -> dict:
+        return {"ok": True, "role": "worker", "worker_id": self.worker_id, "pid": os.getpid(),
+                "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "kv_blocks_used": self.engine.block_manager.num_used,
+                "kv_blocks_total": self.engine.block_manager.num_blocks}
+
+    def _hello(self) -> None:
+        engine = self.engine
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id, role="worker",
+            model_fingerprint=engine.model_fingerprint, tokenizer_fingerprint=engine.tokenizer_fingerprint,
+            kv_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
+            max_model_len=engine.max_model_len,
+            events_address=self.config.worker_events_address(self.index),
+            metrics_address=f"http://{self.config.host}:{self.metrics_server.port}")
+        send(self.router, hello)
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.router.poll(100):
+                continue
+            message, _ = self._receive()
+            if isinstance(message, Welcome):
+                if not message.accepted:
+                    raise WorkerRefused(f"router refused {self.worker_id}: {message.reason}")
+                return
+        raise TimeoutError(f"no answer from the router at {self.config.router} within {HELLO_TIMEOUT_S:.0f} s")
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        busy = self.engine.has_unfinished()
+        wait_ms = 0 if busy else int(self.config.heartbeat_interval_s * 500)
+        if self.router.poll(wait_ms):
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                self._handle(*self._receive())
+                if not self.router.poll(0):
+                    break
+        self._expire_deadlines()
+        if self.engine.has_unfinished():
+            self._emit(self.engine.step())
+        self._publish_events()
+        if time.monotonic() - self.last_heartbeat >= self.config.heartbeat_interval_s:
+            self._heartbeat()
+
+    def _receive(self):
+        frames = self.router.recv_multipart(copy=True)
+        try:
+            message, payloads = decode(frames)
+        except ProtocolError as error:
+            log.warning("bad_message", source="router", error=str(error))
+            return None, []
+        return message, payloads
+
+    def _handle(self, message, payloads: list[np.ndarray]) -> None:
+        if isinstance(message, Generate):
+            self._start(message, payloads[0])
+        elif isinstance(message, Abort):
+            if self.engine.abort(message.request_id):
+                self._forget(message.request_id, "aborted")
+        elif isinstance(message, Welcome) and message.rehello:
+            log.warning("router_forgot_worker", worker_id=self.worker_id)
+            self._hello()
+        elif message is not None:
+            log.warning("unexpected_message", type=type(message).__name__)
+
+    def _start(self, request: Generate, prompt: np.ndarray) -> None:
+        request_id = request.request_id
+        self.streams[request_id] = request.stream_address
+        try:
+            params = params_from_sampling(request.sampling)
+            prompt_ids = prompt.astype(np.int64).tolist()
+            self.engine.add_request(request_id, prompt_ids, params, tenant_salt=request.tenant)
+        except InvalidRequestError as error:
+            self._fail(request_id, ErrorCode.INVALID_REQUEST, str(error))
+            return
+        if request.deadline:
+            self.deadlines[request_id] = request.deadline
+
+    def _expire_deadlines(self) -> None:
+        if not self.deadlines:
+            return
+        now = time.time()
+        for request_id in [r for r, deadline in self.deadlines.items() if deadline <= now]:
+            self.engine.abort(request_id)
+            self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            message = Tokens(request_id=output.request_id, token_ids=output.new_token_ids,
+                             finished=output.finished, finish_reason=output.finish_reason,
+                             worker_id=self.worker_id, logprobs=output.logprobs,
+                             num_prompt_tokens=output.num_prompt_tokens,
+                             num_cached_tokens=output.num_cached_tokens)
+            self._push(output.request_id, message)
+            self.metrics.generated.inc(len(output.new_token_ids))
+            if output.finished:
+                self._forget(output.request_id, output.finish_reason or "stop")
+
+    def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
+        self._push(request_id, Error(request_id=request_id, code=code, message=text))
+        self._forget(request_id, code.value)
+
+    def _forget(self, request_id: str, outcome: str) -> None:
+        self.streams.pop(request_id, None)
+        self.deadlines.pop(request_id, None)
+        self.finished.append(request_id)
+        self.metrics.requests.inc(outcome=outcome)
+
+    def _push(self, request_id: str, message) -> None:
+        address = self.streams.get(request_id)
+        if address is None:
+            return
+        pusher = self.pushers.get(address)
+        if pusher is None:
+            pusher = client_socket(self.context, zmq.PUSH, self.config, address)
+            self.pushers[address] = pusher
+        try:
+            send(pusher, message)
+        except zmq.Again:
+            log.warning("stream_backpressure_drop", request_id=request_id)
+
+    def _publish_events(self) -> None:
+        stored, removed = self.events.drain()
+        if stored or removed:
+            send(self.publisher, KvEvents(worker_id=self.worker_id, stored=stored, removed=removed))
+
+    def _heartbeat(self) -> None:
+        engine = self.engine
+        manager = engine.block_manager
+        scheduler = engine.scheduler
+        self.metrics.running.set(len(scheduler.running))
+        self.metrics.waiting.set(len(scheduler.waiting))
+        self.metrics.kv_used.set(manager.num_used)
+        self.metrics.kv_cached.set(manager.num_cached)
+        send(self.router, Heartbeat(
+            worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
+            kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,
+            kv_blocks_total=manager.num_blocks, prefix_hit_tokens=engine.stats.num_prefix_hit_tokens,
+            computed_tokens=engine.stats.num_computed_tokens, finished=self.finished))
+        self.finished = []
+        self.last_heartbeat = time.monotonic()

@@ -1,0 +1,202 @@
+"""ClusterConfig: defaults < TOML file < BATON_* environment < flags, and named errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ClusterConfig, ConfigError, load_config
+
+KEY = "k" * 40  # a stand-in for a 40-character Z85 curve key
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "baton.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ---- sources and precedence -------------------------------------------------------
+
+
+def test_defaults_need_no_file_and_ignore_unrelated_environment():
+    config = load_config(env={"HOME": "/root", "BATON": "x"})
+    assert config == ClusterConfig()
+    assert (config.port_base, config.policy, config.api_keys) == (7100, "round_robin", {})
+
+
+def test_each_source_overrides_the_one_before(tmp_path):
+    path = write(tmp_path, "port_base = 7200\nhttp_port = 8100\nmax_num_seqs = 32\nmodel_name = 'toml'\n")
+    env = {"BATON_HTTP_PORT": "8200", "BATON_MAX_NUM_SEQS": "64"}
+    overrides = {"max_num_seqs": 128, "model_name": None}  # None = flag not given
+
+    config = load_config(path, env=env, overrides=overrides)
+    assert config.port_base == 7200  # TOML over default
+    assert config.http_port == 8200  # environment over TOML
+    assert config.max_num_seqs == 128  # flag over environment
+    assert config.model_name == "toml"  # a None flag changes nothing
+    assert config.log_level == "info"  # untouched default
+
+
+def test_toml_sections_are_flattened_and_api_keys_is_a_table(tmp_path):
+    path = write(tmp_path, """
+log_level = "debug"
+
+[router]
+policy = "least_load"
+heartbeat_interval_s = 1   # an integer is fine for a float key
+
+[engine]
+block_size = 32
+
+[api_keys]
+sk-alpha = "tenant-a"
+sk-beta = "tenant-b"
+""")
+    config = load_config(path, env={})
+    assert (config.log_level, config.policy, config.block_size) == ("debug", "least_load", 32)
+    assert config.heartbeat_interval_s == 1.0 and isinstance(config.heartbeat_interval_s, float)
+    assert config.api_keys == {"sk-alpha": "tenant-a", "sk-beta": "tenant-b"}
+
+
+def test_environment_parses_types_bools_and_api_keys():
+    env = {"BATON_KV_CACHE_GB": "2.5", "BATON_CURVE_ENABLED": "no", "BATON_API_KEYS": "k1=t1,k2=t=2",
+           "BATON_DEVICE": "cuda"}
+    config = load_config(env=env)
+    assert (config.kv_cache_gb, config.curve_enabled, config.device) == (2.5, False, "cuda")
+    assert config.api_keys == {"k1": "t1", "k2": "t=2"}
+    for raw, expected in [("1", True), ("TRUE", True), ("yes", True), ("0", False), ("False", False)]:
+        enabled = load_config(env={"BATON_CURVE_ENABLED": raw, **_curve_keys_env()}).curve_enabled
+        assert enabled is expected, raw
+
+
+def _curve_keys_env() -> dict[str, str]:
+    names = ("SERVER_PUBLIC", "SERVER_SECRET", "CLIENT_PUBLIC", "CLIENT_SECRET")
+    return {f"BATON_CURVE_{name}": KEY for name in names}
+
+
+# ---- derived addresses -------------------------------------------------------------
+
+
+def test_addresses_are_counted_from_port_base_on_host():
+    config = load_config(env={"BATON_HOST": "10.0.0.5", "BATON_PORT_BASE": "9000"})
+    assert config.router == "tcp://10.0.0.5:9000"
+    assert config.sdk == "tcp://10.0.0.5:9001"
+    assert config.stream == "tcp://10.0.0.5:9002"
+    assert config.router_metrics_port == 9003
+    assert [config.worker_events_address(i) for i in (0, 1)] == ["tcp://10.0.0.5:9010", "tcp://10.0.0.5:9012"]
+    assert [config.worker_metrics_port(i) for i in (0, 1)] == [9011, 9013]
+
+
+def test_explicit_addresses_win_over_derived_ones():
+    config = load_config(env={}, overrides={"router_address": "tcp://router:5555", "sdk_address": "ipc:///tmp/sdk"})
+    assert (config.router, config.sdk, config.stream) == ("tcp://router:5555", "ipc:///tmp/sdk", "tcp://127.0.0.1:7102")
+
+
+# ---- validation: every error names the key ----------------------------------------
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"port_base": 0}, "port_base"),
+    ({"http_port": 70000}, "http_port"),
+    ({"policy": "random"}, "policy"),
+    ({"queue_policy": "lifo"}, "queue_policy"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"log_level": "verbose"}, "log_level"),
+    ({"block_size": 0}, "block_size"),
+    ({"kv_cache_gb": 0.0}, "kv_cache_gb"),
+    ({"max_model_len": -1}, "max_model_len"),
+    ({"router_address": "localhost:7100"}, "router_address"),
+    ({"worker_timeout_s": 0.5, "heartbeat_interval_s": 0.5}, "worker_timeout_s"),
+    ({"worker_timeout_s": 1.0, "heartbeat_interval_s": 2.0}, "worker_timeout_s"),
+    ({"curve_enabled": True}, "curve_server_public"),
+    ({"model": "/definitely/not/a/model/dir"}, "model"),
+])
+def test_invalid_values_name_their_key(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}:"):
+        load_config(env={}, overrides=overrides)
+
+
+def test_curve_needs_every_key_at_full_length():
+    load_config(env={"BATON_CURVE_ENABLED": "1", **_curve_keys_env()})
+    short = {**_curve_keys_env(), "BATON_CURVE_CLIENT_SECRET": "short"}
+    with pytest.raises(ConfigError, match="^curve_client_secret:"):
+        load_config(env={"BATON_CURVE_ENABLED": "1", **short})
+
+
+def test_model_directory_that_exists_is_accepted(tmp_path):
+    assert load_config(env={}, overrides={"model": str(tmp_path)}).model == str(tmp_path)
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"BATON_PORT_BASE": "seventy"}, "port_base"),
+    ({"BATON_MAX_NUM_SEQS": "1.5"}, "max_num_seqs"),
+    ({"BATON_KV_CACHE_GB": "lots"}, "kv_cache_gb"),
+    ({"BATON_CURVE_ENABLED": "maybe"}, "curve_enabled"),
+    ({"BATON_API_KEYS": "no-equals-sign"}, "api_keys"),
+])
+def test_bad_environment_values_name_the_key_and_variable(env, key):
+    (variable,) = env
+    with pytest.raises(ConfigError, match=rf"^{key}: environment {variable}="):
+        load_config(env=env)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("port_bse = 7100\n", "port_bse"),  # unknown key
+    ("[router]\npolcy = 'least_load'\n", "polcy"),  # unknown key inside a section
+    ("port_base = '7100'\n", "port_base"),  # string for an int
+    ("port_base = 7100.0\n", "port_base"),  # float for an int
+    ("curve_enabled = 1\n", "curve_enabled"),  # int for a bool
+    ("block_size = true\n", "block_size"),  # bool for an int
+    ("kv_cache_gb = '1'\n", "kv_cache_gb"),  # string for a float
+    ("api_keys = 'sk=tenant'\n", "api_keys"),  # string for the table
+    ("[api_keys]\nsk = 1\n", "api_keys"),  # non-string tenant
+])
+def test_bad_toml_keys_and_types_name_the_key_and_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{key}: .*{path.name}"):
+        load_config(path, env={})
+
+
+def test_toml_values_are_validated_too(tmp_path):
+    path = write(tmp_path, "[router]\nheartbeat_interval_s = 5.0\n")
+    with pytest.raises(ConfigError, match="^worker_timeout_s:"):
+        load_config(path, env={})
+    # ...unless a later source repairs them.
+    assert load_config(path, env={"BATON_WORKER_TIMEOUT_S": "10"}).worker_timeout_s == 10.0
+
+
+def test_invalid_toml_and_missing_file_name_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "port_base = = 1\n"), env={})
+    missing = tmp_path / "nowhere.toml"
+    with pytest.raises(ConfigError, match=rf"{missing}: config file not found"):
+        load_config(missing, env={})
+
+
+def test_unknown_override_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(env={}, overrides={"bogus": 1})
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        ClusterConfig().port_base = 1  # type: ignore[misc]
+
+
+# ---- gaps found in review, fixed ---------------------------------------------------
+
+
+def test_unreadable_config_path_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError):
+        load_config(tmp_path, env={})
+
+
+def test_override_of_the_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="^port_base:"):
+        load_config(env={}, overrides={"port_base": "7100"})
+
+
+def test_port_base_leaves_room_for_derived_ports():
+    with pytest.raises(ConfigError, match="^port_base:"):
+        load_config(env={"BATON_PORT_BASE": "65535"})

@@ -1,0 +1,110 @@
+"""Start and stop a real `svc up` cluster on loopback for tests."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).parents[2]
+PORTS_PER_CLUSTER = 40
+
+
+def free_port_base() -> int:
+    """A base such that the cluster's ports (base..base+PORTS_PER_CLUSTER) are free."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - PORTS_PER_CLUSTER)
+        if all(_port_free(base + offset) for offset in range(PORTS_PER_CLUSTER)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Cluster:
+    process: subprocess.Popen
+    port_base: int
+    http_port: int
+    workers: int
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def sdk(self) -> str:
+        return f"tcp://127.0.0.1:{self.port_base + 1}"
+
+    @property
+    def router(self) -> str:
+        return f"tcp://127.0.0.1:{self.port_base}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def worker_health(self, index: int) -> dict:
+        port = self.port_base + 11 + 2 * index
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return json.loads(response.read())
+
+    def wait_for(self, predicate, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+                if value:
+                    return value
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
+                  timeout_s: float = 120.0) -> Cluster:
+    base = free_port_base()
+    http_port = base + PORTS_PER_CLUSTER - 1
+    argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
+            "--http-port", str(http_port), "--model", str(model_dir), "--kv-cache-gb", "0.05",
+            "--max-model-len", "1024", "--heartbeat-interval-s", "0.2", "--worker-timeout-s", "1.5",
+            *(extra or [])]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               cwd=REPO, start_new_session=True)
+    cluster = Cluster(process, base, http_port, workers)
+    up = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            cluster.lines.append(line)
+            if line.startswith("baton cluster up"):
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not up.wait(timeout_s) or process.poll() is not None:
+        cluster.stop()
+        raise RuntimeError("cluster did not come up:\n" + "".join(cluster.lines[-40:]))
+    return cluster

@@ -1,0 +1,75 @@
+"""A real cluster (router, workers, tokenizer as processes) driven through the SDK."""
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.sampling_params import SamplingParams
+from services.client import AsyncClient, Client, InvalidRequest
+from tests.services.cluster import REPO
+
+
+def test_sdk_generate_matches_the_engine(cluster, tiny_model_dir):
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, dtype="float32", kv_cache_gb=0.05, max_model_len=1024))
+    [expected] = engine.generate(["The baton passes"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    with Client(cluster.sdk, timeout_s=60) as client:
+        result = client.generate("The baton passes", max_tokens=20, temperature=0, ignore_eos=True)
+        by_ids = client.generate(token_ids=expected.prompt_token_ids, max_tokens=20, temperature=0,
+                                 ignore_eos=True)
+    assert result.token_ids == expected.token_ids == by_ids.token_ids
+    assert result.text == expected.text
+    assert result.finish_reason == "length" and result.num_prompt_tokens == len(expected.prompt_token_ids)
+    assert result.ttft_s > 0 and result.e2e_s >= result.ttft_s
+
+
+def test_stream_chunks_add_up_to_the_result(cluster):
+    with Client(cluster.sdk, timeout_s=60) as client:
+        chunks = list(client.stream("Streaming works", max_tokens=16, temperature=0, ignore_eos=True))
+        whole = client.generate("Streaming works", max_tokens=16, temperature=0, ignore_eos=True)
+    assert len(chunks) == 16 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+
+
+def test_stop_string_is_cut_from_the_stream(cluster):
+    with Client(cluster.sdk, timeout_s=60) as client:
+        free = client.generate("The baton passes", max_tokens=30, temperature=0, ignore_eos=True)
+        visible = [ch for ch in free.text if ch.isprintable() and ch != "\ufffd"]
+        stop = free.text[free.text.index(visible[len(visible) // 2]):][:2]
+        chunks = list(client.stream("The baton passes", max_tokens=30, temperature=0, stop=[stop]))
+    assert chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == free.text[:free.text.index(stop)]
+
+
+def test_async_client_runs_concurrent_requests(cluster):
+    async def run():
+        async with AsyncClient(cluster.sdk, timeout_s=60) as client:
+            return await asyncio.gather(*[client.generate(f"request {i}", max_tokens=8, temperature=0,
+                                                          ignore_eos=True) for i in range(12)])
+
+    results = asyncio.run(run())
+    assert all(len(r.token_ids) == 8 and r.finish_reason == "length" for r in results)
+
+
+def test_invalid_parameters_are_typed_errors(cluster):
+    with Client(cluster.sdk, timeout_s=30) as client:
+        with pytest.raises(InvalidRequest, match="temperature"):
+            client.generate("x", temperature=-1)
+        with pytest.raises(InvalidRequest, match="context window"):
+            client.generate(token_ids=[5] * 2000, max_tokens=2)
+        assert client.generate("still fine", max_tokens=2).finish_reason is not None
+
+
+def test_status_lists_healthy_workers_with_load_and_kv(cluster):
+    done = subprocess.run([sys.executable, "-m", "services.cli", "status", "--port-base", str(cluster.port_base),
+                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    status = json.loads(done.stdout)
+    assert {w["worker_id"] for w in status["workers"]} == {"worker-0", "worker-1"}
+    assert all(w["healthy"] and w["kv_blocks_total"] > 0 for w in status["workers"])
+    assert status["requests_routed"] > 0 and status["kv_events_received"] > 0

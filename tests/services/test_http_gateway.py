@@ -1,0 +1,619 @@
+"""The OpenAI-compatible gateway end to end: the unmodified openai client (and raw sockets)
+against OpenAIGateway over a FrontendApi that runs a real Engine on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import BatonError, Rejected, Unauthorized
+from common.sampling_params import InvalidRequestError, SamplingParams
+from services.tokenizer.chat import ChatTemplate
+from services.tokenizer.frontend_api import StreamEvent
+from services.tokenizer.http_server import HttpLimits
+from services.tokenizer.openai_api import OpenAIGateway
+
+API_KEY = "sk-test"
+MODEL = "baton-tiny"
+LIMITS = HttpLimits(max_body_bytes=256 * 1024, idle_timeout_s=5.0, header_timeout_s=1.0,
+                    body_timeout_s=1.0, write_timeout_s=5.0, shutdown_grace_s=2.0, linger_s=0.5)
+
+
+class EngineFrontend:
+    """A FrontendApi over a real Engine: a thread steps the engine, each request reads its
+    outputs from an asyncio queue and detokenises them incrementally. Records aborts."""
+
+    model_name = MODEL
+
+    def __init__(self, engine, api_keys: dict[str, str]):
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        self.api_keys = api_keys
+        self.reject: BatonError | None = None  # raised by generate() when set
+        self.healthy = True
+        self.aborted: list[str] = []
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._step_loop, name="engine-steps", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(10)
+
+    def _step_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                outputs = self.engine.step()
+                targets = [(self._streams.get(out.request_id), out) for out in outputs]
+            for target, output in targets:
+                if target is not None:
+                    loop, queue = target
+                    try:
+                        loop.call_soon_threadsafe(queue.put_nowait, output)
+                    except RuntimeError:
+                        pass  # that loop is closed: the gateway has stopped
+
+    def reference(self, prompt_ids: list[int], params: SamplingParams):
+        """What the engine itself generates for a prompt (run while no request is live)."""
+        with self._wake:
+            [result] = self.engine.generate([prompt_ids], params)
+        return result
+
+    # ---- FrontendApi -----------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.decode(token_ids)
+
+    def tenant_for(self, api_key: str | None) -> str:
+        if api_key not in self.api_keys:
+            raise Unauthorized("invalid API key")
+        return self.api_keys[api_key]
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       tenant: str) -> AsyncIterator[StreamEvent]:
+        if self.reject is not None:
+            raise self.reject
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._wake:
+            self.engine.add_request(request_id, prompt_ids, params, tenant_salt=tenant)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._wake.notify()
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids)
+        emitted, finished = "", False
+        try:
+            while not finished:
+                output = await queue.get()
+                delta = "".join(detokenizer.push(t) for t in output.new_token_ids)
+                finished = output.finished
+                if finished and output.text.startswith(emitted):
+                    delta = output.text[len(emitted):]  # the engine's final text is exact
+                emitted += delta
+                yield StreamEvent(list(output.new_token_ids), delta, finished, output.finish_reason,
+                                  len(prompt_ids), 0, list(output.logprobs))
+        finally:
+            with self._wake:
+                self._streams.pop(request_id, None)
+                if not finished:
+                    self.engine.abort(request_id)
+                    self.aborted.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._wake:
+            if self.engine.abort(request_id):
+                self.aborted.append(request_id)
+
+    def health(self) -> dict:
+        return {"ok": self.healthy, "workers": 1 if self.healthy else 0}
+
+    def metrics_text(self) -> str:
+        return "# TYPE baton_requests_total counter\nbaton_requests_total 0\n"
+
+
+class GatewayThread:
+    """An OpenAIGateway serving on 127.0.0.1:<free port> from its own thread and loop."""
+
+    def __init__(self, frontend, chat_template: ChatTemplate | None = None,
+                 limits: HttpLimits = LIMITS):
+        self.gateway = OpenAIGateway(frontend, chat_template, limits)
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
+
+    def __enter__(self) -> GatewayThread:
+        self._thread.start()
+        assert self._ready.wait(10), "the gateway did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self, timeout: float = 10.0) -> float:
+        """Stop serving; returns how long the gateway took to shut down."""
+        began = time.monotonic()
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the gateway did not stop"
+        return time.monotonic() - began
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            await self.gateway.serve("127.0.0.1", 0, self._stop, self._on_ready)
+
+        try:
+            self._loop.run_until_complete(main())
+        finally:
+            self._loop.close()
+
+    def _on_ready(self, port: int) -> None:
+        self.port = port
+        self._ready.set()
+
+
+@pytest.fixture(scope="module")
+def frontend(make_engine) -> Iterator[EngineFrontend]:
+    # No prefix caching: the reference run and the served run compute exactly alike.
+    engine = make_engine(enable_prefix_caching=False)
+    front = EngineFrontend(engine, {API_KEY: "tenant-a"})
+    yield front
+    front.close()
+
+
+@pytest.fixture(scope="module")
+def server(frontend) -> Iterator[GatewayThread]:
+    with GatewayThread(frontend) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def fresh_frontend(request) -> Iterator[None]:
+    """Undo what a test set on the shared frontend (rejections, health)."""
+    yield
+    if "frontend" in request.fixturenames:
+        front = request.getfixturevalue("frontend")
+        front.reject, front.healthy = None, True
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=30)
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+# ---- happy paths through the openai client ----------------------------------------------
+
+
+def test_completion_equals_the_engine_greedy_output(client, frontend):
+    prompt = "The quick brown fox"
+    expected = frontend.reference(frontend.tokenize(prompt),
+                                  SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+    assert response.id.startswith("cmpl-") and response.object == "text_completion"
+    assert response.model == MODEL
+    [choice] = response.choices
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids) == 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def test_completion_from_token_ids_streams_the_engine_output(client, frontend):
+    prompt_ids = [5, 6, 7, 8, 300, 301]
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=10, temperature=0,
+                                                             ignore_eos=True))
+    stream = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=10, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == expected.text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 10
+    assert usage.prompt_tokens == len(prompt_ids)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_equals_the_engine_greedy_output(client, frontend):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "there"}]}]
+    prompt_ids = frontend.tokenize(ChatTemplate().render(messages))
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=8, temperature=0,
+                                                             ignore_eos=True))
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(prompt_ids)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8,
+                                            stream=True, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_in_both_shapes(client):
+    completion = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=2,
+                                           **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(top.values()) - lp) < 1e-4 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(item.top_logprobs) == 3 for item in content)
+
+
+def test_models_health_metrics(client, server, frontend):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, headers, body = http_get(server.port, "/health")
+    assert status == 200 and json.loads(body)["ok"] is True
+    frontend.healthy = False
+    assert http_get(server.port, "/health")[0] == 503
+    frontend.healthy = True
+    status, headers, body = http_get(server.port, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert b"baton_requests_total" in body
+
+
+# ---- errors through the openai client ---------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", ["hot", -1.0])
+def test_an_invalid_temperature_is_a_400_naming_it(client, temperature):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=temperature)
+    assert "temperature" in str(caught.value)
+    assert caught.value.body["param"] == "temperature"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"max_tokens": "7"}, "max_tokens"),
+    ({"stop": [1, 2]}, "stop"), ({"seed": 1.5}, "seed"), ({"top_k": "no"}, "top_k"),
+    ({"logprobs": 99}, "logprobs"), ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"), ({"top_p": 0}, "top_p"),
+])
+def test_bad_completion_fields_are_400s_naming_the_field(server, extra, param):
+    status, _, body = http_post(server.port, "/v1/completions",
+                                {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
+    assert status == 400, body
+    assert json.loads(body)["error"]["param"] == param
+
+
+@pytest.mark.parametrize("messages, param", [
+    ("hello", "messages"), ([], "messages"), ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url"}]}],
+     "messages[1].content[0]"),
+])
+def test_bad_chat_messages_are_400s_naming_the_field(server, messages, param):
+    status, _, body = http_post(server.port, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == param
+
+
+def test_a_bad_or_missing_key_is_a_401(server):
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    status, _, body = http_post(server.port, "/v1/completions", {"prompt": "x"}, api_key=None)
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert http_get(server.port, "/health")[0] == 200  # no key needed
+
+
+def test_a_prompt_over_the_context_window_is_refused(client, frontend):
+    too_long = [10] * frontend.max_model_len
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=too_long, max_tokens=1)
+    assert caught.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[10] * 1000, max_tokens=100)
+    assert caught.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):  # the engine's own check (vocabulary) maps too
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)
+
+
+def test_overload_is_a_429_with_retry_after(client, frontend):
+    frontend.reject = Rejected("the cluster is overloaded", retry_after_s=2.5)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert caught.value.response.headers["retry-after"] == "3"
+    with pytest.raises(openai.RateLimitError):  # a stream's admission failure keeps its status
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       stream=True)
+
+
+def test_an_error_after_the_stream_started_is_an_sse_error_event(server, frontend, monkeypatch):
+    original = frontend.generate
+
+    async def failing(*args):
+        async with contextlib.aclosing(original(*args)) as events:
+            async for event in events:
+                yield event
+                raise BatonError("worker lost")
+
+    monkeypatch.setattr(frontend, "generate", failing)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.APIError, match="worker lost"):
+        list(client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True, **GREEDY))
+    wait_for(lambda: frontend.engine.num_unfinished == 0)
+
+
+# ---- raw HTTP: malformed input, limits, disconnects ----------------------------------------
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health\r\n\r\n", 400),
+    (b"\x00\xff\xfe binary \x01\r\n\r\n", 400),
+    (b"GET /health HTTP/2.0\r\n\r\n", 505),
+    (b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\n folded: x\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 300000\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 411),
+    (b"GET /health HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", 431),
+    (b"GET /nowhere HTTP/1.1\r\n\r\n", 404),
+    (b"GET /v1/completions HTTP/1.1\r\n\r\n", 405),
+])
+def test_malformed_requests_get_an_error_and_the_server_survives(server, raw, status):
+    response = raw_exchange(server.port, raw)
+    got, headers, body = parse_response(response)
+    assert got == status, response[:300]
+    assert "error" in json.loads(body)
+    if status == 405:
+        assert headers["allow"] == "POST"
+    assert http_get(server.port, "/health")[0] == 200
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"", b"\xff\xfe", b'{"prompt": NaN}',
+                                  b"[" * 100000])
+def test_invalid_json_is_a_400(server, body):
+    status, _, response = http_post(server.port, "/v1/completions", body)
+    assert status == 400 and "JSON" in json.loads(response)["error"]["message"]
+
+
+def test_truncated_body_and_slow_clients_are_cut_off(server):
+    truncated = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"prompt\""
+    assert parse_response(raw_exchange(server.port, truncated))[0] == 400
+    began = time.monotonic()  # head never finished: the header timeout (1 s) answers 408
+    response = raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n", shutdown=False)
+    assert parse_response(response)[0] == 408 and time.monotonic() - began < 5
+    began = time.monotonic()  # body never finished
+    response = raw_exchange(server.port, truncated, shutdown=False)
+    assert parse_response(response)[0] == 408 and time.monotonic() - began < 5
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = read_one_response(sock)
+        sock.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = read_one_response(sock)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        third = read_one_response(sock)
+        assert sock.recv(1) == b""  # closed as asked
+    assert [first[0], second[0], third[0]] == [200, 404, 200]
+
+
+def test_fuzzed_requests_never_break_the_server(server):
+    rng = random.Random(1234)
+    valid = request_bytes("POST", "/v1/completions",
+                          json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())
+    for _ in range(60):
+        kind = rng.randrange(3)
+        if kind == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+        elif kind == 1:
+            data = valid[:rng.randrange(len(valid))]
+        else:
+            mutated = bytearray(valid)
+            for _ in range(rng.randrange(1, 6)):
+                mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+            data = bytes(mutated)
+        response = raw_exchange(server.port, data, timeout=5)
+        if response:
+            assert response.startswith(b"HTTP/1.1 "), response[:100]
+            assert parse_response(response)[0] != 500, response[:300]
+    assert http_get(server.port, "/health")[0] == 200
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(server, frontend):
+    body = json.dumps({"model": MODEL, "prompt": "stream me", "max_tokens": 900, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(request_bytes("POST", "/v1/completions", body))
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += sock.recv(4096)
+    request_id = received.lower().split(b"x-request-id: ", 1)[1].split(b"\r\n", 1)[0].decode()
+    sock.close()
+    wait_for(lambda: request_id in frontend.aborted)
+    wait_for(lambda: frontend.engine.num_unfinished == 0)
+    frontend.engine.check_integrity()
+
+
+def test_stop_closes_idle_connections_promptly(frontend):
+    gateway = GatewayThread(frontend).__enter__()
+    idle = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_one_response(idle)[0] == 200
+    assert gateway.stop() < 2.0
+    assert idle.recv(1) == b""  # the idle keep-alive connection was closed
+    idle.close()
+
+
+# ---- chat templates ---------------------------------------------------------------------
+
+
+LLAMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if loop.index0 % 2 == 0 and m['role'] == 'assistant' %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "[{{ m['role'] }}] {{ m['content'] | trim }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_checkpoint_template_renders_like_transformers(tmp_path, tiny_model_dir, frontend):
+    model_dir = copy_tokenizer_files(tiny_model_dir, tmp_path, LLAMA_LIKE_TEMPLATE)
+    template = ChatTemplate.from_model_dir(model_dir)
+    messages = [{"role": "user", "content": "Hello "}, {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": "Tell me"}]
+    text = template.render(messages)
+    assert text == "<s>[user] Hello</s>[assistant] Hi</s>[user] Tell me</s>[assistant] "
+
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    hf_ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    hf_ids = list(hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids)
+    ours = frontend.tokenize(template.text_for_tokenizer(text, tokenizer_adds_bos=True))
+    assert ours == hf_ids and ours.count(0) == 1  # one BOS, as HF's
+
+    with pytest.raises(InvalidRequestError, match="alternate") as caught:
+        template.render([{"role": "assistant", "content": "x"}])
+    assert caught.value.param == "messages"
+
+
+def test_the_default_template_and_message_validation():
+    template = ChatTemplate()
+    assert template.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]) \
+        == "user: a\nassistant: \nassistant:"
+    for messages, param in [(None, "messages"), ([{"content": "x"}], "messages[0].role"),
+                            ([{"role": "user"}], "messages[0].content"),
+                            ([{"role": "user", "content": [{"type": "text", "text": 1}]}],
+                             "messages[0].content[0].text"),
+                            ([{"role": "user", "content": "x", "name": 5}], "messages[0].name")]:
+        with pytest.raises(InvalidRequestError) as caught:
+            template.render(messages)
+        assert caught.value.param == param
+
+
+def test_a_chat_request_over_the_checkpoint_template_has_one_bos(tmp_path, tiny_model_dir, frontend):
+    template = ChatTemplate.from_model_dir(copy_tokenizer_files(tiny_model_dir, tmp_path, LLAMA_LIKE_TEMPLATE))
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt_ids = frontend.tokenize(template.render(messages)[len("<s>"):])
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    with GatewayThread(frontend, template) as gateway:
+        status, _, body = http_post(gateway.port, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": messages, "max_tokens": 5,
+                                     "temperature": 0, "ignore_eos": True})
+    response = json.loads(body)
+    assert status == 200, body
+    assert response["usage"]["prompt_tokens"] == len(prompt_ids) and prompt_ids.count(0) == 1
+    assert response["choices"][0]["message"]["content"] == expected.text
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def copy_tokenizer_files(model_dir: Path, out: Path, template: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return out
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def request_bytes(method: str, path: str, body: bytes = b"", api_key: str | None = API_KEY,
+                  close: bool = True) -> bytes:
+    headers = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
+               "Content-Type: application/json"]
+    if api_key is not None:
+        headers.append(f"Authorization: Bearer {api_key}")
+    if close:
+        headers.append("Connection: close")
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+def raw_exchange(port: int, data: bytes, shutdown: bool = True, timeout: float = 10.0) -> bytes:
+    """Send bytes, optionally half-close, and read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(data)
+            if shutdown:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server may answer and close before reading everything
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
+        return b"".join(chunks)
+
+
+def parse_response(response: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, body
+
+
+def read_one_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    status, headers, body = parse_response(data)
+    length = int(headers["content-length"])
+    while len(body) < length:
+        body += sock.recv(4096)
+    return status, headers, body
+
+
+def http_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    return parse_response(raw_exchange(port, request_bytes("GET", path), shutdown=False))
+
+
+def http_post(port: int, path: str, body, api_key: str | None = API_KEY) -> tuple[int, dict[str, str], bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_response(raw_exchange(port, request_bytes("POST", path, data, api_key), shutdown=False))
