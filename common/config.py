@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ClusterConfig:
     host: str = "127.0.0.1"
+    advertise_host: str = ""  # how other hosts reach this role's bound sockets; default `host`
     port_base: int = 7100
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -89,6 +90,13 @@ class ClusterConfig:
 
     def worker_events_address(self, index: int) -> str:
         return self.address(10 + 2 * index)
+
+    def advertised(self, bound_address: str) -> str:
+        """`bound_address` as peers must dial it (binding 0.0.0.0 is not dialable)."""
+        if not self.advertise_host:
+            return bound_address
+        scheme, _, rest = bound_address.partition("://")
+        return f"{scheme}://{self.advertise_host}:{rest.rsplit(':', 1)[1]}"
 
     def worker_metrics_port(self, index: int) -> int:
         return self.port(11 + 2 * index)

@@ -135,7 +135,7 @@ class Error(msgspec.Struct, forbid_unknown_fields=True):
     code: ErrorCode
     message: str
     retry_after_s: float = 0.0
-    tokens_sent: bool = False  # whether the failed request had already streamed tokens
+    worker_id: str = ""  # the worker that failed it, when one did
 
 
 class StatusRequest(msgspec.Struct, forbid_unknown_fields=True):

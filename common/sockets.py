@@ -33,8 +33,10 @@ class Auth:
 
 
 class _AllowKey:
+    """pyzmq's credentials provider: called with the client's Z85 public key."""
+
     def __init__(self, allowed_z85: bytes):
-        self.allowed = zmq.utils.z85.decode(allowed_z85)
+        self.allowed = allowed_z85
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key == self.allowed

@@ -92,6 +92,21 @@ def bench_prefix_hit(llm, prefix: list[int], suffix_a: list[int], suffix_b: list
             "vllm_ttft_prefix_hit_s": hit_times, "vllm_prefix_hit_cached_tokens": hit_cached}
 
 
+def shutdown(llm) -> None:
+    """Stop vLLM's engine processes now, so their shutdown chatter (which vLLM logs to
+    stdout) comes before our JSON line rather than after it."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    engine_core = getattr(engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm, engine, engine_core
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with open(args.prompts, encoding="utf-8") as f:
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_prefix:
         result.update(bench_prefix_hit(llm, spec["prefix"], spec["suffix_a"], spec["suffix_b"],
                                        args.repeats))
-    sys.stdout.flush()
+    shutdown(llm)
     print(json.dumps(result), flush=True)
     return 0
 

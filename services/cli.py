@@ -96,6 +96,7 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
 
 ROLE_FLAGS = [
     ("--host", str, "host the cluster's sockets bind and connect on"),
+    ("--advertise-host", str, "host name peers use to reach this role (default: --host)"),
     ("--port-base", int, "first of the cluster's ZeroMQ ports"),
     ("--http-host", str, "address the HTTP gateway binds"),
     ("--http-port", int, "port of the HTTP gateway"),

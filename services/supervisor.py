@@ -49,10 +49,12 @@ class Supervisor:
     def start_all(self) -> None:
         for child in self.children:
             self._spawn(child)
-            if not child.ready.wait(self.ready_timeout_s):
-                raise RuntimeError(f"{child.name} did not become ready within {self.ready_timeout_s:.0f} s")
-            if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting")
+            deadline = time.monotonic() + self.ready_timeout_s
+            while not child.ready.wait(0.2):
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{child.name} did not become ready within {self.ready_timeout_s:.0f} s")
 
     def watch(self, stop: threading.Event) -> None:
         while not stop.wait(0.2):

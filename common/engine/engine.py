@@ -47,6 +47,7 @@ class RequestOutput:
     logprobs: list[dict] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_s: float | None = None  # arrival to first scheduled, on a request's first output
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ class Engine:
         if plan.is_empty:
             return []
         self.stats.num_prefix_hit_tokens += plan.num_cached_tokens
+        started = time.perf_counter()
+        for chunk in plan.chunks:
+            if chunk.seq.first_scheduled_time is None:
+                chunk.seq.first_scheduled_time = started
         result = self.runner.execute(plan)
         self.scheduler.complete(plan)
         self.stats.num_steps += 1
@@ -172,8 +177,10 @@ class Engine:
 
     def _advance(self, seq: Sequence, token_id: int, logprob: dict | None, now: float) -> RequestOutput:
         seq.append_token(token_id)
+        queue_s = None
         if seq.first_token_time is None:
             seq.first_token_time = now
+            queue_s = seq.first_scheduled_time - seq.arrival_time
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = seq.check_stop(token_id)
@@ -184,11 +191,12 @@ class Engine:
         logprobs = [logprob] if logprob else []
         if reason is None:
             return RequestOutput(seq.request_id, [token_id], False, logprobs=logprobs,
-                                 num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached_tokens)
+                                 num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached_tokens,
+                                 queue_s=queue_s)
         self.scheduler.finish(seq, reason)
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq), logprobs,
-                             seq.prompt_len, seq.num_cached_tokens)
+                             seq.prompt_len, seq.num_cached_tokens, queue_s)
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.stop_text is not None:

@@ -44,6 +44,7 @@ class Sequence:
     generator: object = None  # a per-request torch.Generator when params.seed is set
     detokenizer: object = None  # an IncrementalDetokenizer when stop strings are watched
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -216,7 +216,8 @@ class RouterService:
             self.placed_on.pop(request_id, None)
             if origin is not None:
                 self.metrics.placed.inc(outcome="worker_lost")
-                self._reply(origin, Error(request_id=request_id, code=ErrorCode.WORKER_LOST, message=why))
+                self._reply(origin, Error(request_id=request_id, code=ErrorCode.WORKER_LOST, message=why,
+                                          worker_id=worker.hello.worker_id))
 
     # ---- requests ------------------------------------------------------------------
 

@@ -52,7 +52,8 @@ class ChatTemplate:
 
     def __init__(self, source: str | None = None, special_tokens: dict[str, str] | None = None):
         self.source = source
-        self.special_tokens = {name: "" for name in SPECIAL_TOKEN_NAMES} | dict(special_tokens or {})
+        self.special_tokens = {name: "" for name in SPECIAL_TOKEN_NAMES}
+        self.special_tokens.update(special_tokens or {})
         self._render: Callable[..., str] | None = _compile(source) if source is not None else None
 
     @property
@@ -112,11 +113,13 @@ def _validate_message(index: int, message: Any) -> Message:
     if not isinstance(role, str):
         raise InvalidRequestError(f"{where}.role", "must be a string")
     if role not in ROLES:
-        raise InvalidRequestError(f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        raise InvalidRequestError(f"{where}.role",
+                                  f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise InvalidRequestError(f"{where}.name", "must be a string")
-    content = _content_text(f"{where}.content", message.get("content"), nullable=role == "assistant")
+    content = _content_text(f"{where}.content", message.get("content"),
+                            nullable=role == "assistant")
     return Message(role, content, name)
 
 
@@ -132,8 +135,8 @@ def _content_text(where: str, content: Any, nullable: bool) -> str:
     texts = []
     for index, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise InvalidRequestError(f"{where}[{index}]", "must be a {\"type\": \"text\", \"text\": ...} part "
-                                      "(only text content is supported)")
+            raise InvalidRequestError(f"{where}[{index}]", "must be a text part "
+                                      '{"type": "text", "text": ...} (only text is supported)')
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{where}[{index}].text", "must be a string")
@@ -167,8 +170,8 @@ def _compile(source: str) -> Callable[[list[dict[str, str]], dict[str, str]], st
             raise InvalidRequestError("messages", str(refusal)) from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
                 AttributeError, RecursionError) as error:
-            raise InvalidRequestError("messages", f"the chat template cannot render these messages: "
-                                      f"{type(error).__name__}: {error}") from None
+            raise InvalidRequestError("messages", "the chat template cannot render these "
+                                      f"messages: {type(error).__name__}: {error}") from None
 
     return render
 

@@ -131,7 +131,7 @@ def default_error_response(error: HttpError) -> Response:
 
 class Router:
     """Exact (method, path) → handler; unknown paths are 404, known paths with another
-    method 405 with an Allow header."""
+    method 405 with an Allow header. HEAD runs the GET handler (the server sends no body)."""
 
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
@@ -144,6 +144,8 @@ class Router:
         if by_method is None:
             raise HttpError(404, f"no route for {path}")
         handler = by_method.get(method)
+        if handler is None and method == "HEAD":
+            handler = by_method.get("GET")
         if handler is None:
             allowed = ", ".join(sorted(by_method))
             raise HttpError(405, f"method {method} is not allowed on {path} (allowed: {allowed})",
@@ -199,10 +201,11 @@ class _Input:
         searched = 0
         while True:
             end = self.buffer.find(_HEAD_END, max(0, searched - len(_HEAD_END) + 1))
-            if end >= 0:
-                return self.take(end + len(_HEAD_END))
-            if len(self.buffer) > limit:
+            size = end + len(_HEAD_END) if end >= 0 else len(self.buffer)
+            if size > limit:
                 raise _HeadTooLarge()
+            if end >= 0:
+                return self.take(size)
             searched = len(self.buffer)
             if not await self.fill():
                 raise asyncio.IncompleteReadError(bytes(self.buffer), None)
@@ -348,7 +351,8 @@ class HttpServer:
             conn.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await self._drain(conn)
         try:
-            return await asyncio.wait_for(conn.input.read_exactly(length), self.limits.body_timeout_s)
+            return await asyncio.wait_for(conn.input.read_exactly(length),
+                                          self.limits.body_timeout_s)
         except asyncio.IncompleteReadError as error:
             raise HttpError(400, f"body ended after {len(error.partial)} of {length} bytes",
                             close=True) from None
@@ -372,16 +376,21 @@ class HttpServer:
         except Exception:
             log.exception("http_handler_failed", method=request.method, path=request.path)
             result = self.render_error(HttpError(500, "internal server error"))
+        if request.method == "HEAD" and isinstance(result, StreamResponse):
+            await aclose(result.chunks)
+            result = Response(result.status, b"", result.content_type, result.headers)
         if isinstance(result, StreamResponse):
             return await self._send_stream(conn, request, result, keep_alive)
-        await self._send(conn, result, keep_alive)
+        await self._send(conn, result, keep_alive, with_body=request.method != "HEAD")
         return keep_alive
 
-    async def _send(self, conn: _Connection, response: Response, keep_alive: bool) -> None:
+    async def _send(self, conn: _Connection, response: Response, keep_alive: bool,
+                    with_body: bool = True) -> None:
         headers = [("Content-Type", response.content_type),
                    ("Content-Length", str(len(response.body))),
                    ("Connection", "keep-alive" if keep_alive else "close"), *response.headers]
-        conn.writer.write(self._head(response.status, headers) + response.body)
+        conn.writer.write(self._head(response.status, headers)
+                          + (response.body if with_body else b""))
         await self._drain(conn)
 
     async def _send_stream(self, conn: _Connection, request: Request, response: StreamResponse,
@@ -389,8 +398,8 @@ class HttpServer:
         chunked = request.version == "HTTP/1.1"
         keep_alive = keep_alive and chunked  # without chunking, only close ends the body
         headers = [("Content-Type", response.content_type), ("Cache-Control", "no-cache"),
-                   ("X-Accel-Buffering", "no"), ("Connection", "keep-alive" if keep_alive else "close"),
-                   *response.headers]
+                   ("X-Accel-Buffering", "no"),
+                   ("Connection", "keep-alive" if keep_alive else "close"), *response.headers]
         if chunked:
             headers.append(("Transfer-Encoding", "chunked"))
 
@@ -400,7 +409,8 @@ class HttpServer:
                 await self._drain(conn)
                 async for chunk in response.chunks:
                     if chunk:
-                        conn.writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                        framed = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk
+                        conn.writer.write(framed)
                         await self._drain(conn)
                 if chunked:
                     conn.writer.write(b"0\r\n\r\n")
@@ -432,8 +442,9 @@ class HttpServer:
         await asyncio.wait_for(conn.writer.drain(), self.limits.write_timeout_s)
 
     def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
-        lines = [f"HTTP/1.1 {status} {reason_phrase(status)}", f"Date: {email.utils.formatdate(usegmt=True)}",
-                 f"Server: {self.server_name}", *(f"{name}: {value}" for name, value in headers)]
+        lines = [f"HTTP/1.1 {status} {reason_phrase(status)}",
+                 f"Date: {email.utils.formatdate(usegmt=True)}", f"Server: {self.server_name}",
+                 *(f"{name}: {value}" for name, value in headers)]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     # ---- disconnect detection --------------------------------------------------------

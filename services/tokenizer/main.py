@@ -24,14 +24,16 @@ def model_dir(config: ClusterConfig) -> Path:
 
 
 async def serve(config: ClusterConfig) -> None:
+    from services.tokenizer.chat import ChatTemplate
     from services.tokenizer.openai_api import OpenAIGateway
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    service = TokenizerService(config, model_dir(config))
-    gateway = OpenAIGateway(service)
+    checkpoint = model_dir(config)
+    service = TokenizerService(config, checkpoint)
+    gateway = OpenAIGateway(service, ChatTemplate.from_model_dir(checkpoint))
 
     async def serve_http(stop_event: asyncio.Event) -> None:
         await gateway.serve(config.http_host, config.http_port, stop_event)

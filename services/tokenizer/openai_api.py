@@ -21,17 +21,17 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import BatonError
 from common.logs import get_logger
-from common.sampling_params import InvalidRequestError, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import FrontendApi, StreamEvent
 from services.tokenizer.http_server import (
     HttpError, HttpLimits, HttpServer, Request, Response, Router, StreamResponse, aclose,
-    json_bytes, json_response, sse_event,
+    json_bytes, json_response,
 )
 
 log = get_logger("openai_api")
@@ -86,6 +86,8 @@ def as_api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param)
+    if isinstance(exc, HttpError):
+        return ApiError(exc.status, exc.message)
     if isinstance(exc, BatonError):
         return ApiError(exc.http_status, exc.message, code=exc.code.value,
                         retry_after_s=exc.retry_after_s)
@@ -146,6 +148,11 @@ class Fields:
             except OverflowError:
                 raise InvalidRequestError(name, "is out of range") from None
         return value
+
+
+def sse_json(value: Any) -> bytes:
+    """One SSE event carrying a JSON value (compact JSON has no newlines to split)."""
+    return b"data: " + json_bytes(value) + b"\n\n"
 
 
 def _json_type(value: Any) -> str:
@@ -246,32 +253,40 @@ class OpenAIGateway:
 
     # ---- routes ----------------------------------------------------------------------
 
+    # Every check that does not need the prompt's tokens runs before tokenising it.
+
     async def _completions(self, request: Request) -> Response | StreamResponse:
         tenant = self._tenant(request)
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
         _refuse_unsupported(body, chat=False)
+        stream, include_usage = _stream_flags(body)
+        params = _sampling_params(body, body.get("logprobs", "integer"))
+        requested_max = _requested_max_tokens(body, "max_tokens")
         prompt_ids = await self._completion_prompt(body.raw("prompt"))
-        params = self._sampling_params(body, len(prompt_ids), "max_tokens",
-                                       COMPLETION_DEFAULT_MAX_TOKENS, body.get("logprobs", "integer"))
+        params = replace(params, max_tokens=self._max_tokens(
+            "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
         return await self._run(Job(False, f"cmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, *_stream_flags(body)))
+                                   tenant, stream, include_usage))
 
     async def _chat_completions(self, request: Request) -> Response | StreamResponse:
         tenant = self._tenant(request)
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
         _refuse_unsupported(body, chat=True)
+        stream, include_usage = _stream_flags(body)
+        params = _sampling_params(body, _chat_logprobs_param(body))
+        _requested_max_tokens(body, "max_tokens")  # checked even when the newer name wins
+        max_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
+        requested_max = _requested_max_tokens(body, max_name)
         rendered = self.chat_template.render(body.raw("messages"))
         text = self.chat_template.text_for_tokenizer(rendered, self._adds_bos())
         prompt_ids = await self._tokenize(text)
         self._check_context(prompt_ids, "messages")
-        body.get("max_tokens", "integer")  # type-checked even when the newer name wins
-        max_tokens_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-        params = self._sampling_params(body, len(prompt_ids), max_tokens_name, None,
-                                       _chat_logprobs_param(body))
+        params = replace(params, max_tokens=self._max_tokens(max_name, requested_max,
+                                                             len(prompt_ids), None))
         return await self._run(Job(True, f"chatcmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, *_stream_flags(body)))
+                                   tenant, stream, include_usage))
 
     async def _models(self, request: Request) -> Response:
         self._tenant(request)
@@ -304,7 +319,8 @@ class OpenAIGateway:
             return self.frontend.tenant_for(key)
         except BatonError as exc:
             if exc.http_status == 401:
-                raise ApiError(401, exc.message or "invalid API key", code="invalid_api_key") from None
+                raise ApiError(401, exc.message or "invalid API key",
+                               code="invalid_api_key") from None
             raise
 
     def _model(self, body: Fields) -> str:
@@ -348,30 +364,13 @@ class OpenAIGateway:
                            f"{param} has {len(prompt_ids)} tokens (at least one token must be left "
                            "to generate)", param=param, code="context_length_exceeded")
 
-    def _sampling_params(self, body: Fields, prompt_len: int, max_tokens_name: str,
-                         default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        params = SamplingParams(
-            max_tokens=self._max_tokens(body, max_tokens_name, prompt_len, default_max_tokens),
-            temperature=body.get("temperature", "number", 1.0),
-            top_p=body.get("top_p", "number", 1.0),
-            top_k=_top_k(body),
-            seed=body.get("seed", "integer"),
-            stop=_stop_strings(body),
-            stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
-            ignore_eos=body.get("ignore_eos", "boolean", False),
-            logprobs=logprobs)
-        params.validate()
-        return params
-
-    def _max_tokens(self, body: Fields, name: str, prompt_len: int, default: int | None) -> int:
+    def _max_tokens(self, name: str, requested: int | None, prompt_len: int,
+                    default: int | None) -> int:
         """The requested maximum, which must fit the context window with the prompt; when
         absent, the default (capped to what fits) or all the room left."""
         room = self.frontend.max_model_len - prompt_len
-        requested = body.get(name, "integer")
         if requested is None:
             return room if default is None else min(default, room)
-        if requested < 1:
-            raise InvalidRequestError(name, f"must be >= 1, got {requested}")
         if requested > room:
             raise ApiError(400, f"this model's maximum context length is "
                            f"{self.frontend.max_model_len} tokens; the prompt has {prompt_len} "
@@ -417,12 +416,13 @@ class OpenAIGateway:
                     break
                 event = await anext(events, None)
             if event is None:
-                raise ApiError(500, "the request's stream ended before it finished", code="internal")
+                raise ApiError(500, "the request's stream ended before it finished",
+                               code="internal")
             if job.include_usage:
                 yield self._chunk(job, None, usage=_usage(job, output))
             yield DONE_EVENT
         except Exception as exc:
-            yield sse_event(json_bytes(as_api_error(exc).payload()).decode())
+            yield sse_json(as_api_error(exc).payload())
         finally:
             await aclose(events)
 
@@ -447,7 +447,7 @@ class OpenAIGateway:
                                 "choices": [] if choice is None else [{"index": 0, **choice}]}
         if job.include_usage:
             body["usage"] = usage
-        return sse_event(json_bytes(body).decode())
+        return sse_json(body)
 
     def _final_body(self, job: Job, output: Output) -> dict[str, Any]:
         want_logprobs = job.params.logprobs is not None
@@ -510,6 +510,29 @@ def _usage(job: Job, output: Output) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
 
+def _sampling_params(body: Fields, logprobs: int | None) -> SamplingParams:
+    """Validated sampling parameters; max_tokens is set once the prompt is tokenised."""
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=body.get("temperature", "number", 1.0),
+        top_p=body.get("top_p", "number", 1.0),
+        top_k=_top_k(body),
+        seed=body.get("seed", "integer"),
+        stop=_stop_strings(body),
+        stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
+        ignore_eos=body.get("ignore_eos", "boolean", False),
+        logprobs=logprobs)
+    params.validate()
+    return params
+
+
+def _requested_max_tokens(body: Fields, name: str) -> int | None:
+    requested = body.get(name, "integer")
+    if requested is not None and requested < 1:
+        raise InvalidRequestError(name, f"must be >= 1, got {requested}")
+    return requested
+
+
 def _stream_flags(body: Fields) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = body.get("stream", "boolean", False)
@@ -552,8 +575,8 @@ def _chat_logprobs_param(body: Fields) -> int | None:
         raise InvalidRequestError("top_logprobs", "requires logprobs: true")
     if not wanted:
         return None
-    if top is not None and top < 0:
-        raise InvalidRequestError("top_logprobs", f"must be >= 0, got {top}")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
     return top or 0
 
 

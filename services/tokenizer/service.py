@@ -35,6 +35,7 @@ from services.tokenizer.frontend_api import StreamEvent
 log = get_logger("tokenizer")
 MAX_TRANSPARENT_RETRIES = 2
 STREAM_QUEUE_LIMIT = 4096
+ROUTER_WAIT_S = 10.0
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RequestState:
     retries: int = 0
     first_token_at: float | None = None
     done: bool = False
+    lost_workers: set[str] = field(default_factory=set)  # a late token from these is stale
 
 
 class TokenizerMetrics:
@@ -172,7 +174,7 @@ class TokenizerService:
 
     def _place(self, state: RequestState) -> None:
         generate = Generate(request_id=state.request_id, sampling=sampling_from_params(state.params),
-                            stream_address=self.config.stream, tenant=state.tenant,
+                            stream_address=self.config.advertised(self.config.stream), tenant=state.tenant,
                             arrival_time=time.time(),
                             deadline=time.time() + max(state.deadline - time.monotonic(), 0.0))
         self.router.send_multipart(encode(generate, [state.prompt_ids]), copy=False)
@@ -193,7 +195,7 @@ class TokenizerService:
 
     def _on_tokens(self, message: Tokens) -> None:
         state = self.requests.get(message.request_id)
-        if state is None or state.done:
+        if state is None or state.done or message.worker_id in state.lost_workers:
             return
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
@@ -232,6 +234,8 @@ class TokenizerService:
         state = self.requests.get(message.request_id)
         if state is None or state.done:
             return
+        if message.worker_id:
+            state.lost_workers.add(message.worker_id)
         if message.code == ErrorCode.WORKER_LOST and state.tokens_sent == 0 \
                 and state.retries < MAX_TRANSPARENT_RETRIES:
             state.retries += 1
@@ -257,8 +261,9 @@ class TokenizerService:
                  (self._stream_loop, self._router_loop, self._sdk_loop, self._status_loop)]
         if serve_http is not None:
             tasks.append(asyncio.create_task(serve_http(stop)))
+        await self._await_router(ROUTER_WAIT_S)
         log.info("ready", role="tokenizer", sdk=self.config.sdk, stream=self.config.stream,
-                 router=self.config.router)
+                 router=self.config.router, router_reachable=self.last_status is not None)
         print(f"baton tokenizer ready: sdk {self.config.sdk}", flush=True)
         try:
             stopper = asyncio.create_task(stop.wait())
@@ -271,6 +276,14 @@ class TokenizerService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
+
+    async def _await_router(self, timeout_s: float) -> None:
+        """Give the router a moment to answer, so "ready" means requests can flow."""
+        deadline = time.monotonic() + timeout_s
+        while self.last_status is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.last_status is None:
+            log.warning("router_not_reachable_yet", router=self.config.router)
 
     def close(self) -> None:
         for socket in (self.sdk, self.stream, self.router):

@@ -86,6 +86,7 @@ class WorkerService:
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
                                             self.registry, self.health)
         self.last_heartbeat = 0.0
+        self.reported_prefix_hits = 0
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -122,8 +123,8 @@ class WorkerService:
             model_fingerprint=engine.model_fingerprint, tokenizer_fingerprint=engine.tokenizer_fingerprint,
             kv_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
             max_model_len=engine.max_model_len,
-            events_address=self.config.worker_events_address(self.index),
-            metrics_address=f"http://{self.config.host}:{self.metrics_server.port}")
+            events_address=self.config.advertised(self.config.worker_events_address(self.index)),
+            metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}")
         send(self.router, hello)
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -169,7 +170,12 @@ class WorkerService:
             if self.engine.abort(message.request_id):
                 self._forget(message.request_id, "aborted")
         elif isinstance(message, Welcome) and message.rehello:
-            log.warning("router_forgot_worker", worker_id=self.worker_id)
+            # The router dropped us (we were silent too long) and failed our requests
+            # over; finishing them now would only waste KV and compute.
+            log.warning("router_forgot_worker", worker_id=self.worker_id, dropping=len(self.streams))
+            for request_id in list(self.streams):
+                self.engine.abort(request_id)
+                self._forget(request_id, "dropped")
             self._hello()
         elif message is not None:
             log.warning("unexpected_message", type=type(message).__name__)
@@ -204,6 +210,8 @@ class WorkerService:
                              num_cached_tokens=output.num_cached_tokens)
             self._push(output.request_id, message)
             self.metrics.generated.inc(len(output.new_token_ids))
+            if output.queue_s is not None:
+                self.metrics.queue_time.observe(output.queue_s)
             if output.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
 
@@ -243,6 +251,8 @@ class WorkerService:
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.kv_used.set(manager.num_used)
         self.metrics.kv_cached.set(manager.num_cached)
+        self.metrics.prefix_hits.inc(engine.stats.num_prefix_hit_tokens - self.reported_prefix_hits)
+        self.reported_prefix_hits = engine.stats.num_prefix_hit_tokens
         send(self.router, Heartbeat(
             worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
             kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,

@@ -1,11 +1,30 @@
 import pytest
 
-from tests.services.cluster import start_cluster
+from services.local_cluster import start_cluster
+
+# Small pools and fast failure detection, so fault tests finish in seconds.
+TEST_FLAGS = ["--kv-cache-gb", "0.05", "--max-model-len", "1024", "--heartbeat-interval-s", "0.2",
+              "--worker-timeout-s", "1.5"]
+
+
+@pytest.fixture(scope="session")
+def make_cluster(tiny_model_dir):
+    """Start clusters on the tiny model with the test flags; stops them all at the end."""
+    started = []
+
+    def make(workers: int = 1, extra: list[str] | None = None):
+        cluster = start_cluster(tiny_model_dir, workers=workers, extra=TEST_FLAGS + (extra or []))
+        started.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in started:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(make_cluster):
     """Two float32 workers (exact comparisons with an in-process engine)."""
-    running = start_cluster(tiny_model_dir, workers=2, extra=["--dtype", "float32"])
+    running = make_cluster(workers=2, extra=["--dtype", "float32"])
     yield running
     running.stop()

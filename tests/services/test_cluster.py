@@ -9,7 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.sampling_params import SamplingParams
 from services.client import AsyncClient, Client, InvalidRequest
-from tests.services.cluster import REPO
+from services.local_cluster import REPO
 
 
 def test_sdk_generate_matches_the_engine(cluster, tiny_model_dir):

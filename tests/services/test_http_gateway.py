@@ -134,10 +134,10 @@ class GatewayThread:
     """An OpenAIGateway serving on 127.0.0.1:<free port> from its own thread and loop."""
 
     def __init__(self, frontend, chat_template: ChatTemplate | None = None,
-                 limits: HttpLimits = LIMITS):
+                 limits: HttpLimits = LIMITS, loop_factory=asyncio.new_event_loop):
         self.gateway = OpenAIGateway(frontend, chat_template, limits)
         self.port = 0
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory()
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
@@ -268,9 +268,9 @@ def test_logprobs_in_both_shapes(client):
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert "".join(logprobs.tokens) == completion.choices[0].text
-    assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
-    # greedy: the chosen token is the most likely one
-    assert all(abs(max(top.values()) - lp) < 1e-4 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs):
+        assert len(top) <= 2 and chosen <= 0
+        assert abs(max(top.values()) - chosen) < 1e-4  # greedy: the chosen token is the likeliest
 
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=3, logprobs=True, top_logprobs=3, **GREEDY)
@@ -321,13 +321,15 @@ def test_bad_completion_fields_are_400s_naming_the_field(server, extra, param):
      "messages[1].content[0]"),
 ])
 def test_bad_chat_messages_are_400s_naming_the_field(server, messages, param):
-    status, _, body = http_post(server.port, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    status, _, body = http_post(server.port, "/v1/chat/completions",
+                                {"model": MODEL, "messages": messages})
     assert status == 400
     assert json.loads(body)["error"]["param"] == param
 
 
 def test_a_bad_or_missing_key_is_a_401(server):
-    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong", max_retries=0)
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong",
+                        max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
     status, _, body = http_post(server.port, "/v1/completions", {"prompt": "x"}, api_key=None)
@@ -367,7 +369,8 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(server, fronten
                 raise BatonError("worker lost")
 
     monkeypatch.setattr(frontend, "generate", failing)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY, max_retries=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY,
+                           max_retries=0)
     with pytest.raises(openai.APIError, match="worker lost"):
         list(client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True, **GREEDY))
     wait_for(lambda: frontend.engine.num_unfinished == 0)
@@ -387,7 +390,8 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(server, fronten
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 300000\r\n\r\n", 413),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", 400),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 411),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"5\r\nhello\r\n0\r\n\r\n", 411),
     (b"GET /health HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", 431),
     (b"GET /nowhere HTTP/1.1\r\n\r\n", 404),
     (b"GET /v1/completions HTTP/1.1\r\n\r\n", 405),
@@ -422,14 +426,48 @@ def test_truncated_body_and_slow_clients_are_cut_off(server):
 
 def test_keep_alive_serves_several_requests_on_one_connection(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        responses = ResponseReader(sock)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = read_one_response(sock)
+        first = responses.next()
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head_status, head_headers, _ = parse_response(sock.recv(4096))  # a head, no body
+        assert head_status == 200 and int(head_headers["content-length"]) > 0
         sock.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
-        second = read_one_response(sock)
+        second = responses.next()
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        third = read_one_response(sock)
+        third = responses.next()
         assert sock.recv(1) == b""  # closed as asked
     assert [first[0], second[0], third[0]] == [200, 404, 200]
+
+
+def test_pipelined_requests_are_all_answered_in_order(server):
+    completion = request_bytes("POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0}).encode(), close=False)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(completion + b"\r\nGET /nowhere HTTP/1.1\r\n\r\n"
+                     + request_bytes("GET", "/health"))
+        responses = ResponseReader(sock)
+        statuses = [responses.next()[0] for _ in range(3)]
+        assert sock.recv(1) == b""
+    assert statuses == [200, 404, 200]
+
+
+def test_an_http10_client_gets_a_close_delimited_stream(server):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    request = request_bytes("POST", "/v1/completions", body).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    status, headers, payload = parse_response(raw_exchange(server.port, request, shutdown=False))
+    assert status == 200 and headers["connection"] == "close" and "transfer-encoding" not in headers
+    events = [line for line in payload.split(b"\n\n") if line]
+    assert events[-1] == b"data: [DONE]" and len(events) >= 2
+
+
+def test_connections_over_the_limit_are_refused_with_503(frontend):
+    limits = HttpLimits(max_connections=1, idle_timeout_s=5.0, linger_s=0.2)
+    with GatewayThread(frontend, limits=limits) as gateway:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as first:
+            first.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            assert ResponseReader(first).next()[0] == 200
+            assert parse_response(raw_exchange(gateway.port, b"", shutdown=False))[0] == 503
 
 
 def test_fuzzed_requests_never_break_the_server(server):
@@ -455,25 +493,30 @@ def test_fuzzed_requests_never_break_the_server(server):
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(server, frontend):
-    body = json.dumps({"model": MODEL, "prompt": "stream me", "max_tokens": 900, "stream": True,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(request_bytes("POST", "/v1/completions", body))
-    received = b""
-    while received.count(b"data: ") < 3:
-        received += sock.recv(4096)
-    request_id = received.lower().split(b"x-request-id: ", 1)[1].split(b"\r\n", 1)[0].decode()
-    sock.close()
+    request_id = start_stream_and_leave(server.port)
     wait_for(lambda: request_id in frontend.aborted)
     wait_for(lambda: frontend.engine.num_unfinished == 0)
     frontend.engine.check_integrity()
+
+
+def test_streams_and_disconnects_on_uvloop(frontend):
+    uvloop = pytest.importorskip("uvloop")  # what the tokenizer role runs on
+    with GatewayThread(frontend, loop_factory=uvloop.new_event_loop) as gateway:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key=API_KEY,
+                               max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+            **GREEDY))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        request_id = start_stream_and_leave(gateway.port)
+        wait_for(lambda: request_id in frontend.aborted)
 
 
 def test_stop_closes_idle_connections_promptly(frontend):
     gateway = GatewayThread(frontend).__enter__()
     idle = socket.create_connection(("127.0.0.1", gateway.port), timeout=5)
     idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert read_one_response(idle)[0] == 200
+    assert ResponseReader(idle).next()[0] == 200
     assert gateway.stop() < 2.0
     assert idle.recv(1) == b""  # the idle keep-alive connection was closed
     idle.close()
@@ -501,14 +544,27 @@ def test_a_checkpoint_template_renders_like_transformers(tmp_path, tiny_model_di
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
-    hf_ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    hf_ids = list(hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids)
+    hf_ids = list(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"])
     ours = frontend.tokenize(template.text_for_tokenizer(text, tokenizer_adds_bos=True))
     assert ours == hf_ids and ours.count(0) == 1  # one BOS, as HF's
+    assert frontend.tokenize(text).count(0) == 2  # what tokenising the raw text would give
 
     with pytest.raises(InvalidRequestError, match="alternate") as caught:
         template.render([{"role": "assistant", "content": "x"}])
     assert caught.value.param == "messages"
+
+
+def test_template_sources_in_a_checkpoint(tmp_path):
+    assert ChatTemplate.from_model_dir(tmp_path).source is None  # no files: the default
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<B>"}, "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ bos_token }}D"}]}))
+    assert ChatTemplate.from_model_dir(tmp_path).render([{"role": "user", "content": "x"}]) == "<B>D"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | tojson }}")
+    assert json.loads(ChatTemplate.from_model_dir(tmp_path).render(
+        [{"role": "user", "content": "<é>"}])) == [{"role": "user", "content": "<é>"}]
 
 
 def test_the_default_template_and_message_validation():
@@ -526,10 +582,12 @@ def test_the_default_template_and_message_validation():
 
 
 def test_a_chat_request_over_the_checkpoint_template_has_one_bos(tmp_path, tiny_model_dir, frontend):
-    template = ChatTemplate.from_model_dir(copy_tokenizer_files(tiny_model_dir, tmp_path, LLAMA_LIKE_TEMPLATE))
+    model_dir = copy_tokenizer_files(tiny_model_dir, tmp_path, LLAMA_LIKE_TEMPLATE)
+    template = ChatTemplate.from_model_dir(model_dir)
     messages = [{"role": "user", "content": "Hello"}]
     prompt_ids = frontend.tokenize(template.render(messages)[len("<s>"):])
-    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    expected = frontend.reference(prompt_ids,
+                                  SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     with GatewayThread(frontend, template) as gateway:
         status, _, body = http_post(gateway.port, "/v1/chat/completions",
                                     {"model": MODEL, "messages": messages, "max_tokens": 5,
@@ -550,6 +608,20 @@ def copy_tokenizer_files(model_dir: Path, out: Path, template: str) -> Path:
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return out
+
+
+def start_stream_and_leave(port: int) -> str:
+    """Start a long streamed completion, read a few events, disconnect; its request id."""
+    body = json.dumps({"model": MODEL, "prompt": "stream me", "max_tokens": 900, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request_bytes("POST", "/v1/completions", body))
+        received = b""
+        while received.count(b"data: ") < 3:
+            data = sock.recv(4096)
+            assert data, "the stream ended early"
+            received += data
+    return received.lower().split(b"x-request-id: ", 1)[1].split(b"\r\n", 1)[0].decode()
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:
@@ -599,21 +671,36 @@ def parse_response(response: bytes) -> tuple[int, dict[str, str], bytes]:
     return status, headers, body
 
 
-def read_one_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(4096)
-    status, headers, body = parse_response(data)
-    length = int(headers["content-length"])
-    while len(body) < length:
-        body += sock.recv(4096)
-    return status, headers, body
+class ResponseReader:
+    """Reads responses one by one off a keep-alive socket (several may arrive at once)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buffer = b""
+
+    def next(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            self._recv()
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        status, headers, _ = parse_response(head + b"\r\n\r\n")
+        length = int(headers["content-length"])
+        while len(self.buffer) < length:
+            self._recv()
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return status, headers, body
+
+    def _recv(self) -> None:
+        data = self.sock.recv(65536)
+        assert data, "the server closed the connection early"
+        self.buffer += data
 
 
 def http_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
     return parse_response(raw_exchange(port, request_bytes("GET", path), shutdown=False))
 
 
-def http_post(port: int, path: str, body, api_key: str | None = API_KEY) -> tuple[int, dict[str, str], bytes]:
+def http_post(port: int, path: str, body,
+              api_key: str | None = API_KEY) -> tuple[int, dict[str, str], bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse_response(raw_exchange(port, request_bytes("POST", path, data, api_key), shutdown=False))
+    request = request_bytes("POST", path, data, api_key)
+    return parse_response(raw_exchange(port, request, shutdown=False))

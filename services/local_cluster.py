@@ -1,4 +1,5 @@
-"""Start and stop a real `svc up` cluster on loopback for tests."""
+"""Start a real `svc up` cluster on loopback as a child process, wait until it serves,
+and stop it: what the tests and the serving benchmark use."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[1]
 PORTS_PER_CLUSTER = 40
 
 
@@ -85,12 +86,11 @@ class Cluster:
 
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
                   timeout_s: float = 120.0) -> Cluster:
+    """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are."""
     base = free_port_base()
     http_port = base + PORTS_PER_CLUSTER - 1
     argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
-            "--http-port", str(http_port), "--model", str(model_dir), "--kv-cache-gb", "0.05",
-            "--max-model-len", "1024", "--heartbeat-interval-s", "0.2", "--worker-timeout-s", "1.5",
-            *(extra or [])]
+            "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=REPO, start_new_session=True)

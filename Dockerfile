@@ -1,0 +1,11 @@
+# One image for every Baton role. Build: docker build -t baton .
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY kernels ./kernels
+COPY services ./services
+RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+    && pip install --no-cache-dir ".[engine]"
+ENV BATON_CACHE_DIR=/cache PYTHONUNBUFFERED=1
+ENTRYPOINT ["svc"]

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Drive a Baton cluster with concurrent requests and compare it with the in-process engine.
+
+    scripts/bench_serving.py [--address tcp://…:7101 | --url http://…:8000] [--json]
+                             [--concurrency 32] [--requests 64] [--vllm-url http://…:8001]
+
+With neither --address nor --url it starts its own `svc up` cluster (one worker, the tiny
+default model) and stops it afterwards. Every request: a random prompt of --prompt-len
+tokens, --max-tokens new tokens, greedy, EOS ignored. Then, in this process, the engine
+alone runs the same requests all at once. Reported: generated tokens per second, TTFT and
+TPOT percentiles (as the clients saw them), `ratio_vs_inprocess` and `ttft_overhead_ms`
+(median TTFT through the services minus in-process, both with all requests admitted at
+once). With --vllm-url the same requests go to a vLLM OpenAI server too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.client import AsyncClient  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summarise(name: str, wall_s: float, records: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    ttfts = [r["ttft_s"] for r in records]
+    tpots = [r["tpot_s"] for r in records if r["tokens"] > 1]
+    return {"name": name, "requests": len(records), "tokens": tokens, "wall_s": wall_s,
+            "tok_s": tokens / wall_s, "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
+            "ttft_p99_ms": percentile(ttfts, 0.99) * 1000, "tpot_p50_ms": percentile(tpots, 0.5) * 1000,
+            "tpot_p99_ms": percentile(tpots, 0.99) * 1000}
+
+
+async def run_sdk(address: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list]:
+    async with AsyncClient(address, timeout_s=600) as client:
+        await client.status()
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(prompt):
+            async with gate:
+                result = await client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0,
+                                               ignore_eos=True)
+                return {"tokens": len(result.token_ids), "ttft_s": result.ttft_s, "tpot_s": result.tpot_s}
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*[one(p) for p in prompts])
+        return time.perf_counter() - start, records
+
+
+async def run_http(url: str, model: str | None, prompts: list[list[int]], max_tokens: int,
+                   concurrency: int) -> tuple[float, list]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="bench", timeout=600)
+    model = model or (await client.models.list()).data[0].id
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt):
+        async with gate:
+            start = time.perf_counter()
+            first, count = None, 0
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, stream=True,
+                                                     extra_body={"ignore_eos": True, "min_tokens": max_tokens})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text is not None:
+                    count += 1
+                    first = first or time.perf_counter()
+            end = time.perf_counter()
+            first = first or end
+            return {"tokens": max_tokens if count else 0, "ttft_s": first - start,
+                    "tpot_s": (end - first) / max(max_tokens - 1, 1)}
+
+    start = time.perf_counter()
+    records = await asyncio.gather(*[one(p) for p in prompts])
+    await client.close()
+    return time.perf_counter() - start, records
+
+
+def make_engine(model_dir: Path, dtype: str):
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    return Engine(EngineConfig(model_dir=model_dir, dtype=dtype))
+
+
+def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from common.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:2], params)  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    return wall, [{"tokens": len(r.token_ids), "ttft_s": r.ttft_s,
+                   "tpot_s": (r.e2e_s - r.ttft_s) / max(len(r.token_ids) - 1, 1)} for r in results]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--address", help="a running cluster's SDK address")
+    target.add_argument("--url", help="a running cluster's HTTP gateway")
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the tiny default model)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from common.engine.default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(4, 500) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    cluster = None
+    if not args.address and not args.url:
+        from services.local_cluster import start_cluster
+
+        cluster = start_cluster(model_dir, workers=1, extra=["--dtype", args.dtype])
+        args.address = cluster.sdk
+    try:
+        if args.url:
+            wall, records = asyncio.run(run_http(args.url, None, prompts, args.max_tokens, args.concurrency))
+            served = summarise("baton-http", wall, records)
+        else:
+            asyncio.run(run_sdk(args.address, prompts[:2], 4, 2))  # warm-up
+            wall, records = asyncio.run(run_sdk(args.address, prompts, args.max_tokens, args.concurrency))
+            served = summarise("baton-sdk", wall, records)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    # In-process: the same requests, `concurrency` at a time, as the served run had them.
+    batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    walls, in_records = 0.0, []
+    engine = make_engine(model_dir, args.dtype)
+    for batch in batches:
+        wall, records = run_inprocess(engine, batch, args.max_tokens)
+        walls += wall
+        in_records += records
+    inprocess = summarise("inprocess", walls, in_records)
+    report = {"tok_s": served["tok_s"], "inprocess_tok_s": inprocess["tok_s"],
+              "ratio_vs_inprocess": served["tok_s"] / inprocess["tok_s"],
+              "ttft_overhead_ms": served["ttft_p50_ms"] - inprocess["ttft_p50_ms"],
+              "served": served, "inprocess": inprocess, "concurrency": args.concurrency,
+              "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    if args.vllm_url:
+        wall, records = asyncio.run(run_http(args.vllm_url, None, prompts, args.max_tokens, args.concurrency))
+        report["vllm_server"] = summarise("vllm-server", wall, records)
+        report["ratio_vs_vllm_server"] = served["tok_s"] / report["vllm_server"]["tok_s"]
+    rows = [served, inprocess] + ([report["vllm_server"]] if args.vllm_url else [])
+    print(f"{'run':<14}{'tok/s':>10}{'ttft p50':>11}{'ttft p99':>11}{'tpot p50':>11}{'tpot p99':>11}")
+    for row in rows:
+        print(f"{row['name']:<14}{row['tok_s']:>10.0f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p99_ms']:>9.1f}ms"
+              f"{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p99_ms']:>9.2f}ms")
+    print(f"ratio_vs_inprocess {report['ratio_vs_inprocess']:.3f}   ttft_overhead_ms {report['ttft_overhead_ms']:.1f}")
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""compose.yaml: every service is a valid `svc start` invocation of the shared config."""
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from common.config import load_config
+from services.local_cluster import REPO
+
+MOUNTED_CONFIG = "/etc/baton/cluster.toml"
+
+
+def compose() -> dict:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+def test_every_service_runs_a_valid_svc_start(tmp_path):
+    services = compose()["services"]
+    assert set(services) == {"router", "worker", "tokenizer"}
+    for name, service in services.items():
+        assert [v.split(":")[1] for v in service["volumes"] if "cluster.toml" in v] == [MOUNTED_CONFIG]
+        command = [str(REPO / "deploy" / "cluster.toml") if part == MOUNTED_CONFIG else part
+                   for part in service["command"]]
+        assert command[:2] == ["start", name]
+        done = subprocess.run([sys.executable, "-m", "services.cli", *command, "--check-config"],
+                              capture_output=True, text=True, cwd=REPO, timeout=60,
+                              env={"PYTHONPATH": str(REPO), "BATON_CACHE_DIR": str(tmp_path)})
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+        assert f"config ok for {name}" in done.stdout
+
+
+def test_health_checks_probe_the_ports_the_config_gives():
+    config = load_config(REPO / "deploy" / "cluster.toml", env={})
+    services = compose()["services"]
+    probes = {name: " ".join(service["healthcheck"]["test"]) for name, service in services.items()}
+    assert f":{config.router_metrics_port}/health" in probes["router"]
+    assert f":{config.worker_metrics_port(0)}/health" in probes["worker"]
+    assert f":{config.http_port}/health" in probes["tokenizer"]
+
+
+def test_check_config_rejects_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port_base = 'seven'\n")
+    done = subprocess.run([sys.executable, "-m", "services.cli", "start", "router", "--config", str(bad),
+                           "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={"PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and "port_base" in done.stderr
