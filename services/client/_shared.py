@@ -65,6 +65,20 @@ def _tuples(sampling: dict) -> dict:
     return converted
 
 
+def connect_dealer(context, address: str, curve: dict | None):
+    """The client's DEALER socket; `curve` holds Z85 keys when the cluster uses CURVE."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if curve:
+        socket.curve_serverkey = curve["server_public"].encode()
+        socket.curve_publickey = curve["client_public"].encode()
+        socket.curve_secretkey = curve["client_secret"].encode()
+    socket.connect(address)
+    return socket
+
+
 def parse_reply(frames: list[bytes]) -> Chunk | Error | object:
     try:
         message, _ = decode(frames)
@@ -110,4 +124,4 @@ class Accumulator:
 
 
 __all__ = ["Accumulator", "BatonError", "DEFAULT_ADDRESS", "Result", "StreamChunk", "build_submit",
-           "parse_reply", "raise_for"]
+           "connect_dealer", "parse_reply", "raise_for"]

@@ -10,7 +10,7 @@ import zmq.asyncio
 from common.errors import RequestTimeout, ServerUnavailable
 from common.protocol import Abort, Chunk, Error, Status, StatusRequest, encode
 from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
-                                     parse_reply, raise_for)
+                                     connect_dealer, parse_reply, raise_for)
 
 
 class AsyncClient:
@@ -21,13 +21,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        if curve:
-            self.socket.curve_serverkey = curve["server_public"].encode()
-            self.socket.curve_publickey = curve["client_public"].encode()
-            self.socket.curve_secretkey = curve["client_secret"].encode()
-        self.socket.connect(address)
+        self.socket = connect_dealer(self.context, address, curve)
         self.queues: dict[str, asyncio.Queue] = {}
         self.status_waiters: list[asyncio.Future] = []
         self.reader: asyncio.Task | None = None
