@@ -110,6 +110,20 @@ def make_workload(vocab_size: int, seed: int) -> Workload:
     )
 
 
+def git_revision() -> str:
+    """HEAD of the repo this script sits in, '+dirty' if the engine has local edits
+    (the engine changes under us; record which one was measured)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "common", "kernels"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (rev or "unknown") + ("+dirty" if dirty.strip() else "")
+
+
 def vocab_size_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]
 
@@ -403,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": str(model_dir), "size": args.size if args.model is None else "custom",
               "threads": torch.get_num_threads(), "repeats": args.repeats,
               "max_num_batched_tokens": args.max_num_batched_tokens,
-              "torch": torch.__version__, **summarize(run), "raw": run["raw"],
+              "torch": torch.__version__, "git_rev": git_revision(), **summarize(run), "raw": run["raw"],
               "in_process_s": time.perf_counter() - started,
               "loadavg_1m": [load_start, os.getloadavg()[0]]}
     if args.vllm_python:
