@@ -74,12 +74,3 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return FlashPagedBackend()
     raise ValueError(f"attention_backend: unknown backend {name!r}; choose auto, sdpa or flash")
-
-
-def context_slots(block_table: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
-    """[seqs, max_len] cache slot of every context position (padding points at slot
-    0 and must be masked)."""
-    num_blocks = -(-max_len // block_size)
-    offsets = torch.arange(block_size, device=block_table.device)
-    slots = block_table[:, :num_blocks, None] * block_size + offsets
-    return slots.reshape(block_table.shape[0], -1)[:, :max_len]

@@ -26,6 +26,7 @@ def reference(q, k, v):
     [(9, 1), (3, 1), (17, 1)],           # decode of unequal contexts
     [(0, 11)],                           # one fresh prompt
     [(5, 1), (0, 7), (12, 6), (3, 9)],   # decode then chunks with and without context
+    [(5, 1), (0, 7), (12, 6), (0, 4), (3, 9)],  # fresh chunks between continued ones
 ])
 def test_sdpa_paged_matches_dense(shape):
     generator = torch.Generator().manual_seed(0)
