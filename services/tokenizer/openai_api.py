@@ -16,8 +16,6 @@ Contract with clients (what the openai SDK relies on):
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,142 +24,23 @@ from typing import Any
 
 from common.errors import BatonError
 from common.logs import get_logger
-from common.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from common.sampling_params import InvalidRequestError, SamplingParams
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import FrontendApi, StreamEvent
 from services.tokenizer.http_server import (
-    HttpError, HttpLimits, HttpServer, Request, Response, Router, StreamResponse, aclose,
-    json_bytes, json_response,
+    HttpError, HttpLimits, HttpServer, Request, Response, Router, StreamResponse, aclose, json_response,
+)
+from services.tokenizer.openai_params import (
+    ApiError, Fields, as_api_error, chat_logprobs_param, finite_logprob, json_type, parse_json_object,
+    prompt_token_ids, refuse_unsupported, requested_max_tokens, sampling_params, sse_json, stream_flags,
 )
 
 log = get_logger("openai_api")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16  # every stop string is searched after every token
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenised off the event loop
-LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 DONE_EVENT = b"data: [DONE]\n\n"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class ApiError(Exception):
-    """A request failure in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-    def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": error_type(self.status),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> Response:
-        return json_response(self.payload(), self.status, self.headers())
-
-    def headers(self) -> list[tuple[str, str]]:
-        if self.status == 429 or (self.status == 503 and self.retry_after_s):
-            seconds = max(self.retry_after_s or 0.0, 0.0)
-            return [("Retry-After", str(max(1, math.ceil(seconds)))),
-                    ("retry-after-ms", str(int(seconds * 1000)))]
-        return []
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for a status."""
-    special = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
-    if status in special:
-        return special[status]
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-def as_api_error(exc: BaseException) -> ApiError:
-    """Map any failure to an ApiError (unexpected ones become a logged 500)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc), param=exc.param)
-    if isinstance(exc, HttpError):
-        return ApiError(exc.status, exc.message)
-    if isinstance(exc, BatonError):
-        return ApiError(exc.http_status, exc.message, code=exc.code.value,
-                        retry_after_s=exc.retry_after_s)
-    log.error("request_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-    return ApiError(500, "internal server error", code="internal")
-
-
-# ---- request bodies ---------------------------------------------------------------------
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object; ApiError 400 otherwise (NaN and Infinity refused)."""
-    def refuse_constant(name: str) -> None:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        value = json.loads(body, parse_constant=refuse_constant)
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return value
-
-
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "boolean": (lambda v: isinstance(v, bool), "a boolean"),
-    "string": (lambda v: isinstance(v, str), "a string"),
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "array": (lambda v: isinstance(v, list), "an array"),
-}
-
-
-class Fields:
-    """Typed access to a request body: a value of the wrong type is a 400 naming the field;
-    absent and null fields take the default; unknown fields are ignored (as OpenAI does)."""
-
-    def __init__(self, body: dict[str, Any]):
-        self.body = body
-
-    def raw(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def has(self, name: str) -> bool:
-        return self.body.get(name) is not None
-
-    def get(self, name: str, kind: str, default: Any = None) -> Any:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        accepts, described = _KINDS[kind]
-        if not accepts(value):
-            raise InvalidRequestError(name, f"must be {described}, got {_json_type(value)}")
-        if kind == "number":
-            try:
-                return float(value)
-            except OverflowError:
-                raise InvalidRequestError(name, "is out of range") from None
-        return value
-
-
-def sse_json(value: Any) -> bytes:
-    """One SSE event carrying a JSON value (compact JSON has no newlines to split)."""
-    return b"data: " + json_bytes(value) + b"\n\n"
-
-
-def _json_type(value: Any) -> str:
-    for name, kind in (("null", type(None)), ("a boolean", bool), ("an integer", int),
-                       ("a number", float), ("a string", str), ("an array", list),
-                       ("an object", dict)):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -259,10 +138,10 @@ class OpenAIGateway:
         tenant = self._tenant(request)
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
-        _refuse_unsupported(body, chat=False)
-        stream, include_usage = _stream_flags(body)
-        params = _sampling_params(body, body.get("logprobs", "integer"))
-        requested_max = _requested_max_tokens(body, "max_tokens")
+        refuse_unsupported(body, chat=False)
+        stream, include_usage = stream_flags(body)
+        params = sampling_params(body, body.get("logprobs", "integer"))
+        requested_max = requested_max_tokens(body, "max_tokens")
         prompt_ids = await self._completion_prompt(body.raw("prompt"))
         params = replace(params, max_tokens=self._max_tokens(
             "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
@@ -273,12 +152,12 @@ class OpenAIGateway:
         tenant = self._tenant(request)
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
-        _refuse_unsupported(body, chat=True)
-        stream, include_usage = _stream_flags(body)
-        params = _sampling_params(body, _chat_logprobs_param(body))
-        _requested_max_tokens(body, "max_tokens")  # checked even when the newer name wins
+        refuse_unsupported(body, chat=True)
+        stream, include_usage = stream_flags(body)
+        params = sampling_params(body, chat_logprobs_param(body))
+        requested_max_tokens(body, "max_tokens")  # checked even when the newer name wins
         max_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-        requested_max = _requested_max_tokens(body, max_name)
+        requested_max = requested_max_tokens(body, max_name)
         rendered = self.chat_template.render(body.raw("messages"))
         text = self.chat_template.text_for_tokenizer(rendered, self._adds_bos())
         prompt_ids = await self._tokenize(text)
@@ -336,12 +215,12 @@ class OpenAIGateway:
         if isinstance(prompt, str):
             prompt_ids = await self._tokenize(prompt)
         elif isinstance(prompt, list):
-            prompt_ids = _token_ids(prompt)
+            prompt_ids = prompt_token_ids(prompt)
         elif prompt is None:
             raise InvalidRequestError("prompt", "is required")
         else:
             raise InvalidRequestError("prompt", f"must be a string or an array of token ids, got "
-                                      f"{_json_type(prompt)}")
+                                      f"{json_type(prompt)}")
         self._check_context(prompt_ids, "prompt")
         return prompt_ids
 
@@ -473,8 +352,8 @@ class OpenAIGateway:
         for record in records:
             token = self.frontend.decode([record["token_id"]])
             tokens.append(token)
-            token_logprobs.append(_finite(record["logprob"]))
-            top_logprobs.append({self.frontend.decode([int(tid)]): _finite(lp)
+            token_logprobs.append(finite_logprob(record["logprob"]))
+            top_logprobs.append({self.frontend.decode([int(tid)]): finite_logprob(lp)
                                  for tid, lp in record.get("top") or ()})
             offsets.append(text_offset)
             text_offset += len(token)
@@ -488,7 +367,7 @@ class OpenAIGateway:
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.frontend.decode([int(token_id)])
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+        return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode())}
 
 
 # ---- helpers (pure) ------------------------------------------------------------------------
@@ -509,113 +388,3 @@ def _usage(job: Job, output: Output) -> dict[str, Any]:
             "total_tokens": prompt_tokens + output.num_tokens,
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
-
-def _sampling_params(body: Fields, logprobs: int | None) -> SamplingParams:
-    """Validated sampling parameters; max_tokens is set once the prompt is tokenised."""
-    params = SamplingParams(
-        max_tokens=1,
-        temperature=body.get("temperature", "number", 1.0),
-        top_p=body.get("top_p", "number", 1.0),
-        top_k=_top_k(body),
-        seed=body.get("seed", "integer"),
-        stop=_stop_strings(body),
-        stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
-        ignore_eos=body.get("ignore_eos", "boolean", False),
-        logprobs=logprobs)
-    params.validate()
-    return params
-
-
-def _requested_max_tokens(body: Fields, name: str) -> int | None:
-    requested = body.get(name, "integer")
-    if requested is not None and requested < 1:
-        raise InvalidRequestError(name, f"must be >= 1, got {requested}")
-    return requested
-
-
-def _stream_flags(body: Fields) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
-    stream = body.get("stream", "boolean", False)
-    options = Fields(body.get("stream_options", "object", {}))
-    include_usage = options.get("include_usage", "boolean", False) if stream else False
-    return stream, include_usage
-
-
-def _refuse_unsupported(body: Fields, chat: bool) -> None:
-    """OpenAI parameters Baton does not implement: refused when they would change the
-    result, accepted at their neutral value (clients often send those explicitly)."""
-    if body.get("n", "integer", 1) != 1:
-        raise InvalidRequestError("n", "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, "number", 0.0) != 0.0:
-            raise InvalidRequestError(name, "is not supported (only 0)")
-    if body.get("logit_bias", "object", {}):
-        raise InvalidRequestError("logit_bias", "is not supported")
-    if chat:
-        for name in ("tools", "functions"):
-            if body.get(name, "array", []):
-                raise InvalidRequestError(name, "tool calling is not supported")
-        response_format = Fields(body.get("response_format", "object", {}))
-        if response_format.get("type", "string", "text") != "text":
-            raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
-        return
-    if body.get("best_of", "integer", 1) != 1:
-        raise InvalidRequestError("best_of", "only best_of=1 is supported")
-    if body.get("echo", "boolean", False):
-        raise InvalidRequestError("echo", "is not supported")
-    if body.get("suffix", "string", ""):
-        raise InvalidRequestError("suffix", "is not supported")
-
-
-def _chat_logprobs_param(body: Fields) -> int | None:
-    """SamplingParams.logprobs for chat's (logprobs: bool, top_logprobs: int)."""
-    wanted = body.get("logprobs", "boolean", False)
-    top = body.get("top_logprobs", "integer")
-    if top is not None and not wanted:
-        raise InvalidRequestError("top_logprobs", "requires logprobs: true")
-    if not wanted:
-        return None
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
-    return top or 0
-
-
-def _top_k(body: Fields) -> int:
-    top_k = body.get("top_k", "integer", 0)
-    return 0 if top_k == -1 else top_k  # vLLM's -1 also means "disabled"
-
-
-def _stop_strings(body: Fields) -> tuple[str, ...]:
-    stop = body.raw("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequestError("stop", "must be a string or an array of strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted")
-    return tuple(stop)
-
-
-def _int_list(body: Fields, name: str) -> list[int]:
-    values = body.get(name, "array", [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise InvalidRequestError(name, "must be an array of integers")
-    return values
-
-
-def _token_ids(prompt: list[Any]) -> list[int]:
-    if not prompt:
-        raise InvalidRequestError("prompt", "is empty")
-    if any(isinstance(item, (str, list)) for item in prompt):
-        raise InvalidRequestError("prompt", "batched prompts are not supported; send one prompt "
-                                  "(a string or an array of token ids)")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        raise InvalidRequestError("prompt", "token ids must be non-negative integers")
-    return list(prompt)
-
-
-def _finite(logprob: float) -> float:
-    value = float(logprob)
-    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
