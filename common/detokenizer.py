@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self.ids = context
         self.prefix_offset = 0
         self.read_offset = len(context)
+        self.prefix_text: str | None = None
         self.text = ""
         self.stop = tuple(stop)
         self.longest_stop = max((len(s) for s in self.stop), default=0)
@@ -31,13 +32,16 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly complete text (possibly empty)."""
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        if self.prefix_text is None:  # decoded once per window, not once per token
+            self.prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix = self.prefix_text
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(INCOMPLETE):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        self.prefix_text = None
         self.text += delta
         return delta
 

@@ -37,6 +37,8 @@ class MessageType(enum.IntEnum):
     KV_EVENTS = 10
     SUBMIT = 11
     CHUNK = 12
+    TOKENS_BATCH = 13
+    CHUNK_BATCH = 14
 
 
 class ErrorCode(str, enum.Enum):
@@ -193,6 +195,18 @@ class Chunk(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: list[dict[str, Any]] = []
 
 
+class TokensBatch(msgspec.Struct, forbid_unknown_fields=True):
+    """One engine step's Tokens for every request that streams to the same tokenizer."""
+
+    items: list[Tokens]
+
+
+class ChunkBatch(msgspec.Struct, forbid_unknown_fields=True):
+    """The Chunks ready for one client at once (one message instead of one per request)."""
+
+    items: list[Chunk]
+
+
 MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.HELLO: Hello,
     MessageType.WELCOME: Welcome,
@@ -206,6 +220,8 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.KV_EVENTS: KvEvents,
     MessageType.SUBMIT: Submit,
     MessageType.CHUNK: Chunk,
+    MessageType.TOKENS_BATCH: TokensBatch,
+    MessageType.CHUNK_BATCH: ChunkBatch,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1)}

@@ -94,11 +94,11 @@ def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
     return socket
 
 
-def send(socket: zmq.Socket, message, payloads=None, identity: bytes | None = None) -> None:
+def send(socket: zmq.Socket, message, payloads=None, identity: bytes | None = None, flags: int = 0) -> None:
     frames = encode(message, payloads)
     if identity is not None:
         frames = [identity, *frames]
-    socket.send_multipart(frames, copy=False)
+    socket.send_multipart(frames, flags=flags, copy=False)
 
 
 def split_routed(frames: list[bytes]) -> tuple[bytes, list[bytes]]:

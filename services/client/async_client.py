@@ -8,7 +8,7 @@ import zmq
 import zmq.asyncio
 
 from common.errors import RequestTimeout, ServerUnavailable
-from common.protocol import Abort, Chunk, Error, Status, StatusRequest, encode
+from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
 from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
                                      connect_dealer, parse_reply, raise_for)
 
@@ -119,6 +119,7 @@ class AsyncClient:
                     if not waiter.done():
                         waiter.set_result(message)
                 continue
-            queue = self.queues.get(getattr(message, "request_id", ""))
-            if queue is not None and isinstance(message, (Chunk, Error)):
-                queue.put_nowait(message)
+            for item in message.items if isinstance(message, ChunkBatch) else [message]:
+                queue = self.queues.get(getattr(item, "request_id", ""))
+                if queue is not None and isinstance(item, (Chunk, Error)):
+                    queue.put_nowait(item)

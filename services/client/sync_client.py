@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import zmq
 
 from common.errors import RequestTimeout, ServerUnavailable
-from common.protocol import Abort, Chunk, Error, Status, StatusRequest, encode
+from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
 from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
                                      connect_dealer, parse_reply, raise_for)
 
@@ -90,19 +90,20 @@ class Client:
         deadline = time.monotonic() + timeout_s + 1.0  # the server's own deadline fires first
         try:
             while True:
-                message = self._receive(deadline, RequestTimeout(f"no result within {timeout_s:.1f} s"))
-                if getattr(message, "request_id", None) != request_id:
-                    continue  # a late reply to an earlier, abandoned request
-                if isinstance(message, Error):
-                    self.active = None
-                    raise_for(message)
-                if isinstance(message, Chunk):
-                    chunk = accumulator.add(message)
-                    if chunk.finished:
+                received = self._receive(deadline, RequestTimeout(f"no result within {timeout_s:.1f} s"))
+                for message in received.items if isinstance(received, ChunkBatch) else [received]:
+                    if getattr(message, "request_id", None) != request_id:
+                        continue  # a late reply to an earlier, abandoned request
+                    if isinstance(message, Error):
                         self.active = None
-                    yield accumulator, chunk
-                    if chunk.finished:
-                        return
+                        raise_for(message)
+                    if isinstance(message, Chunk):
+                        chunk = accumulator.add(message)
+                        if chunk.finished:
+                            self.active = None
+                        yield accumulator, chunk
+                        if chunk.finished:
+                            return
         finally:
             if self.active == request_id:
                 self.abort(request_id)

@@ -26,8 +26,9 @@ from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUna
                            error_from_code)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (Abort, Chunk, Error, ErrorCode, Generate, ProtocolError, Status, StatusRequest,
-                             Submit, Tokens, decode, encode, params_from_sampling, sampling_from_params)
+from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, ProtocolError, Status,
+                             StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
+                             sampling_from_params)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import Auth, client_socket, server_socket, split_routed
 from services.tokenizer.frontend_api import StreamEvent
@@ -84,6 +85,7 @@ class TokenizerService:
                             collect=lambda: len(self.last_status.workers) if self.last_status else 0)
         self.requests: dict[str, RequestState] = {}
         self.sdk_tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self.outbox: dict[bytes, list[Chunk]] = {}
         self.last_status: Status | None = None
         self.last_status_at = 0.0
         self.identity = f"tokenizer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -295,8 +297,9 @@ class TokenizerService:
         while True:
             frames = await self.stream.recv_multipart()
             message, _ = self._decode(frames, "worker stream")
-            if isinstance(message, Tokens):
-                self._on_tokens(message)
+            if isinstance(message, TokensBatch):
+                for item in message.items:
+                    self._on_tokens(item)
             elif isinstance(message, Error):
                 self._on_error(message)
 
@@ -378,7 +381,7 @@ class TokenizerService:
                 raise InvalidRequest("prompt: give text or token ids")
             params = params_from_sampling(submit.sampling)
             async for event in self.generate(internal_id, prompt_ids, params, tenant, submit.timeout_s):
-                await self._reply(identity, Chunk(
+                self._queue_chunk(identity, Chunk(
                     request_id=submit.request_id, token_ids=event.token_ids, text=event.text,
                     finished=event.finished, finish_reason=event.finish_reason,
                     num_prompt_tokens=event.num_prompt_tokens, num_cached_tokens=event.num_cached_tokens,
@@ -386,6 +389,18 @@ class TokenizerService:
         except BatonError as error:
             await self._reply(identity, Error(request_id=submit.request_id, code=error.code,
                                               message=error.message, retry_after_s=error.retry_after_s))
+
+    def _queue_chunk(self, identity: bytes, chunk: Chunk) -> None:
+        """Chunks for one client leave together, once the tasks now ready have run."""
+        pending = self.outbox.setdefault(identity, [])
+        pending.append(chunk)
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_chunks, identity)
+
+    def _flush_chunks(self, identity: bytes) -> None:
+        items = self.outbox.pop(identity, [])
+        if items:
+            asyncio.ensure_future(self._reply(identity, ChunkBatch(items=items)))
 
     async def _reply(self, identity: bytes, message) -> None:
         try:

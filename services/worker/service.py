@@ -19,7 +19,7 @@ from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
-                             KvEvents, ProtocolError, Tokens, Welcome, decode, params_from_sampling)
+                             KvEvents, ProtocolError, Tokens, TokensBatch, Welcome, decode, params_from_sampling)
 from common.sampling_params import InvalidRequestError
 from common.sockets import Auth, client_socket, send, server_socket
 
@@ -202,18 +202,22 @@ class WorkerService:
             self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
+        """One TokensBatch per tokenizer per step, not one message per token."""
+        batches: dict[str, list[Tokens]] = {}
         for output in outputs:
-            message = Tokens(request_id=output.request_id, token_ids=output.new_token_ids,
-                             finished=output.finished, finish_reason=output.finish_reason,
-                             worker_id=self.worker_id, logprobs=output.logprobs,
-                             num_prompt_tokens=output.num_prompt_tokens,
-                             num_cached_tokens=output.num_cached_tokens)
-            self._push(output.request_id, message)
-            self.metrics.generated.inc(len(output.new_token_ids))
+            address = self.streams.get(output.request_id)
+            if address is not None:
+                batches.setdefault(address, []).append(Tokens(
+                    request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
+                    finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
+                    num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens))
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
             if output.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
+        self.metrics.generated.inc(len(outputs))
+        for address, items in batches.items():
+            self._push_to(address, TokensBatch(items=items))
 
     def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
         self._push(request_id, Error(request_id=request_id, code=code, message=text))
@@ -227,16 +231,18 @@ class WorkerService:
 
     def _push(self, request_id: str, message) -> None:
         address = self.streams.get(request_id)
-        if address is None:
-            return
+        if address is not None:
+            self._push_to(address, message)
+
+    def _push_to(self, address: str, message) -> None:
         pusher = self.pushers.get(address)
         if pusher is None:
             pusher = client_socket(self.context, zmq.PUSH, self.config, address)
             self.pushers[address] = pusher
-        try:
-            send(pusher, message)
+        try:  # never block the engine on a slow or dead tokenizer
+            send(pusher, message, flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("stream_backpressure_drop", request_id=request_id)
+            log.warning("stream_backpressure_drop", stream=address)
 
     def _publish_events(self) -> None:
         stored, removed = self.events.drain()
