@@ -73,15 +73,16 @@ async def run_http(url: str, model: str | None, prompts: list[list[int]], max_to
             first, count = None, 0
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                      temperature=0, stream=True,
+                                                     stream_options={"include_usage": True},
                                                      extra_body={"ignore_eos": True, "min_tokens": max_tokens})
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text is not None:
-                    count += 1
+                if chunk.choices and chunk.choices[0].text:
                     first = first or time.perf_counter()
+                if chunk.usage is not None:  # the server's own count of generated tokens
+                    count = chunk.usage.completion_tokens
             end = time.perf_counter()
             first = first or end
-            return {"tokens": max_tokens if count else 0, "ttft_s": first - start,
-                    "tpot_s": (end - first) / max(max_tokens - 1, 1)}
+            return {"tokens": count, "ttft_s": first - start, "tpot_s": (end - first) / max(count - 1, 1)}
 
     start = time.perf_counter()
     records = await asyncio.gather(*[one(p) for p in prompts])
