@@ -2,13 +2,16 @@
 
 One thread runs the loop: drain the router's messages without blocking, step the engine,
 push each request's new tokens to the tokenizer that asked for them, publish KV events,
-heartbeat. The loop waits on sockets only while the engine is idle.
+and refresh the load report. The loop waits on sockets only while the engine is idle.
+A second thread sends that report as the heartbeat, on its own socket, so that a long
+engine step never makes a healthy worker look dead.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+from msgspec.structs import replace
 
 import numpy as np
 import zmq
@@ -85,8 +88,11 @@ class WorkerService:
         self.pushers: dict[str, zmq.Socket] = {}
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
                                             self.registry, self.health)
-        self.last_heartbeat = 0.0
+        self.last_report = 0.0
         self.reported_prefix_hits = 0
+        self.beat_lock = threading.Lock()
+        self.beat: Heartbeat | None = None  # the latest load report, sent by the heartbeat thread
+        self.rehello = threading.Event()  # the router forgot us: say hello again
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -98,8 +104,12 @@ class WorkerService:
                      events=self.config.worker_events_address(self.index),
                      metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
             print(f"baton worker {self.worker_id} ready", flush=True)
+            self._report()
+            beats = threading.Thread(target=self._heartbeat_loop, args=(stop,), name="heartbeat", daemon=True)
+            beats.start()
             while not stop.is_set():
                 self._turn()
+            beats.join(5)
         finally:
             self.close()
 
@@ -140,6 +150,8 @@ class WorkerService:
     # ---- the loop ------------------------------------------------------------------
 
     def _turn(self) -> None:
+        if self.rehello.is_set():
+            self._rejoin()
         busy = self.engine.has_unfinished()
         wait_ms = 0 if busy else int(self.config.heartbeat_interval_s * 500)
         if self.router.poll(wait_ms):
@@ -151,8 +163,8 @@ class WorkerService:
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
         self._publish_events()
-        if time.monotonic() - self.last_heartbeat >= self.config.heartbeat_interval_s:
-            self._heartbeat()
+        if time.monotonic() - self.last_report >= self.config.heartbeat_interval_s:
+            self._report()
 
     def _receive(self):
         frames = self.router.recv_multipart(copy=True)
@@ -169,14 +181,6 @@ class WorkerService:
         elif isinstance(message, Abort):
             if self.engine.abort(message.request_id):
                 self._forget(message.request_id, "aborted")
-        elif isinstance(message, Welcome) and message.rehello:
-            # The router dropped us (we were silent too long) and failed our requests
-            # over; finishing them now would only waste KV and compute.
-            log.warning("router_forgot_worker", worker_id=self.worker_id, dropping=len(self.streams))
-            for request_id in list(self.streams):
-                self.engine.abort(request_id)
-                self._forget(request_id, "dropped")
-            self._hello()
         elif message is not None:
             log.warning("unexpected_message", type=type(message).__name__)
 
@@ -249,7 +253,18 @@ class WorkerService:
         if stored or removed:
             send(self.publisher, KvEvents(worker_id=self.worker_id, stored=stored, removed=removed))
 
-    def _heartbeat(self) -> None:
+    def _rejoin(self) -> None:
+        """The router dropped us (silent too long, e.g. stopped) and failed our requests
+        over; finishing them now would only waste KV and compute."""
+        self.rehello.clear()
+        log.warning("router_forgot_worker", worker_id=self.worker_id, dropping=len(self.streams))
+        for request_id in list(self.streams):
+            self.engine.abort(request_id)
+            self._forget(request_id, "dropped")
+        self._hello()
+
+    def _report(self) -> None:
+        """Refresh the load report (and metrics) that the heartbeat thread sends."""
         engine = self.engine
         manager = engine.block_manager
         scheduler = engine.scheduler
@@ -259,10 +274,37 @@ class WorkerService:
         self.metrics.kv_cached.set(manager.num_cached)
         self.metrics.prefix_hits.inc(engine.stats.num_prefix_hit_tokens - self.reported_prefix_hits)
         self.reported_prefix_hits = engine.stats.num_prefix_hit_tokens
-        send(self.router, Heartbeat(
-            worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
-            kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,
-            kv_blocks_total=manager.num_blocks, prefix_hit_tokens=engine.stats.num_prefix_hit_tokens,
-            computed_tokens=engine.stats.num_computed_tokens, finished=self.finished))
+        with self.beat_lock:
+            unsent = self.beat.finished if self.beat is not None else []
+            self.beat = Heartbeat(
+                worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
+                kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,
+                kv_blocks_total=manager.num_blocks, prefix_hit_tokens=engine.stats.num_prefix_hit_tokens,
+                computed_tokens=engine.stats.num_computed_tokens, finished=unsent + self.finished)
         self.finished = []
-        self.last_heartbeat = time.monotonic()
+        self.last_report = time.monotonic()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        """Send the latest report every interval from this thread's own socket."""
+        socket = client_socket(self.context, zmq.DEALER, self.config, self.config.router, f"{self.worker_id}/beat")
+        try:
+            while not stop.wait(self.config.heartbeat_interval_s):
+                with self.beat_lock:
+                    beat, self.beat = self.beat, replace(self.beat, finished=[])
+                send(socket, beat)
+                while socket.poll(0):
+                    self._on_beat_reply(socket.recv_multipart())
+        except zmq.ZMQError as error:
+            if not stop.is_set():
+                log.error("heartbeat_failed", error=str(error))
+        finally:
+            socket.close(0)
+
+    def _on_beat_reply(self, frames: list[bytes]) -> None:
+        try:
+            reply, _ = decode(frames)
+        except ProtocolError as error:
+            log.warning("bad_message", source="router", error=str(error))
+            return
+        if isinstance(reply, Welcome) and reply.rehello:
+            self.rehello.set()
