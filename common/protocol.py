@@ -78,6 +78,7 @@ class Hello(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: int
     events_address: str
     metrics_address: str
+    instance_id: str = ""  # new per process: a hello from a new instance means a restart
 
 
 class Welcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,6 +88,7 @@ class Welcome(msgspec.Struct, forbid_unknown_fields=True):
     reason: str = ""
     protocol_version: int = PROTOCOL_VERSION
     rehello: bool = False  # the router does not know this worker (any more): say hello again
+    beat_seq: int = 0  # with rehello: the heartbeat it answers
 
 
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
@@ -99,6 +101,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     prefix_hit_tokens: int = 0
     computed_tokens: int = 0
     finished: list[str] = []  # requests ended since the last heartbeat
+    seq: int = 0  # numbers the heartbeats of one worker process
 
 
 class Generate(msgspec.Struct, forbid_unknown_fields=True):

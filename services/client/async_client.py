@@ -22,7 +22,8 @@ class AsyncClient:
         self.connect_timeout_s = connect_timeout_s
         self.context = zmq.asyncio.Context()
         self.socket = connect_dealer(self.context, address, curve)
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, asyncio.Queue] = {}  # streams
+        self.collectors: dict[str, tuple[Accumulator, asyncio.Future]] = {}  # generate() calls
         self.status_waiters: list[asyncio.Future] = []
         self.reader: asyncio.Task | None = None
         self.checked = False
@@ -35,7 +36,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Abort every request in flight and close the socket."""
-        for request_id in list(self.queues):
+        for request_id in [*self.queues, *self.collectors]:
             await self.abort(request_id)
         if self.reader is not None:
             self.reader.cancel()
@@ -60,10 +61,27 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
                        **sampling) -> Result:
-        accumulator = None
-        async for accumulator, _ in self._run(prompt, token_ids, timeout_s, sampling):
-            pass
-        return accumulator.result()
+        """Run one request to completion. Chunks are gathered by the reader as they arrive;
+        this coroutine wakes once, at the end."""
+        if not self.checked:
+            await self.status()
+            self.checked = True
+        timeout_s = timeout_s or self.timeout_s
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        done = asyncio.get_running_loop().create_future()
+        self.collectors[request_id] = (Accumulator(request_id), done)
+        try:
+            await self.socket.send_multipart(frames, copy=False)
+            try:
+                message = await asyncio.wait_for(asyncio.shield(done), timeout_s + 1.0)
+            except TimeoutError:
+                raise RequestTimeout(f"no result within {timeout_s:.1f} s") from None
+        finally:
+            if self.collectors.pop(request_id, None) is not None and not done.done():
+                await self.abort(request_id)
+        if isinstance(message, Error):
+            raise_for(message)
+        return message.result()
 
     async def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
                      **sampling) -> AsyncIterator[StreamChunk]:
@@ -73,6 +91,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
+        self.collectors.pop(request_id, None)
         if not self.socket.closed:
             await self.socket.send_multipart(encode(Abort(request_id=request_id)))
 
@@ -120,6 +139,24 @@ class AsyncClient:
                         waiter.set_result(message)
                 continue
             for item in message.items if isinstance(message, ChunkBatch) else [message]:
-                queue = self.queues.get(getattr(item, "request_id", ""))
-                if queue is not None and isinstance(item, (Chunk, Error)):
-                    queue.put_nowait(item)
+                if isinstance(item, (Chunk, Error)):
+                    self._dispatch(item)
+
+    def _dispatch(self, item: Chunk | Error) -> None:
+        queue = self.queues.get(item.request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+            return
+        collector = self.collectors.get(item.request_id)
+        if collector is None:
+            return
+        accumulator, done = collector
+        if isinstance(item, Error):
+            self._settle(done, item)
+        elif accumulator.add(item).finished:
+            self._settle(done, accumulator)
+
+    @staticmethod
+    def _settle(done: asyncio.Future, outcome) -> None:
+        if not done.done():
+            done.set_result(outcome)

@@ -170,9 +170,12 @@ class RouterService:
             return
         self.model_fingerprint = self.model_fingerprint or hello.model_fingerprint
         previous = self.workers.pop(hello.worker_id, None)
-        if previous is not None:  # a restart: whatever the old process held is lost
+        state = WorkerState(hello, identity, time.monotonic())
+        if previous is not None and previous.hello.instance_id == hello.instance_id:
+            state.in_flight = previous.in_flight  # the same process saying hello again
+        elif previous is not None:  # a restart: whatever the old process held is lost
             self._fail_requests(previous, "the worker restarted")
-        self.workers[hello.worker_id] = WorkerState(hello, identity, time.monotonic())
+        self.workers[hello.worker_id] = state
         if hello.events_address not in self.subscribed:
             self.events.connect(hello.events_address)
             self.subscribed.add(hello.events_address)
@@ -192,7 +195,8 @@ class RouterService:
     def _on_heartbeat(self, identity: bytes, beat: Heartbeat, _payloads) -> None:
         worker = self.workers.get(beat.worker_id)
         if worker is None:
-            self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True))
+            self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True,
+                                          beat_seq=beat.seq))
             return
         worker.last_seen = time.monotonic()
         worker.heartbeat = beat

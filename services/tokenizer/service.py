@@ -236,6 +236,8 @@ class TokenizerService:
         state = self.requests.get(message.request_id)
         if state is None or state.done:
             return
+        if message.worker_id in state.lost_workers:
+            return  # that worker was already given up on for this request
         if message.worker_id:
             state.lost_workers.add(message.worker_id)
         if message.code == ErrorCode.WORKER_LOST and state.tokens_sent == 0 \

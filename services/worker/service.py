@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from msgspec.structs import replace
 
 import numpy as np
@@ -93,6 +94,9 @@ class WorkerService:
         self.beat_lock = threading.Lock()
         self.beat: Heartbeat | None = None  # the latest load report, sent by the heartbeat thread
         self.rehello = threading.Event()  # the router forgot us: say hello again
+        self.instance_id = uuid.uuid4().hex
+        self.beats_sent = 0
+        self.joined_after_beat = 0  # rehellos answering heartbeats up to this one are stale
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -127,12 +131,14 @@ class WorkerService:
                 "kv_blocks_total": self.engine.block_manager.num_blocks}
 
     def _hello(self) -> None:
+        self.joined_after_beat = self.beats_sent
         engine = self.engine
         hello = Hello(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id, role="worker",
             model_fingerprint=engine.model_fingerprint, tokenizer_fingerprint=engine.tokenizer_fingerprint,
             kv_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
             max_model_len=engine.max_model_len,
+            instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
             metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}")
         send(self.router, hello)
@@ -224,7 +230,7 @@ class WorkerService:
             self._push_to(address, TokensBatch(items=items))
 
     def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
-        self._push(request_id, Error(request_id=request_id, code=code, message=text))
+        self._push(request_id, Error(request_id=request_id, code=code, message=text, worker_id=self.worker_id))
         self._forget(request_id, code.value)
 
     def _forget(self, request_id: str, outcome: str) -> None:
@@ -260,7 +266,8 @@ class WorkerService:
         log.warning("router_forgot_worker", worker_id=self.worker_id, dropping=len(self.streams))
         for request_id in list(self.streams):
             self.engine.abort(request_id)
-            self._forget(request_id, "dropped")
+            # The tokenizer ignores this if the router already failed the request over.
+            self._fail(request_id, ErrorCode.WORKER_LOST, f"{self.worker_id} lost contact with the router")
         self._hello()
 
     def _report(self) -> None:
@@ -290,7 +297,8 @@ class WorkerService:
         try:
             while not stop.wait(self.config.heartbeat_interval_s):
                 with self.beat_lock:
-                    beat, self.beat = self.beat, replace(self.beat, finished=[])
+                    self.beats_sent += 1
+                    beat, self.beat = replace(self.beat, seq=self.beats_sent), replace(self.beat, finished=[])
                 send(socket, beat)
                 while socket.poll(0):
                     self._on_beat_reply(socket.recv_multipart())
@@ -306,5 +314,5 @@ class WorkerService:
         except ProtocolError as error:
             log.warning("bad_message", source="router", error=str(error))
             return
-        if isinstance(reply, Welcome) and reply.rehello:
+        if isinstance(reply, Welcome) and reply.rehello and reply.beat_seq > self.joined_after_beat:
             self.rehello.set()
