@@ -116,14 +116,12 @@ class TokenizerService:
                        tenant: str, timeout_s: float = 0.0) -> AsyncIterator[StreamEvent]:
         timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         state = self._admit(request_id, prompt_ids, params, tenant, timeout_s)
+        # One timer per request delivers the timeout, rather than a timed wait per token.
+        timer = asyncio.get_running_loop().call_later(
+            timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         try:
             while True:
-                remaining = state.deadline - time.monotonic()
-                try:
-                    item = await asyncio.wait_for(state.queue.get(), max(remaining, 0.0))
-                except TimeoutError:
-                    self.metrics.requests.inc(outcome="timeout")
-                    raise RequestTimeout(f"no result within {timeout_s:.1f} s") from None
+                item = await state.queue.get()
                 if isinstance(item, BatonError):
                     self.metrics.requests.inc(outcome=item.code.value)
                     raise item
@@ -132,6 +130,7 @@ class TokenizerService:
                     self._record_finish(state, item)
                     return
         finally:
+            timer.cancel()
             self.requests.pop(request_id, None)
             self.metrics.running.set(len(self.requests))
             if not state.done:

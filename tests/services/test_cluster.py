@@ -2,13 +2,14 @@
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.sampling_params import SamplingParams
-from services.client import AsyncClient, Client, InvalidRequest
+from services.client import AsyncClient, Client, InvalidRequest, RequestTimeout
 from services.local_cluster import REPO
 
 
@@ -73,3 +74,13 @@ def test_status_lists_healthy_workers_with_load_and_kv(cluster):
     assert {w["worker_id"] for w in status["workers"]} == {"worker-0", "worker-1"}
     assert all(w["healthy"] and w["kv_blocks_total"] > 0 for w in status["workers"])
     assert status["requests_routed"] > 0 and status["kv_events_received"] > 0
+
+
+def test_a_request_past_its_deadline_times_out_and_frees_its_kv(cluster):
+    with Client(cluster.sdk, timeout_s=60) as client:
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            client.generate("too slow", max_tokens=900, ignore_eos=True, timeout_s=0.3)
+        assert time.monotonic() - started < 1.2  # the server's deadline, not the client's backstop
+    cluster.wait_for(lambda: sum(cluster.worker_health(i)["kv_blocks_used"] for i in range(cluster.workers)) == 0,
+                     10, "KV blocks to be freed after the timeout")
