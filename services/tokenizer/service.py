@@ -12,7 +12,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +55,8 @@ class RequestState:
     first_token_at: float | None = None
     done: bool = False
     lost_workers: set[str] = field(default_factory=set)  # a late token from these is stale
+    sink: Callable[[object], None] | None = None  # takes events directly (SDK) instead of `queue`
+    timer: asyncio.TimerHandle | None = None
 
 
 class TokenizerMetrics:
@@ -84,7 +86,7 @@ class TokenizerService:
         self.registry.gauge("baton_tokenizer_workers", "Healthy workers the router reports",
                             collect=lambda: len(self.last_status.workers) if self.last_status else 0)
         self.requests: dict[str, RequestState] = {}
-        self.sdk_tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self.sdk_requests: dict[tuple[bytes, str], RequestState] = {}  # (client, its id) -> request
         self.outbox: dict[bytes, list[Chunk]] = {}
         self.last_status: Status | None = None
         self.last_status_at = 0.0
@@ -114,11 +116,7 @@ class TokenizerService:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        tenant: str, timeout_s: float = 0.0) -> AsyncIterator[StreamEvent]:
-        timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         state = self._admit(request_id, prompt_ids, params, tenant, timeout_s)
-        # One timer per request delivers the timeout, rather than a timed wait per token.
-        timer = asyncio.get_running_loop().call_later(
-            timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         try:
             while True:
                 item = await state.queue.get()
@@ -130,19 +128,14 @@ class TokenizerService:
                     self._record_finish(state, item)
                     return
         finally:
-            timer.cancel()
-            self.requests.pop(request_id, None)
-            self.metrics.running.set(len(self.requests))
-            if not state.done:
-                state.done = True
-                await self._send_router(Abort(request_id=request_id, reason="client gone"))
+            self._release(state)
 
     async def abort(self, request_id: str) -> None:
         state = self.requests.get(request_id)
         if state is not None and not state.done:
             state.done = True
             await self._send_router(Abort(request_id=request_id))
-            state.queue.put_nowait(StreamEvent([], "", finished=True, finish_reason="abort"))
+            self._deliver(state, StreamEvent([], "", finished=True, finish_reason="abort"))
 
     def health(self) -> dict:
         fresh = time.monotonic() - self.last_status_at < self.config.worker_timeout_s
@@ -156,7 +149,10 @@ class TokenizerService:
     # ---- requests ------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str,
-               timeout_s: float) -> RequestState:
+               timeout_s: float, sink: Callable[[object], None] | None = None) -> RequestState:
+        """Validate, register and place a request; its events go to `sink` if given,
+        else to its queue. Every admitted request ends with `_release`."""
+        timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         try:
             params.validate()
             validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
@@ -168,10 +164,23 @@ class TokenizerService:
         state = RequestState(request_id, list(prompt_ids), params, tenant,
                              IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
                              deadline=time.monotonic() + timeout_s)
+        state.sink = sink
+        # One timer per request delivers the timeout, rather than a timed wait per token.
+        state.timer = asyncio.get_running_loop().call_later(
+            timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         self.requests[request_id] = state
         self.metrics.running.set(len(self.requests))
         self._place(state)
         return state
+
+    def _release(self, state: RequestState) -> None:
+        """Forget a request; one that did not finish is aborted on its worker."""
+        state.timer.cancel()
+        self.requests.pop(state.request_id, None)
+        self.metrics.running.set(len(self.requests))
+        if not state.done:
+            state.done = True
+            asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="client gone")))
 
     def _place(self, state: RequestState) -> None:
         generate = Generate(request_id=state.request_id, sampling=sampling_from_params(state.params),
@@ -249,6 +258,9 @@ class TokenizerService:
         self._deliver(state, error_from_code(message.code, message.message, message.retry_after_s))
 
     def _deliver(self, state: RequestState, item) -> None:
+        if state.sink is not None:
+            state.sink(item)
+            return
         try:
             state.queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -275,7 +287,7 @@ class TokenizerService:
                 if task is not stopper and task.exception():
                     raise task.exception()
         finally:
-            for task in [*tasks, *self.sdk_tasks.values()]:
+            for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
@@ -343,9 +355,7 @@ class TokenizerService:
             elif isinstance(message, Submit):
                 self._on_submit(identity, message, payloads)
             elif isinstance(message, Abort):
-                task = self.sdk_tasks.get((identity, message.request_id))
-                if task is not None:
-                    task.cancel()
+                self._abort_sdk_request((identity, message.request_id))
             elif isinstance(message, StatusRequest):
                 await self._reply(identity, self._status_for_client(message))
             else:
@@ -358,19 +368,12 @@ class TokenizerService:
         return self.last_status
 
     def _on_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:
+        """Admit a client's request; its events are turned into Chunks by `_on_sdk_event`
+        as they arrive, with no task per request."""
         key = (identity, submit.request_id)
-        if key in self.sdk_tasks:
-            asyncio.ensure_future(self._reply(identity, Error(
-                request_id=submit.request_id, code=ErrorCode.INVALID_REQUEST,
-                message=f"request_id: {submit.request_id!r} is already in flight")))
-            return
-        task = asyncio.create_task(self._serve_submit(identity, submit, payloads))
-        self.sdk_tasks[key] = task
-        task.add_done_callback(lambda _: self.sdk_tasks.pop(key, None))
-
-    async def _serve_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:
-        internal_id = f"sdk-{uuid.uuid4().hex}"
         try:
+            if key in self.sdk_requests:
+                raise InvalidRequest(f"request_id: {submit.request_id!r} is already in flight")
             tenant = self.tenant_for(submit.api_key)
             if submit.prompt is not None:
                 if not submit.prompt:
@@ -381,15 +384,41 @@ class TokenizerService:
             else:
                 raise InvalidRequest("prompt: give text or token ids")
             params = params_from_sampling(submit.sampling)
-            async for event in self.generate(internal_id, prompt_ids, params, tenant, submit.timeout_s):
-                self._queue_chunk(identity, Chunk(
-                    request_id=submit.request_id, token_ids=event.token_ids, text=event.text,
-                    finished=event.finished, finish_reason=event.finish_reason,
-                    num_prompt_tokens=event.num_prompt_tokens, num_cached_tokens=event.num_cached_tokens,
-                    logprobs=event.logprobs))
+            state = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant, submit.timeout_s,
+                                sink=lambda item: self._on_sdk_event(key, item))
         except BatonError as error:
-            await self._reply(identity, Error(request_id=submit.request_id, code=error.code,
-                                              message=error.message, retry_after_s=error.retry_after_s))
+            self._send_error(identity, submit.request_id, error)
+            return
+        self.sdk_requests[key] = state
+
+    def _on_sdk_event(self, key: tuple[bytes, str], item) -> None:
+        identity, client_id = key
+        state = self.sdk_requests.get(key)
+        if state is None:
+            return
+        if isinstance(item, BatonError):
+            self.metrics.requests.inc(outcome=item.code.value)
+            self._send_error(identity, client_id, item)
+        else:
+            self._queue_chunk(identity, Chunk(
+                request_id=client_id, token_ids=item.token_ids, text=item.text, finished=item.finished,
+                finish_reason=item.finish_reason, num_prompt_tokens=item.num_prompt_tokens,
+                num_cached_tokens=item.num_cached_tokens, logprobs=item.logprobs))
+            if not item.finished:
+                return
+            self._record_finish(state, item)
+        del self.sdk_requests[key]
+        self._release(state)
+
+    def _abort_sdk_request(self, key: tuple[bytes, str]) -> None:
+        state = self.sdk_requests.pop(key, None)
+        if state is not None:
+            self._release(state)
+
+    def _send_error(self, identity: bytes, client_id: str, error: BatonError) -> None:
+        asyncio.ensure_future(self._reply(identity, Error(request_id=client_id, code=error.code,
+                                                          message=error.message,
+                                                          retry_after_s=error.retry_after_s)))
 
     def _queue_chunk(self, identity: bytes, chunk: Chunk) -> None:
         """Chunks for one client leave together, once the tasks now ready have run."""
