@@ -143,10 +143,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._seqs)
-
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 

@@ -46,8 +46,3 @@ class KVCache:
             layout.head_dim, dtype=getattr(torch, layout.dtype), device=device)
         # Per layer, K and V side by side: [2, slots, kv_heads, head_dim].
         self.layers = [self.data[layer] for layer in range(layout.num_layers)]
-
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block's K and V for all layers: [layers, 2, block_size, kv_heads, head_dim]."""
-        size = self.layout.block_size
-        return self.data[:, :, block_id * size:(block_id + 1) * size].clone()

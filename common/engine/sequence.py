@@ -62,10 +62,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def extend_hashes(self) -> None:
         """Name every block whose tokens are all known and not yet named."""
         named_tokens = len(self.block_hashes) * self.block_size
