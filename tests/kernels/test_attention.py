@@ -3,7 +3,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import AttentionInputs, select_backend
 

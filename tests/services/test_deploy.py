@@ -1,7 +1,6 @@
 """compose.yaml: every service is a valid `svc start` invocation of the shared config."""
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 

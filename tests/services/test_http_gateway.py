@@ -373,7 +373,7 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(server, fronten
                            max_retries=0)
     with pytest.raises(openai.APIError, match="worker lost"):
         list(client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True, **GREEDY))
-    wait_for(lambda: frontend.engine.num_unfinished == 0)
+    wait_for(lambda: not frontend.engine.has_unfinished())
 
 
 # ---- raw HTTP: malformed input, limits, disconnects ----------------------------------------
@@ -495,7 +495,7 @@ def test_fuzzed_requests_never_break_the_server(server):
 def test_a_client_leaving_mid_stream_aborts_its_request(server, frontend):
     request_id = start_stream_and_leave(server.port)
     wait_for(lambda: request_id in frontend.aborted)
-    wait_for(lambda: frontend.engine.num_unfinished == 0)
+    wait_for(lambda: not frontend.engine.has_unfinished())
     frontend.engine.check_integrity()
 
 
