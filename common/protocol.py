@@ -79,6 +79,8 @@ class Hello(msgspec.Struct, forbid_unknown_fields=True):
     events_address: str
     metrics_address: str
     instance_id: str = ""  # new per process: a hello from a new instance means a restart
+    kv_dtype: str = ""  # with the fingerprints and block size, what roots its block hashes
+    adapter_id: str = ""
 
 
 class Welcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,6 +93,14 @@ class Welcome(msgspec.Struct, forbid_unknown_fields=True):
     beat_seq: int = 0  # with rehello: the heartbeat it answers
 
 
+class FinishedRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A request a worker ended, with what the router learns from it."""
+
+    request_id: str
+    ttft_s: float = -1.0  # arrival at the worker to first token; -1 if none was produced
+    output_tokens: int = 0
+
+
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     worker_id: str
     running: int
@@ -100,7 +110,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     kv_blocks_total: int
     prefix_hit_tokens: int = 0
     computed_tokens: int = 0
-    finished: list[str] = []  # requests ended since the last heartbeat
+    finished: list[FinishedRequest] = []  # requests ended since the last heartbeat
     seq: int = 0  # numbers the heartbeats of one worker process
 
 
@@ -113,6 +123,7 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True):
     tenant: str = ""
     arrival_time: float = 0.0
     deadline: float = 0.0  # wall-clock seconds; 0 = none
+    slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
 
 
 class Abort(msgspec.Struct, forbid_unknown_fields=True):
@@ -183,6 +194,7 @@ class Submit(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str | None = None
     api_key: str = ""
     timeout_s: float = 0.0  # 0 = the server's default
+    slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
 
 
 class Chunk(msgspec.Struct, forbid_unknown_fields=True):

@@ -200,7 +200,8 @@ class RouterService:
             return
         worker.last_seen = time.monotonic()
         worker.heartbeat = beat
-        for request_id in beat.finished:
+        for finished in beat.finished:
+            request_id = finished.request_id
             worker.in_flight.pop(request_id, None)
             self.origins.pop(request_id, None)
             self.placed_on.pop(request_id, None)

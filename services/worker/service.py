@@ -12,6 +12,8 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+
 from msgspec.structs import replace
 
 import numpy as np
@@ -22,7 +24,7 @@ from common.engine.engine import Engine, RequestOutput
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
-from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
+from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, FinishedRequest, Generate, Heartbeat, Hello,
                              KvEvents, ProtocolError, Tokens, TokensBatch, Welcome, decode, params_from_sampling)
 from common.sampling_params import InvalidRequestError
 from common.sockets import Auth, client_socket, send, server_socket
@@ -56,6 +58,13 @@ class KvEventBuffer:
         return drained
 
 
+@dataclass
+class RequestProgress:
+    received: float  # monotonic seconds when the Generate arrived
+    ttft_s: float = -1.0
+    output_tokens: int = 0
+
+
 class WorkerMetrics:
     def __init__(self, registry: Registry):
         self.requests = registry.counter("baton_worker_requests_total", "Requests ended, by outcome",
@@ -81,7 +90,8 @@ class WorkerService:
         self.metrics = WorkerMetrics(self.registry)
         self.streams: dict[str, str] = {}  # request id -> tokenizer stream address
         self.deadlines: dict[str, float] = {}
-        self.finished: list[str] = []
+        self.finished: list[FinishedRequest] = []
+        self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
         self.context = zmq.Context()
         self.auth = Auth(self.context, config)
         self.router = client_socket(self.context, zmq.DEALER, config, config.router, self.worker_id)
@@ -137,8 +147,8 @@ class WorkerService:
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id, role="worker",
             model_fingerprint=engine.model_fingerprint, tokenizer_fingerprint=engine.tokenizer_fingerprint,
             kv_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
-            max_model_len=engine.max_model_len,
-            instance_id=self.instance_id,
+            max_model_len=engine.max_model_len, kv_dtype=engine.config.dtype,
+            adapter_id=engine.config.adapter_id, instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
             metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}")
         send(self.router, hello)
@@ -193,6 +203,7 @@ class WorkerService:
     def _start(self, request: Generate, prompt: np.ndarray) -> None:
         request_id = request.request_id
         self.streams[request_id] = request.stream_address
+        self.progress[request_id] = RequestProgress(time.monotonic())
         try:
             params = params_from_sampling(request.sampling)
             prompt_ids = prompt.astype(np.int64).tolist()
@@ -223,6 +234,7 @@ class WorkerService:
                     num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens))
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
+            self._note_progress(output)
             if output.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
         self.metrics.generated.inc(len(outputs))
@@ -233,10 +245,18 @@ class WorkerService:
         self._push(request_id, Error(request_id=request_id, code=code, message=text, worker_id=self.worker_id))
         self._forget(request_id, code.value)
 
+    def _note_progress(self, output: RequestOutput) -> None:
+        progress = self.progress.get(output.request_id)
+        if progress is not None and output.new_token_ids:
+            if progress.ttft_s < 0:
+                progress.ttft_s = time.monotonic() - progress.received
+            progress.output_tokens += len(output.new_token_ids)
+
     def _forget(self, request_id: str, outcome: str) -> None:
         self.streams.pop(request_id, None)
         self.deadlines.pop(request_id, None)
-        self.finished.append(request_id)
+        progress = self.progress.pop(request_id, None) or RequestProgress(0.0)
+        self.finished.append(FinishedRequest(request_id, round(progress.ttft_s, 6), progress.output_tokens))
         self.metrics.requests.inc(outcome=outcome)
 
     def _push(self, request_id: str, message) -> None:
