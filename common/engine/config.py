@@ -6,7 +6,7 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-QUEUE_POLICIES = ("fcfs", "lpm")
+QUEUE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("bfloat16", "float32", "float16")
 
 

@@ -154,6 +154,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.policy.admitted(seq)
             plan.chunks.append(ScheduledChunk(seq, num_cached, num_new))
             budget -= num_new
 
