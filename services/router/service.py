@@ -1,65 +1,61 @@
 """The `router` role: knows the workers, places requests, notices the dead.
 
 Workers and tokenizers connect DEALER sockets to one ROUTER socket. A worker says Hello
-(refused on a protocol or model mismatch) and then heartbeats its load and the requests
-it finished; a tokenizer sends Generate and Abort. A worker silent for
-`worker_timeout_s` is dropped and each of its requests is failed back to the tokenizer
-that sent it (WORKER_LOST), which retries it elsewhere when nothing was streamed yet.
+(refused on a protocol, model or block-naming mismatch) and then heartbeats its load and
+the requests it finished; its KV events feed the prefix index. A tokenizer sends Generate
+and Abort. Each Generate is matched against the index, ranked by the placement policy
+and admitted (or refused early) by admission control; see services/router/cluster.py.
+A worker silent for `worker_timeout_s` is dropped and each of its requests is failed
+back to the tokenizer that sent it (WORKER_LOST), which retries it elsewhere when nothing
+was streamed yet.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
 from common.config import ClusterConfig
+from common.cost_model import load_cost_model
+from common.hashing import root_hash
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
                              KvEvents, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode)
 from common.sockets import Auth, send, server_socket, split_routed, subscriber
-from services.router.policy import PlacementRequest, WorkerLoad, make_policy
+from services.router.admission import AdmissionConfig, AdmissionControl
+from services.router.cluster import ClusterState, Placement
+from services.router.policies import make_policy
 
 log = get_logger("router")
-OVERLOAD_RETRY_AFTER_S = 1.0
+UNAVAILABLE_RETRY_AFTER_S = 1.0
 
 
 @dataclass
-class WorkerState:
+class Member:
+    """A connected worker: how to reach it and when it last spoke."""
+
     hello: Hello
     identity: bytes
     last_seen: float
     heartbeat: Heartbeat | None = None
-    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens
-
-    @property
-    def queued(self) -> int:
-        """Requests placed here beyond the worker's running batch."""
-        running = self.heartbeat.running if self.heartbeat else 0
-        return max(0, len(self.in_flight) - running)
-
-    @property
-    def queued_tokens(self) -> int:
-        return sum(self.in_flight.values()) if self.queued else 0
-
-    def load(self) -> WorkerLoad:
-        beat = self.heartbeat
-        return WorkerLoad(self.hello.worker_id, beat.running if beat else 0, beat.waiting if beat else 0,
-                          len(self.in_flight), beat.kv_blocks_used if beat else 0,
-                          beat.kv_blocks_total if beat else self.hello.kv_blocks)
 
 
 class RouterMetrics:
     def __init__(self, registry: Registry):
         self.placed = registry.counter("baton_router_requests_total", "Requests by outcome",
                                        labels=("outcome",))
+        self.rejected = registry.counter("baton_router_rejected_total",
+                                         "Requests refused by admission control, by SLO class",
+                                         labels=("slo_class",))
         self.kv_events = registry.counter("baton_router_kv_events_total", "KV block events received",
                                           labels=("kind",))
         self.workers = registry.gauge("baton_router_workers", "Healthy workers")
+        self.index_blocks = registry.gauge("baton_router_index_blocks", "Blocks in the cluster prefix index")
         self.bad_messages = registry.counter("baton_router_bad_messages_total", "Malformed messages")
 
 
@@ -67,11 +63,17 @@ class RouterService:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.policy = make_policy(config.policy)
+        ttl = config.index_ttl_s if config.index_mode == "approximate" else None
+        self.cluster = ClusterState(config.block_size, load_cost_model(config.profile), config.load_window_s, ttl)
+        self.admission = AdmissionControl(
+            AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
+            {slo.name: slo for slo in config.slo_classes})
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry)
-        self.workers: dict[str, WorkerState] = {}
+        self.members: dict[str, Member] = {}
         self.origins: dict[str, bytes] = {}  # request id -> tokenizer identity
-        self.placed_on: dict[str, str] = {}  # request id -> worker id
+        self.hash_root: tuple | None = None  # what names blocks: set by the first worker
+        self.root_hashes: dict[str, int] = {}  # tenant -> root of its hash chains
         self.model_fingerprint: str | None = None
         self.requests_routed = 0
         self.kv_events_received = 0
@@ -111,7 +113,7 @@ class RouterService:
         self.context.term()
 
     def health(self) -> dict:
-        return {"ok": True, "role": "router", "pid": os.getpid(), "workers": len(self.workers)}
+        return {"ok": True, "role": "router", "pid": os.getpid(), "workers": len(self.members)}
 
     # ---- input ---------------------------------------------------------------------
 
@@ -147,10 +149,15 @@ class RouterService:
         except ProtocolError as error:
             log.warning("bad_kv_event", error=str(error))
             return
-        if isinstance(message, KvEvents):
-            self.kv_events_received += len(message.stored) + len(message.removed)
-            self.metrics.kv_events.inc(len(message.stored), kind="stored")
-            self.metrics.kv_events.inc(len(message.removed), kind="removed")
+        if not isinstance(message, KvEvents):
+            return
+        self.kv_events_received += len(message.stored) + len(message.removed)
+        self.metrics.kv_events.inc(len(message.stored), kind="stored")
+        self.metrics.kv_events.inc(len(message.removed), kind="removed")
+        if message.worker_id in self.members:
+            self.cluster.kv_removed(message.worker_id, message.removed)
+            self.cluster.kv_stored(message.worker_id, message.stored, time.monotonic())
+        self.metrics.index_blocks.set(len(self.cluster.index))
 
     def _reply(self, identity: bytes, message, payloads=None) -> bool:
         try:
@@ -169,17 +176,18 @@ class RouterService:
             self._reply(identity, Welcome(accepted=False, reason=refusal))
             return
         self.model_fingerprint = self.model_fingerprint or hello.model_fingerprint
-        previous = self.workers.pop(hello.worker_id, None)
-        state = WorkerState(hello, identity, time.monotonic())
-        if previous is not None and previous.hello.instance_id == hello.instance_id:
-            state.in_flight = previous.in_flight  # the same process saying hello again
-        elif previous is not None:  # a restart: whatever the old process held is lost
-            self._fail_requests(previous, "the worker restarted")
-        self.workers[hello.worker_id] = state
+        self.hash_root = self.hash_root or _hash_root(hello)
+        previous = self.members.pop(hello.worker_id, None)
+        self.members[hello.worker_id] = Member(hello, identity, time.monotonic())
+        if previous is None or previous.hello.instance_id != hello.instance_id:
+            # A new process: whatever an old one held (requests, cached blocks) is gone.
+            self._fail_requests(self.cluster.remove_worker(hello.worker_id), hello.worker_id,
+                                "the worker restarted")
+            self.cluster.add_worker(hello.worker_id, hello.kv_blocks)
         if hello.events_address not in self.subscribed:
             self.events.connect(hello.events_address)
             self.subscribed.add(hello.events_address)
-        self.metrics.workers.set(len(self.workers))
+        self.metrics.workers.set(len(self.members))
         log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks)
         self._reply(identity, Welcome(accepted=True))
 
@@ -190,84 +198,113 @@ class RouterService:
         if self.model_fingerprint and hello.model_fingerprint != self.model_fingerprint:
             return (f"model mismatch: worker {hello.worker_id} serves model {hello.model_fingerprint}, "
                     f"the cluster serves {self.model_fingerprint}")
+        if hello.block_size != self.config.block_size:
+            return (f"block size mismatch: worker {hello.worker_id} uses {hello.block_size}-token blocks, "
+                    f"the cluster {self.config.block_size}")
+        if self.hash_root and _hash_root(hello) != self.hash_root:
+            return (f"KV naming mismatch: worker {hello.worker_id} names blocks by "
+                    f"(tokenizer, adapter, kv dtype) = {_hash_root(hello)[1:4]}, the cluster by "
+                    f"{self.hash_root[1:4]}")
         return ""
 
     def _on_heartbeat(self, identity: bytes, beat: Heartbeat, _payloads) -> None:
-        worker = self.workers.get(beat.worker_id)
-        if worker is None:
+        member = self.members.get(beat.worker_id)
+        if member is None:
             self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True,
                                           beat_seq=beat.seq))
             return
-        worker.last_seen = time.monotonic()
-        worker.heartbeat = beat
+        now = time.monotonic()
+        member.last_seen = now
+        member.heartbeat = beat
+        self.cluster.report(beat.worker_id, beat.running, beat.waiting, beat.kv_blocks_used, beat.kv_blocks_cached)
         for finished in beat.finished:
-            request_id = finished.request_id
-            worker.in_flight.pop(request_id, None)
-            self.origins.pop(request_id, None)
-            self.placed_on.pop(request_id, None)
+            self.origins.pop(finished.request_id, None)
+            placement = self.cluster.finish(finished.request_id, finished.output_tokens)
+            if placement is not None:
+                self.policy.finished(placement, finished.ttft_s, now)
 
     def _drop_silent_workers(self) -> None:
         now = time.monotonic()
-        for worker_id in [w for w, s in self.workers.items() if now - s.last_seen > self.config.worker_timeout_s]:
-            worker = self.workers.pop(worker_id)
-            self.metrics.workers.set(len(self.workers))
-            log.error("worker_lost", worker_id=worker_id, in_flight=len(worker.in_flight),
-                      silent_s=round(now - worker.last_seen, 2))
-            self._fail_requests(worker, f"worker {worker_id} stopped answering")
+        silent = [w for w, m in self.members.items() if now - m.last_seen > self.config.worker_timeout_s]
+        for worker_id in silent:
+            member = self.members.pop(worker_id)
+            self.metrics.workers.set(len(self.members))
+            placements = self.cluster.remove_worker(worker_id)
+            log.error("worker_lost", worker_id=worker_id, in_flight=len(placements),
+                      silent_s=round(now - member.last_seen, 2))
+            self._fail_requests(placements, worker_id, f"worker {worker_id} stopped answering")
 
-    def _fail_requests(self, worker: WorkerState, why: str) -> None:
-        for request_id in worker.in_flight:
-            origin = self.origins.pop(request_id, None)
-            self.placed_on.pop(request_id, None)
+    def _fail_requests(self, placements: list[Placement], worker_id: str, why: str) -> None:
+        for placement in placements:
+            origin = self.origins.pop(placement.request_id, None)
             if origin is not None:
                 self.metrics.placed.inc(outcome="worker_lost")
-                self._reply(origin, Error(request_id=request_id, code=ErrorCode.WORKER_LOST, message=why,
-                                          worker_id=worker.hello.worker_id))
+                self._reply(origin, Error(request_id=placement.request_id, code=ErrorCode.WORKER_LOST,
+                                          message=why, worker_id=worker_id))
 
     # ---- requests ------------------------------------------------------------------
 
     def _on_generate(self, identity: bytes, request: Generate, payloads) -> None:
-        prompt_len = len(payloads[0])
-        if not self.workers:
-            self.metrics.placed.inc(outcome="unavailable")
-            self._reply(identity, Error(request_id=request.request_id, code=ErrorCode.UNAVAILABLE,
-                                        message="no worker is available", retry_after_s=OVERLOAD_RETRY_AFTER_S))
+        if not self.members or self.hash_root is None:
+            self._refuse(identity, request, ErrorCode.UNAVAILABLE, "no worker is available",
+                         UNAVAILABLE_RETRY_AFTER_S, "unavailable")
             return
-        loads = [w.load() for w in self.workers.values()]
-        for worker_id in self.policy.choose(PlacementRequest(request.request_id, prompt_len, request.tenant), loads):
-            worker = self.workers[worker_id]
-            if worker.queued >= self.config.max_queued_requests or \
-                    worker.queued_tokens + prompt_len > self.config.max_queued_tokens:
-                continue
-            if not self._reply(worker.identity, request, payloads):
-                continue
-            worker.in_flight[request.request_id] = prompt_len
-            self.origins[request.request_id] = identity
-            self.placed_on[request.request_id] = worker_id
-            self.requests_routed += 1
-            self.metrics.placed.inc(outcome="placed")
-            return
-        self.metrics.placed.inc(outcome="overloaded")
-        self._reply(identity, Error(request_id=request.request_id, code=ErrorCode.OVERLOADED,
-                                    message="every worker's queue is full", retry_after_s=OVERLOAD_RETRY_AFTER_S))
+        now = time.monotonic()
+        candidate = self.cluster.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
+                                         request.sampling.max_tokens, now, request.slo_class)
+        preference = self.policy.choose(candidate, self.cluster, now)
+        while preference:
+            verdict = self.admission.decide(candidate, preference, self.cluster, now)
+            if verdict.worker_id is None:
+                self.metrics.rejected.inc(slo_class=request.slo_class or "none")
+                self._refuse(identity, request, ErrorCode.OVERLOADED, verdict.reason, verdict.retry_after_s,
+                             "overloaded")
+                return
+            if self._reply(self.members[verdict.worker_id].identity, request, payloads):
+                self.cluster.place(candidate, verdict.worker_id, now)
+                self.origins[request.request_id] = identity
+                self.requests_routed += 1
+                self.metrics.placed.inc(outcome="placed")
+                return
+            preference = [w for w in preference if w != verdict.worker_id]
+        self._refuse(identity, request, ErrorCode.UNAVAILABLE, "no worker could take the request",
+                     UNAVAILABLE_RETRY_AFTER_S, "unavailable")
+
+    def _refuse(self, identity: bytes, request: Generate, code: ErrorCode, why: str, retry_after_s: float,
+                outcome: str) -> None:
+        self.metrics.placed.inc(outcome=outcome)
+        self._reply(identity, Error(request_id=request.request_id, code=code, message=why,
+                                    retry_after_s=round(retry_after_s, 3)))
+
+    def _root_hash(self, tenant: str) -> int:
+        if tenant not in self.root_hashes:
+            model, tokenizer, adapter, kv_dtype, block_size = self.hash_root
+            self.root_hashes[tenant] = root_hash(model, tokenizer, adapter, kv_dtype, block_size, tenant)
+        return self.root_hashes[tenant]
 
     def _on_abort(self, identity: bytes, abort: Abort, _payloads) -> None:
-        worker_id = self.placed_on.get(abort.request_id)
-        worker = self.workers.get(worker_id) if worker_id else None
-        if worker is not None:
-            self._reply(worker.identity, abort)
+        placement = self.cluster.placements.get(abort.request_id)
+        member = self.members.get(placement.worker_id) if placement else None
+        if member is not None:
+            self._reply(member.identity, abort)
 
     def _on_status(self, identity: bytes, _request, _payloads) -> None:
         now = time.monotonic()
         workers = []
-        for worker in self.workers.values():
-            beat = worker.heartbeat
+        for worker_id, member in self.members.items():
+            state = self.cluster.workers[worker_id]
+            beat = member.heartbeat
             workers.append(WorkerStatus(
-                worker_id=worker.hello.worker_id, healthy=True, last_seen_s=round(now - worker.last_seen, 3),
-                running=beat.running if beat else 0, waiting=beat.waiting if beat else 0,
-                in_flight=len(worker.in_flight), kv_blocks_used=beat.kv_blocks_used if beat else 0,
-                kv_blocks_cached=beat.kv_blocks_cached if beat else 0,
-                kv_blocks_total=worker.hello.kv_blocks, metrics_address=worker.hello.metrics_address))
+                worker_id=worker_id, healthy=True, last_seen_s=round(now - member.last_seen, 3),
+                running=state.running, waiting=state.waiting, in_flight=len(state.in_flight),
+                kv_blocks_used=state.kv_blocks_used, kv_blocks_cached=beat.kv_blocks_cached if beat else 0,
+                kv_blocks_total=member.hello.kv_blocks, metrics_address=member.hello.metrics_address))
         self._reply(identity, Status(policy=self.policy.name, workers=workers,
                                      requests_routed=self.requests_routed,
                                      kv_events_received=self.kv_events_received))
+
+
+def _hash_root(hello: Hello) -> tuple:
+    """The fields (besides the tenant) that root a worker's block hashes (DESIGN §3)."""
+    return (hello.model_fingerprint, hello.tokenizer_fingerprint, hello.adapter_id, hello.kv_dtype,
+            hello.block_size)

@@ -1,0 +1,75 @@
+"""Admission control: take a request only where it can meet its SLO (DESIGN §6.5).
+
+Walking the policy's preference order, a worker admits a request when its queue bounds
+hold and, with admission on and an SLO class given, the predicted TTFT (the prefills
+queued there, then this one's missing tokens) and TPOT (the decode batch it would join)
+are within the class's targets. When no worker admits, the request is refused at once
+with a retry-after: Mooncake's early rejection instead of a timeout later.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.router.cluster import ClusterState, Request
+
+MIN_RETRY_AFTER_S = 0.1
+
+
+class Slo(Protocol):
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = False
+    max_queued_requests: int = 256  # per worker, beyond its running batch
+    max_queued_tokens: int = 262144  # per worker
+
+
+@dataclass(frozen=True)
+class Verdict:
+    worker_id: str | None  # None: refused
+    reason: str = ""
+    retry_after_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    predicted_tpot_s: float = 0.0
+
+
+class AdmissionControl:
+    def __init__(self, config: AdmissionConfig, classes: Mapping[str, Slo]):
+        self.config = config
+        self.classes = dict(classes)
+
+    def decide(self, request: Request, preference: list[str], cluster: ClusterState, now: float) -> Verdict:
+        slo = self.classes.get(request.slo_class) if self.config.enabled else None
+        soonest_fit = float("inf")
+        queues_full = True
+        for worker_id in preference:
+            if not self._has_room(request, cluster, worker_id):
+                continue
+            queues_full = False
+            if slo is None:
+                return Verdict(worker_id)
+            prefill = cluster.prefill_s(request, worker_id)
+            ttft = cluster.queue_s(worker_id, now) + prefill
+            tpot = cluster.tpot_s(request, worker_id)
+            if ttft <= slo.ttft_s and tpot <= slo.tpot_s:
+                return Verdict(worker_id, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+            if tpot <= slo.tpot_s:
+                soonest_fit = min(soonest_fit, ttft - slo.ttft_s)
+        if queues_full:
+            return Verdict(None, "every worker's queue is full", 1.0)
+        retry = soonest_fit if soonest_fit != float("inf") else cluster.window_s / 36
+        return Verdict(None, f"predicted to miss the {request.slo_class!r} SLO on every worker",
+                       max(MIN_RETRY_AFTER_S, retry))
+
+    def _has_room(self, request: Request, cluster: ClusterState, worker_id: str) -> bool:
+        worker = cluster.workers[worker_id]
+        queued = len(worker.in_flight) - worker.running
+        if queued <= 0:
+            return True
+        return queued < self.config.max_queued_requests and \
+            worker.prompt_tokens_sum + request.num_tokens <= self.config.max_queued_tokens

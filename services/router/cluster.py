@@ -1,0 +1,262 @@
+"""The router's picture of the cluster: workers, their windowed loads, the prefix index.
+
+Policies read it, the router (or the simulator) writes it. Loads are seconds of work
+from the cost model (DESIGN §6.1, §7), not request counts:
+  * prefill: the prefill time of every request placed in the last window;
+  * decode: requests in flight × their expected output length × the TPOT of the batch
+    they share.
+Each worker also has a prefill queue model (when its queued prefills will be done),
+which admission control uses to predict TTFT. Every method takes `now`; nothing here
+reads a clock, so virtual time works the same.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.cost_model import CostModel
+from services.router.index import BlockNode, PrefixIndex
+
+RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
+EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
+
+
+@dataclass
+class Request:
+    """A request being placed, with what the index knows of its prompt."""
+
+    request_id: str
+    root_hash: int
+    prompt: bytes  # token ids as little-endian uint32
+    num_tokens: int
+    max_tokens: int
+    slo_class: str = ""
+    path: list[BlockNode] = field(default_factory=list)  # indexed prefix, any holder
+    matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
+    block_size: int = 16
+
+    @property
+    def best_blocks(self) -> int:
+        return max(self.matched.values(), default=0)
+
+    def cached_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the worker would reuse (the engine always computes the last one)."""
+        return max(0, min(self.matched.get(worker_id, 0) * self.block_size, self.num_tokens - 1))
+
+    @property
+    def best_cached_tokens(self) -> int:
+        return min(self.best_blocks * self.block_size, max(self.num_tokens - 1, 0))
+
+    @property
+    def prefix_key(self) -> int | None:
+        """Names the prefix this request shares: its deepest block that some worker holds."""
+        best = self.best_blocks
+        return self.path[best - 1].block_hash if best else None
+
+    def blocks_needed(self, worker_id: str) -> int:
+        return -(-self.num_tokens // self.block_size) - self.matched.get(worker_id, 0)
+
+
+@dataclass
+class Placement:
+    """A request the router placed and has not seen finish."""
+
+    request_id: str
+    worker_id: str
+    placed_at: float
+    prefill_s: float
+    expected_output: int
+    num_tokens: int
+    prefix_key: int | None
+    predicted_ttft_s: float
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    kv_blocks_total: int
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    in_flight: dict[str, Placement] = field(default_factory=dict)
+    window: deque[Placement] = field(default_factory=deque)  # placed in the load window, oldest first
+    window_prefill_s: float = 0.0
+    expected_output_sum: int = 0  # over in_flight
+    prompt_tokens_sum: int = 0  # over in_flight
+    prefill_free_at: float = 0.0  # when the prefills queued here will be done
+    blocks_since_report: int = 0  # blocks placements took since the last load report
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks neither in use nor caching a prefix, as far as the router knows."""
+        unnamed = self.kv_blocks_total - self.kv_blocks_used - self.kv_blocks_cached
+        return max(0, unnamed - self.blocks_since_report)
+
+
+class ClusterState:
+    def __init__(self, block_size: int, cost: CostModel, window_s: float = 180.0,
+                 index_ttl_s: float | None = None):
+        self.block_size = block_size
+        self.cost = cost
+        self.window_s = window_s
+        self.index = PrefixIndex(block_size, window_s, index_ttl_s)
+        self.workers: dict[str, WorkerState] = {}
+        self.placements: dict[str, Placement] = {}
+        self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
+
+    @property
+    def approximate(self) -> bool:
+        return self.index.ttl_s is not None
+
+    # ---- membership and reports --------------------------------------------------------
+
+    def add_worker(self, worker_id: str, kv_blocks_total: int) -> None:
+        self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
+
+    def remove_worker(self, worker_id: str) -> list[Placement]:
+        """Forget a worker and what it cached; returns the placements it still had."""
+        worker = self.workers.pop(worker_id, None)
+        self.index.drop_worker(worker_id)
+        if worker is None:
+            return []
+        for request_id in worker.in_flight:
+            self.placements.pop(request_id, None)
+        return list(worker.in_flight.values())
+
+    def report(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int,
+               kv_blocks_cached: int) -> None:
+        worker = self.workers[worker_id]
+        worker.running, worker.waiting = running, waiting
+        worker.kv_blocks_used, worker.kv_blocks_cached = kv_blocks_used, kv_blocks_cached
+        worker.blocks_since_report = 0
+
+    def kv_stored(self, worker_id: str, block_hashes: list[int], now: float) -> None:
+        if worker_id in self.workers and not self.approximate:
+            self.index.stored(worker_id, block_hashes, now)
+
+    def kv_removed(self, worker_id: str, block_hashes: list[int]) -> None:
+        if worker_id in self.workers and not self.approximate:
+            self.index.removed(worker_id, block_hashes)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def prepare(self, request_id: str, root_hash: int, token_ids: np.ndarray, max_tokens: int,
+                now: float, slo_class: str = "") -> Request:
+        """Match the prompt against the index once; policies and admission read the result."""
+        if self.approximate:
+            self.index.expire(now)
+        prompt = np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+        path = self.index.walk(root_hash, prompt)
+        matched = self.index.match(path, now)
+        return Request(request_id, root_hash, prompt, len(token_ids), max_tokens, slo_class, path, matched,
+                       self.block_size)
+
+    def place(self, request: Request, worker_id: str, now: float) -> Placement:
+        """Record that `request` goes to `worker_id`."""
+        worker = self.workers[worker_id]
+        cached = request.cached_tokens(worker_id)
+        prefill_s = self.cost.prefill_s(request.num_tokens - cached, cached)
+        start = max(now, worker.prefill_free_at)
+        worker.prefill_free_at = start + prefill_s
+        placement = Placement(request.request_id, worker_id, now, prefill_s, self.expected_output(request),
+                              request.num_tokens, request.prefix_key, worker.prefill_free_at - now)
+        self._expire_window(worker, now)
+        worker.window.append(placement)
+        worker.window_prefill_s += prefill_s
+        worker.in_flight[request.request_id] = placement
+        worker.expected_output_sum += placement.expected_output
+        worker.prompt_tokens_sum += request.num_tokens
+        worker.blocks_since_report += request.blocks_needed(worker_id)
+        self.placements[request.request_id] = placement
+        held = request.matched.get(worker_id, 0)
+        self.index.record_hits(request.path[:held], worker_id, now)
+        if self.approximate:
+            self.index.placed(worker_id, request.root_hash, request.prompt, request.path, now)
+        return placement
+
+    def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:
+        """The worker ended the request; returns its placement if the router had one."""
+        placement = self.placements.pop(request_id, None)
+        if placement is None:
+            return None
+        worker = self.workers.get(placement.worker_id)
+        if worker is not None and worker.in_flight.pop(request_id, None) is not None:
+            worker.expected_output_sum -= placement.expected_output
+            worker.prompt_tokens_sum -= placement.num_tokens
+        if output_tokens:
+            self.recent_outputs.append(output_tokens)
+        return placement
+
+    # ---- what policies read ------------------------------------------------------------
+
+    def expected_output(self, request: Request) -> int:
+        if not self.recent_outputs:
+            return request.max_tokens
+        return max(1, min(request.max_tokens, int(statistics.median(self.recent_outputs))))
+
+    def load_s(self, worker_id: str, now: float) -> float:
+        """Windowed prefill seconds plus the decode seconds its requests still need."""
+        worker = self.workers[worker_id]
+        self._expire_window(worker, now)
+        return worker.window_prefill_s + self.decode_work_s(worker)
+
+    def decode_work_s(self, worker: WorkerState) -> float:
+        """Σ over requests in flight of expected output × the batch's TPOT (DESIGN §6.1)."""
+        batch = len(worker.in_flight)
+        if not batch:
+            return 0.0
+        return worker.expected_output_sum * self.cost.decode_step_s(batch, worker.prompt_tokens_sum / batch)
+
+    def prefill_s(self, request: Request, worker_id: str) -> float:
+        """P: the time to prefill what the worker does not hold of the prompt."""
+        cached = request.cached_tokens(worker_id)
+        return self.cost.prefill_s(request.num_tokens - cached, cached)
+
+    def queue_s(self, worker_id: str, now: float) -> float:
+        """How long a new prefill would wait behind those placed there already."""
+        return max(0.0, self.workers[worker_id].prefill_free_at - now)
+
+    def tpot_s(self, request: Request, worker_id: str) -> float:
+        """The decode step time of the batch this request would join."""
+        worker = self.workers[worker_id]
+        batch = len(worker.in_flight) + 1
+        return self.cost.decode_step_s(batch, (worker.prompt_tokens_sum + request.num_tokens) / batch)
+
+    def eviction_cost_s(self, request: Request, worker_id: str, now: float) -> float:
+        """M: recompute seconds that placing the request would cause, weighted by how often
+        the evicted blocks were hit in the window (LRU blocks go first, as in the engine)."""
+        worker = self.workers[worker_id]
+        to_evict = request.blocks_needed(worker_id) - worker.free_blocks
+        if to_evict <= 0:
+            return 0.0
+        held = request.matched.get(worker_id, 0)
+        reused = set(request.path[:held]) if held else ()  # pinned by this very request
+        sampled, cost = 0, 0.0
+        for node in self.index.lru_blocks(worker_id):
+            if sampled == min(to_evict, EVICTION_SAMPLE):
+                break
+            if node in reused:
+                continue
+            hits = self.index.hits(node, now)
+            if hits:
+                depth = max(node.depth, 0) * self.block_size
+                cost += hits * self.cost.recompute_s(self.block_size, depth)
+            sampled += 1
+        return cost * to_evict / sampled if sampled else 0.0
+
+    def in_window(self, worker_id: str, now: float) -> deque[Placement]:
+        worker = self.workers[worker_id]
+        self._expire_window(worker, now)
+        return worker.window
+
+    def _expire_window(self, worker: WorkerState, now: float) -> None:
+        horizon = now - self.window_s
+        window = worker.window
+        while window and window[0].placed_at < horizon:
+            worker.window_prefill_s -= window.popleft().prefill_s
+        if not window:
+            worker.window_prefill_s = 0.0  # no float drift accumulates across windows

@@ -1,0 +1,207 @@
+"""The cluster prefix index: which worker holds which KV block (DESIGN §6.1).
+
+Blocks are named by the chained hash of DESIGN §3. Workers report the names they store
+and evict (KV events); in approximate mode the router instead records what it placed,
+and each entry expires after a TTL. For each block the index keeps its holders, the
+time each holder last used it, and its hits over a sliding window.
+
+Matching a prompt walks its blocks from the root and stops at the first block no worker
+holds, so it costs O(matched blocks), never O(tokens × workers). Each node also keeps
+its children keyed by their token bytes: a prefix seen before is walked by dictionary
+lookups, and a block's hash is computed only the first time its tokens are seen.
+Plain CPU code on caller-given times, so the live router and the simulator share it.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+
+import xxhash
+
+_hash = xxhash.xxh3_64_intdigest
+NEVER = math.inf
+
+
+class BlockNode:
+    """One named block (or, with no holders and depth -1, the root of a hash chain)."""
+
+    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "children",
+                 "hits_now", "hits_before", "hit_epoch")
+
+    def __init__(self, block_hash: int, depth: int = -1):
+        self.block_hash = block_hash
+        self.parent: BlockNode | None = None
+        self.key = b""  # this block's token bytes, the key in parent.children
+        self.depth = depth  # index of the block in its prompt; -1 while unknown
+        self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
+        self.children: dict[bytes, BlockNode] = {}
+        self.hits_now = 0  # hits in the current half-window
+        self.hits_before = 0  # hits in the half-window before it
+        self.hit_epoch = 0
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, window_s: float = 180.0, ttl_s: float | None = None):
+        """`ttl_s` None: entries live until a removed event (events mode); otherwise
+        each entry expires `ttl_s` after its last placement (approximate mode)."""
+        self.block_size = block_size
+        self.block_bytes = 4 * block_size
+        self.half_window_s = window_s / 2
+        self.ttl_s = ttl_s
+        self.nodes: dict[int, BlockNode] = {}
+        self.roots: dict[int, BlockNode] = {}
+        self.lru: dict[str, OrderedDict[int, BlockNode]] = {}  # per worker, least recent first
+        self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
+
+    # ---- reading ---------------------------------------------------------------------
+
+    def walk(self, root_hash: int, prompt: bytes) -> list[BlockNode]:
+        """Nodes of the prompt's longest prefix of full blocks that the index names."""
+        node = self.roots.get(root_hash)
+        if node is None:
+            node = self.roots[root_hash] = BlockNode(root_hash)
+        path: list[BlockNode] = []
+        width = self.block_bytes
+        for start in range(0, len(prompt) - width + 1, width):
+            key = prompt[start:start + width]
+            child = node.children.get(key)
+            if child is None:
+                child = self.nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
+                if child is None:
+                    break
+                self._link(node, key, child, len(path))
+            path.append(child)
+            node = child
+        return path
+
+    def match(self, path: list[BlockNode], now: float) -> dict[str, int]:
+        """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1)."""
+        if not path:
+            return {}
+        matched: dict[str, int] = {}
+        alive = [w for w, expiry in path[0].holders.items() if expiry > now]
+        for depth, node in enumerate(path[1:], start=1):
+            if not alive:
+                break
+            holders = node.holders
+            still = [w for w in alive if holders.get(w, 0.0) > now]
+            if len(still) < len(alive):
+                for worker_id in alive:
+                    if worker_id not in still:
+                        matched[worker_id] = depth
+                alive = still
+        for worker_id in alive:
+            matched[worker_id] = len(path)
+        return matched
+
+    def hits(self, node: BlockNode, now: float) -> int:
+        """Hits of `node` over the last full window (two half-windows)."""
+        epoch = int(now / self.half_window_s)
+        if node.hit_epoch == epoch:
+            return node.hits_now + node.hits_before
+        if node.hit_epoch == epoch - 1:
+            return node.hits_now
+        return 0
+
+    def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
+        """The worker's blocks, least recently used first."""
+        return iter(self.lru.get(worker_id, {}).values())
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self.lru.get(worker_id, ()))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # ---- writing ---------------------------------------------------------------------
+
+    def stored(self, worker_id: str, block_hashes: Iterable[int], now: float) -> None:
+        """A worker holds these blocks now (a KV event, or a placement in approximate mode)."""
+        expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
+        lru = self.lru.setdefault(worker_id, OrderedDict())
+        for block_hash in block_hashes:
+            node = self.nodes.get(block_hash)
+            if node is None:
+                node = self.nodes[block_hash] = BlockNode(block_hash)
+            node.holders[worker_id] = expiry
+            lru[block_hash] = node
+            lru.move_to_end(block_hash)
+            if self.ttl_s is not None:
+                self.expiries.append((expiry, worker_id, block_hash))
+
+    def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        lru = self.lru.get(worker_id)
+        for block_hash in block_hashes:
+            node = self.nodes.get(block_hash)
+            if node is not None and node.holders.pop(worker_id, None) is not None:
+                if lru is not None:
+                    lru.pop(block_hash, None)
+                if not node.holders:
+                    self._forget(node)
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget everything a worker held (it left or restarted with an empty cache)."""
+        for node in (self.lru.pop(worker_id, None) or {}).values():
+            node.holders.pop(worker_id, None)
+            if not node.holders:
+                self._forget(node)
+
+    def record_hits(self, path: list[BlockNode], worker_id: str, now: float) -> None:
+        """A request placed on `worker_id` reuses these blocks: count the hits and make
+        them the worker's most recently used."""
+        epoch = int(now / self.half_window_s)
+        lru = self.lru.get(worker_id)
+        for node in path:
+            if node.hit_epoch != epoch:
+                node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
+                node.hits_now = 0
+                node.hit_epoch = epoch
+            node.hits_now += 1
+            if lru is not None and node.block_hash in lru:
+                lru.move_to_end(node.block_hash)
+
+    def placed(self, worker_id: str, root_hash: int, prompt: bytes, path: list[BlockNode],
+               now: float) -> None:
+        """Approximate mode: predict that `worker_id` now holds every full block of the
+        prompt (`path` is its already-known prefix)."""
+        parent = path[-1] if path else self.roots[root_hash]
+        width = self.block_bytes
+        hashes = [node.block_hash for node in path]
+        for depth in range(len(path), len(prompt) // width):
+            key = prompt[depth * width:(depth + 1) * width]
+            child = parent.children.get(key)
+            if child is None:
+                block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
+                child = self.nodes.get(block_hash)
+                if child is None:
+                    child = self.nodes[block_hash] = BlockNode(block_hash)
+                self._link(parent, key, child, depth)
+            hashes.append(child.block_hash)
+            parent = child
+        self.stored(worker_id, hashes, now)
+
+    def expire(self, now: float) -> int:
+        """Drop approximate entries whose TTL passed; returns how many."""
+        dropped = 0
+        while self.expiries and self.expiries[0][0] <= now:
+            expiry, worker_id, block_hash = self.expiries.popleft()
+            node = self.nodes.get(block_hash)
+            if node is not None and node.holders.get(worker_id) == expiry:  # not refreshed since
+                self.removed(worker_id, (block_hash,))
+                dropped += 1
+        return dropped
+
+    # ---- internals -------------------------------------------------------------------
+
+    @staticmethod
+    def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:
+        parent.children[key] = child
+        child.parent, child.key, child.depth = parent, key, depth
+
+    def _forget(self, node: BlockNode) -> None:
+        del self.nodes[node.block_hash]
+        parent = node.parent
+        if parent is not None and parent.children.get(node.key) is node:
+            del parent.children[node.key]
+        node.parent = None

@@ -1,0 +1,39 @@
+"""`cache_aware`: the SGLang router's rule.
+
+Load is requests in flight. When the cluster is imbalanced (max − min > balance_abs and
+max > min × balance_rel) the least loaded worker wins; otherwise the best prefix match
+wins if it covers more than cache_threshold of the prompt; otherwise the least loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.cluster import ClusterState, Request
+from services.router.policies.base import StatelessFeedback, ranked
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+    cache_threshold: float = 0.3
+
+
+class CacheAware(StatelessFeedback):
+    name = "cache_aware"
+
+    def __init__(self, config: CacheAwareConfig = CacheAwareConfig()):
+        self.config = config
+
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
+        loads = {w: len(state.in_flight) for w, state in cluster.workers.items()}
+        if not loads:
+            return []
+        by_load = ranked(loads, loads.__getitem__)
+        most, least = max(loads.values()), min(loads.values())
+        if most - least > self.config.balance_abs and most > least * self.config.balance_rel:
+            return by_load
+        match_ratio = request.best_cached_tokens / max(request.num_tokens, 1)
+        if match_ratio > self.config.cache_threshold:
+            return ranked(loads, lambda w: (-request.matched.get(w, 0), loads[w]))
+        return by_load

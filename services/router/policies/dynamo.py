@@ -1,0 +1,41 @@
+"""`dynamo`: NVIDIA Dynamo's KV router cost, logit = w·prefill_blocks + decode_blocks.
+
+prefill_blocks: blocks of the prompt the worker would compute; decode_blocks: KV blocks
+it has in use. Temperature 0 takes the argmin; above 0 a worker is sampled with
+probability ∝ exp(−normalised logit / temperature), from a seeded generator.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from services.router.cluster import ClusterState, Request
+from services.router.policies.base import StatelessFeedback, ranked
+
+
+@dataclass(frozen=True)
+class DynamoConfig:
+    prefill_weight: float = 1.0
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class Dynamo(StatelessFeedback):
+    name = "dynamo"
+
+    def __init__(self, config: DynamoConfig = DynamoConfig()):
+        self.config = config
+        self.random = random.Random(config.seed)
+
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
+        logits = {w: self.config.prefill_weight * request.blocks_needed(w)
+                  + state.kv_blocks_used + state.blocks_since_report
+                  for w, state in cluster.workers.items()}
+        order = ranked(logits, logits.__getitem__)
+        if self.config.temperature <= 0 or len(order) < 2:
+            return order
+        scale = max(logits.values()) or 1.0
+        weights = [math.exp(-logits[w] / scale / self.config.temperature) for w in order]
+        first = self.random.choices(order, weights)[0]
+        return [first] + [w for w in order if w != first]

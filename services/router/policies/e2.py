@@ -1,0 +1,151 @@
+"""`e2`: Preble's exploit / explore placement with rebalancing and replication (DESIGN §6.2).
+
+With T prompt tokens and h the longest prefix any worker holds:
+  * exploit (h > T − h): among the workers holding h (and replicas of that prefix), the
+    least loaded;
+  * explore: the worker with the least C = L + M + P (windowed load, recompute cost of
+    the hit blocks it would evict, prefill time of what it lacks).
+Rebalancing: when the heaviest worker's load reaches `rebalance_ratio` × the lightest's,
+the heavy worker's prefixes are redirected to the light one, cheapest to recompute first,
+until about half the gap has moved. Replication: when the TTFT a prefix saw in the recent
+half-window is `replicate_ratio` × that of the older half, the prefix gets a replica on
+the least loaded other worker and its traffic splits between the holders by load.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.router.cluster import ClusterState, Placement, Request
+from services.router.policies.base import ranked
+
+
+@dataclass(frozen=True)
+class E2Config:
+    rebalance: bool = True
+    rebalance_ratio: float = 1.5
+    replicate_ratio: float = 2.0
+    min_requests_to_rebalance: int = 4  # in the heavy worker's window: too few is noise
+    min_ttft_samples: int = 3  # per half-window before replication may trigger
+
+
+@dataclass
+class Redirect:
+    worker_id: str
+    until: float
+
+
+class E2:
+    name = "e2"
+
+    def __init__(self, config: E2Config = E2Config()):
+        self.config = config
+        self.redirects: dict[int, Redirect] = {}  # prefix key -> where its traffic goes now
+        self.replicas: dict[int, Redirect] = {}  # prefix key -> an extra holder
+        self.ttfts: dict[int, deque[tuple[float, float]]] = {}  # prefix key -> (time, ttft)
+        self.rebalanced_at = -float("inf")
+
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
+        if not cluster.workers:
+            return []
+        loads = {w: cluster.load_s(w, now) for w in cluster.workers}
+        self._maybe_rebalance(cluster, loads, now)
+        half = cluster.window_s / 2
+        if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
+            first = self._exploit(request, cluster, loads, now, half)
+        else:
+            first = None
+        costs = {w: self.cost_s(request, cluster, w, loads[w], now) for w in cluster.workers}
+        order = ranked(costs, costs.__getitem__)
+        if first is None:
+            return order
+        return [first] + [w for w in order if w != first]
+
+    def cost_s(self, request: Request, cluster: ClusterState, worker_id: str, load_s: float,
+               now: float) -> float:
+        """C = L + M + P for placing `request` on `worker_id`."""
+        return load_s + cluster.eviction_cost_s(request, worker_id, now) + cluster.prefill_s(request, worker_id)
+
+    def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
+        key = placement.prefix_key
+        if key is None or ttft_s < 0:
+            return
+        samples = self.ttfts.setdefault(key, deque())
+        samples.append((now, ttft_s))
+
+    # ---- exploit, rebalance, replicate -----------------------------------------------
+
+    def _exploit(self, request: Request, cluster: ClusterState, loads: dict[str, float], now: float,
+                 half: float) -> str:
+        key = request.prefix_key
+        redirect = self._live(self.redirects, key, cluster, now)
+        if redirect is not None:
+            return redirect
+        best = request.best_blocks
+        holders = [w for w, blocks in request.matched.items() if blocks == best and w in cluster.workers]
+        replica = self._live(self.replicas, key, cluster, now)
+        if replica is None and self._overloads_holder(key, now, half):
+            replica = self._replicate(key, holders, loads, now, half)
+        if replica is not None and replica not in holders:
+            holders.append(replica)
+        return min(holders, key=lambda w: (loads[w], w))
+
+    def _overloads_holder(self, key: int, now: float, half: float) -> bool:
+        samples = self.ttfts.get(key)
+        if not samples:
+            return False
+        while samples and samples[0][0] < now - 2 * half:
+            samples.popleft()
+        recent = [ttft for t, ttft in samples if t >= now - half]
+        older = [ttft for t, ttft in samples if t < now - half]
+        enough = self.config.min_ttft_samples
+        if len(recent) < enough or len(older) < enough:
+            return False
+        return sum(recent) / len(recent) >= self.config.replicate_ratio * sum(older) / len(older)
+
+    def _replicate(self, key: int, holders: list[str], loads: dict[str, float], now: float,
+                   half: float) -> str | None:
+        others = [w for w in loads if w not in holders]
+        if not others:
+            return None
+        target = min(others, key=lambda w: (loads[w], w))
+        self.replicas[key] = Redirect(target, now + half)
+        self.ttfts[key].clear()  # judge the split on fresh samples
+        return target
+
+    def _maybe_rebalance(self, cluster: ClusterState, loads: dict[str, float], now: float) -> None:
+        if not self.config.rebalance or len(loads) < 2 or now - self.rebalanced_at < cluster.window_s / 36:
+            return
+        heavy = max(loads, key=lambda w: (loads[w], w))
+        light = min(loads, key=lambda w: (loads[w], w))
+        if loads[heavy] <= 0 or loads[heavy] < self.config.rebalance_ratio * loads[light]:
+            return
+        window = cluster.in_window(heavy, now)
+        if len(window) < self.config.min_requests_to_rebalance:
+            return
+        self.rebalanced_at = now
+        by_prefix: dict[int, list[Placement]] = {}
+        for placement in window:
+            if placement.prefix_key is not None:
+                by_prefix.setdefault(placement.prefix_key, []).append(placement)
+        # Each prefix carries its share of the heavy worker's load; moving one costs its
+        # recompute on the light worker, so the shortest prompts move first.
+        share = loads[heavy] / len(window)
+        movable = sorted(by_prefix.items(), key=lambda item: (min(p.num_tokens for p in item[1]), item[0]))
+        to_move = (loads[heavy] - loads[light]) / 2
+        until = now + cluster.window_s / 2
+        for key, placements in movable:
+            if to_move <= 1e-9 * loads[heavy]:  # float residue of moving exactly half
+                break
+            self.redirects[key] = Redirect(light, until)
+            to_move -= share * len(placements)
+
+    @staticmethod
+    def _live(table: dict[int, Redirect], key: int | None, cluster: ClusterState, now: float) -> str | None:
+        entry = table.get(key) if key is not None else None
+        if entry is None:
+            return None
+        if entry.until <= now or entry.worker_id not in cluster.workers:
+            del table[key]
+            return None
+        return entry.worker_id

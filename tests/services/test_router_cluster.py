@@ -1,0 +1,309 @@
+"""The router's cluster state: matching, the prefill queue model, windowed loads and
+eviction cost (DESIGN §6.1, §7), on constructed states with caller-given times."""
+import numpy as np
+import pytest
+
+from common.cost_model import TINY_CPU
+from common.hashing import chain_hashes, root_hash
+from services.router.cluster import ClusterState
+
+BLOCK = 16
+ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
+
+
+def tokens(seed: int, count: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, count).astype(np.uint32)
+
+
+def cluster_of(*worker_ids: str, kv_blocks: int = 1000, window_s: float = 180.0,
+               index_ttl_s: float | None = None) -> ClusterState:
+    cluster = ClusterState(BLOCK, TINY_CPU, window_s, index_ttl_s)
+    for worker_id in worker_ids:
+        cluster.add_worker(worker_id, kv_blocks)
+    return cluster
+
+
+def cache(cluster: ClusterState, worker_id: str, prompt: np.ndarray, now: float = 0.0) -> list[int]:
+    hashes = chain_hashes(ROOT, prompt, BLOCK)
+    cluster.kv_stored(worker_id, hashes, now)
+    return hashes
+
+
+# ---- prepare ----------------------------------------------------------------------------
+
+
+def test_prepare_reports_matched_blocks_and_the_deepest_held_prefix():
+    cluster = cluster_of("a", "b", "c")
+    prompt = tokens(1, 10 * BLOCK + 5)
+    hashes = cache(cluster, "a", prompt[:6 * BLOCK])
+    cache(cluster, "b", prompt[:2 * BLOCK])
+    request = cluster.prepare("r", ROOT, prompt, 32, 0.0)
+    assert request.num_tokens == len(prompt)
+    assert request.matched == {"a": 6, "b": 2}
+    assert request.best_blocks == 6
+    assert request.best_cached_tokens == 6 * BLOCK
+    assert request.cached_tokens("a") == 6 * BLOCK
+    assert request.cached_tokens("b") == 2 * BLOCK
+    assert request.cached_tokens("c") == 0
+    assert request.prefix_key == hashes[5]
+    assert [node.block_hash for node in request.path] == hashes
+    assert request.blocks_needed("a") == 11 - 6
+    assert request.blocks_needed("c") == 11
+
+
+def test_cached_tokens_leave_the_last_prompt_token_to_compute():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 4 * BLOCK)  # whole blocks, all held
+    cache(cluster, "a", prompt)
+    request = cluster.prepare("r", ROOT, prompt, 32, 0.0)
+    assert request.matched == {"a": 4}
+    assert request.best_cached_tokens == 4 * BLOCK - 1
+    assert request.cached_tokens("a") == 4 * BLOCK - 1
+    assert cluster.prefill_s(request, "a") == pytest.approx(TINY_CPU.prefill_s(1, 4 * BLOCK - 1))
+
+
+def test_prepare_without_a_match_has_no_prefix_key():
+    cluster = cluster_of("a")
+    cache(cluster, "a", tokens(1, 4 * BLOCK))
+    request = cluster.prepare("r", ROOT, tokens(2, 4 * BLOCK), 32, 0.0)
+    assert request.matched == {}
+    assert request.path == []
+    assert request.best_blocks == 0
+    assert request.best_cached_tokens == 0
+    assert request.prefix_key is None
+
+
+def test_another_tenants_root_matches_nothing():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 4 * BLOCK)
+    cache(cluster, "a", prompt)
+    salted = root_hash("model", "tokenizer", "", "bfloat16", BLOCK, tenant_salt="t")
+    assert cluster.prepare("r", salted, prompt, 32, 0.0).matched == {}
+
+
+# ---- place: the prefill queue and windowed loads ------------------------------------------
+
+
+def test_place_queues_the_prefill_of_the_missing_tokens():
+    cluster = cluster_of("a", "b")
+    shared = tokens(1, 8 * BLOCK)
+    cache(cluster, "a", shared)
+    prompt = np.concatenate([shared, tokens(2, 100)])
+    assert cluster.queue_s("a", 0.0) == 0.0
+
+    first = cluster.prepare("r1", ROOT, prompt, 32, 0.0)
+    expected_first = TINY_CPU.prefill_s(len(prompt) - 8 * BLOCK, 8 * BLOCK)
+    assert cluster.prefill_s(first, "a") == pytest.approx(expected_first)
+    placement = cluster.place(first, "a", 0.0)
+    assert placement.prefill_s == pytest.approx(expected_first)
+    assert placement.predicted_ttft_s == pytest.approx(expected_first)
+    assert placement.prefix_key == first.prefix_key
+    assert cluster.queue_s("a", 0.0) == pytest.approx(expected_first)
+    assert cluster.queue_s("b", 0.0) == 0.0
+
+    second = cluster.prepare("r2", ROOT, tokens(3, 300), 32, 0.0)
+    expected_second = TINY_CPU.prefill_s(300, 0)
+    placement = cluster.place(second, "a", 0.0)
+    assert placement.predicted_ttft_s == pytest.approx(expected_first + expected_second)
+    assert cluster.queue_s("a", 0.0) == pytest.approx(expected_first + expected_second)
+    # Time drains the queue, never below zero.
+    later = expected_first / 2
+    assert cluster.queue_s("a", later) == pytest.approx(expected_first + expected_second - later)
+    assert cluster.queue_s("a", 100.0) == 0.0
+    # A prefill placed on an idle queue starts now, not when the old one ended.
+    third = cluster.prepare("r3", ROOT, tokens(4, 300), 32, 100.0)
+    assert cluster.place(third, "a", 100.0).predicted_ttft_s == pytest.approx(expected_second)
+    assert cluster.queue_s("a", 100.0) == pytest.approx(expected_second)
+
+
+def test_load_is_windowed_prefill_plus_decode_work():
+    cluster = cluster_of("a", window_s=10.0)
+    assert cluster.load_s("a", 0.0) == 0.0
+    r1 = cluster.prepare("r1", ROOT, tokens(1, 200), 40, 0.0)
+    p1 = cluster.place(r1, "a", 0.0)
+    assert p1.expected_output == 40  # no finished outputs yet: max_tokens
+    decode_one = 40 * TINY_CPU.decode_step_s(1, 200)
+    assert cluster.load_s("a", 0.0) == pytest.approx(p1.prefill_s + decode_one)
+
+    r2 = cluster.prepare("r2", ROOT, tokens(2, 400), 60, 4.0)
+    p2 = cluster.place(r2, "a", 4.0)
+    decode_two = (40 + 60) * TINY_CPU.decode_step_s(2, 300)
+    assert cluster.load_s("a", 4.0) == pytest.approx(p1.prefill_s + p2.prefill_s + decode_two)
+    assert cluster.decode_work_s(cluster.workers["a"]) == pytest.approx(decode_two)
+    assert cluster.tpot_s(cluster.prepare("r3", ROOT, tokens(3, 600), 8, 4.0), "a") == \
+        pytest.approx(TINY_CPU.decode_step_s(3, 400))
+
+    # Finishing a request removes its decode work, not its prefill (still in the window).
+    assert cluster.finish("r1", output_tokens=30) is p1
+    decode_left = 60 * TINY_CPU.decode_step_s(1, 400)
+    assert cluster.load_s("a", 5.0) == pytest.approx(p1.prefill_s + p2.prefill_s + decode_left)
+    assert cluster.finish("r1") is None  # only once
+
+    # The window drops each prefill window_s after its placement.
+    assert cluster.load_s("a", 9.9) == pytest.approx(p1.prefill_s + p2.prefill_s + decode_left)
+    assert cluster.load_s("a", 10.5) == pytest.approx(p2.prefill_s + decode_left)
+    assert [p.request_id for p in cluster.in_window("a", 10.5)] == ["r2"]
+    cluster.finish("r2", output_tokens=50)
+    assert cluster.load_s("a", 13.9) == pytest.approx(p2.prefill_s)
+    assert cluster.load_s("a", 14.5) == 0.0
+    assert list(cluster.in_window("a", 20.0)) == []
+
+
+def test_expected_output_follows_the_median_of_finished_requests():
+    cluster = cluster_of("a")
+    for index, output in enumerate((10, 30, 20)):
+        request = cluster.prepare(f"r{index}", ROOT, tokens(index, 50), 100, 0.0)
+        cluster.place(request, "a", 0.0)
+        cluster.finish(f"r{index}", output_tokens=output)
+    assert cluster.expected_output(cluster.prepare("x", ROOT, tokens(9, 50), 100, 1.0)) == 20
+    assert cluster.expected_output(cluster.prepare("y", ROOT, tokens(9, 50), 15, 1.0)) == 15  # capped
+
+
+def test_place_records_hits_on_the_blocks_the_worker_reuses():
+    cluster = cluster_of("a", "b")
+    shared = tokens(1, 6 * BLOCK)
+    cache(cluster, "a", shared)
+    cache(cluster, "b", shared[:2 * BLOCK])
+    request = cluster.prepare("r", ROOT, shared, 32, 0.0)
+    cluster.place(request, "b", 0.0)
+    assert [cluster.index.hits(node, 0.0) for node in request.path] == [1, 1, 0, 0, 0, 0]
+    cluster.place(cluster.prepare("r2", ROOT, shared, 32, 0.0), "a", 0.0)
+    assert [cluster.index.hits(node, 0.0) for node in request.path] == [2, 2, 1, 1, 1, 1]
+
+
+# ---- eviction cost ----------------------------------------------------------------------
+
+
+def test_eviction_cost_is_zero_with_free_blocks_and_prices_hit_blocks_it_would_evict():
+    cluster = cluster_of("a", kv_blocks=100)
+    hot = tokens(1, 10 * BLOCK)
+    cache(cluster, "a", hot)
+    hit = cluster.prepare("hit", ROOT, hot, 8, 0.0)
+    cluster.place(hit, "a", 0.0)  # one hit on each of the 10 blocks
+    cluster.finish("hit")
+    fresh = cluster.prepare("new", ROOT, tokens(2, 20 * BLOCK), 8, 1.0)
+    assert fresh.blocks_needed("a") == 20
+
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=0, kv_blocks_cached=10)
+    assert cluster.workers["a"].free_blocks == 90
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == 0.0
+
+    # 16 free blocks: four of the LRU (hit) blocks must go.
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=74, kv_blocks_cached=10)
+    assert cluster.workers["a"].free_blocks == 16
+    expected = sum(TINY_CPU.recompute_s(BLOCK, depth * BLOCK) for depth in range(4))
+    four = cluster.eviction_cost_s(fresh, "a", 1.0)
+    assert four > 0
+    assert four == pytest.approx(expected)
+
+    # More to evict costs more; once the hits age out of the window it costs nothing.
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=82, kv_blocks_cached=10)
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) > four
+    assert cluster.eviction_cost_s(fresh, "a", 1000.0) == 0.0
+
+
+def test_eviction_cost_is_zero_when_the_lru_blocks_were_never_hit():
+    cluster = cluster_of("a", kv_blocks=100)
+    cache(cluster, "a", tokens(1, 10 * BLOCK))
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=85, kv_blocks_cached=10)
+    fresh = cluster.prepare("new", ROOT, tokens(2, 20 * BLOCK), 8, 1.0)
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == 0.0
+
+
+def test_eviction_cost_weighs_by_hits_and_reads_lru_blocks_first():
+    cluster = cluster_of("a", kv_blocks=100)
+    cold, hot = tokens(1, 4 * BLOCK), tokens(2, 4 * BLOCK)
+    cache(cluster, "a", cold)
+    cache(cluster, "a", hot)
+    for index in range(3):
+        cluster.place(cluster.prepare(f"h{index}", ROOT, hot, 8, 0.0), "a", 0.0)
+        cluster.finish(f"h{index}")
+    fresh = cluster.prepare("new", ROOT, tokens(3, 10 * BLOCK), 8, 1.0)
+    # Evicting 4 blocks takes the cold (never hit) ones: free.
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=86, kv_blocks_cached=8)
+    assert cluster.workers["a"].free_blocks == 6
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == 0.0
+    # Evicting all 8 reaches the hot ones, each hit 3 times.
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=90, kv_blocks_cached=8)
+    expected = 3 * sum(TINY_CPU.recompute_s(BLOCK, depth * BLOCK) for depth in range(4))
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == pytest.approx(expected)
+
+
+def test_placements_take_blocks_until_the_next_report():
+    cluster = cluster_of("a", kv_blocks=100)
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=50, kv_blocks_cached=0)
+    cluster.place(cluster.prepare("r", ROOT, tokens(1, 10 * BLOCK + 1), 8, 0.0), "a", 0.0)
+    assert cluster.workers["a"].free_blocks == 50 - 11
+    cluster.report("a", running=1, waiting=0, kv_blocks_used=61, kv_blocks_cached=0)
+    assert cluster.workers["a"].free_blocks == 39
+
+
+# ---- membership ---------------------------------------------------------------------------
+
+
+def test_remove_worker_returns_its_placements_and_forgets_its_blocks():
+    cluster = cluster_of("a", "b")
+    prompt = tokens(1, 6 * BLOCK)
+    cache(cluster, "a", prompt)
+    cache(cluster, "b", prompt[:3 * BLOCK])
+    on_a = [cluster.place(cluster.prepare(f"a{i}", ROOT, tokens(10 + i, 100), 8, 0.0), "a", 0.0)
+            for i in range(2)]
+    on_b = cluster.place(cluster.prepare("b0", ROOT, tokens(20, 100), 8, 0.0), "b", 0.0)
+    cluster.finish("a0")
+
+    returned = cluster.remove_worker("a")
+    assert [p.request_id for p in returned] == ["a1"]
+    assert returned[0] is on_a[1]
+    assert "a" not in cluster.workers
+    assert set(cluster.placements) == {"b0"}
+    assert cluster.finish("a1") is None
+    assert cluster.index.num_blocks("a") == 0
+    assert len(cluster.index) == 3
+    assert cluster.prepare("r", ROOT, prompt, 8, 1.0).matched == {"b": 3}
+    assert cluster.finish("b0") is on_b
+    # Unknown workers: nothing to return; their late KV events are ignored.
+    assert cluster.remove_worker("a") == []
+    cluster.kv_stored("a", chain_hashes(ROOT, prompt, BLOCK), 2.0)
+    assert cluster.prepare("r", ROOT, prompt, 8, 2.0).matched == {"b": 3}
+
+
+def test_kv_removed_cuts_the_match():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 6 * BLOCK)
+    hashes = cache(cluster, "a", prompt)
+    cluster.kv_removed("a", hashes[2:])
+    request = cluster.prepare("r", ROOT, prompt, 8, 0.0)
+    assert request.matched == {"a": 2}
+    assert request.prefix_key == hashes[1]
+
+
+# ---- approximate mode ---------------------------------------------------------------------
+
+
+def test_approximate_mode_predicts_placements_and_expires_them():
+    cluster = cluster_of("a", "b", index_ttl_s=30.0)
+    assert cluster.approximate
+    prompt = tokens(1, 5 * BLOCK + 3)
+    cluster.kv_stored("b", chain_hashes(ROOT, prompt, BLOCK), 0.0)  # events are ignored
+    first = cluster.prepare("r1", ROOT, prompt, 8, 0.0)
+    assert first.matched == {}
+    cluster.place(first, "a", 0.0)
+    second = cluster.prepare("r2", ROOT, prompt, 8, 10.0)
+    assert second.matched == {"a": 5}
+    assert [node.block_hash for node in second.path] == chain_hashes(ROOT, prompt, BLOCK)
+    assert cluster.prepare("r3", ROOT, prompt, 8, 30.0).matched == {}
+    assert len(cluster.index) == 0  # prepare expired the entries
+
+
+def test_eviction_cost_never_counts_the_prefix_the_request_itself_reuses():
+    cluster = cluster_of("a", kv_blocks=100)
+    hot = tokens(1, 10 * BLOCK)
+    cache(cluster, "a", hot)
+    cluster.place(cluster.prepare("hit", ROOT, hot, 8, 0.0), "a", 0.0)
+    cluster.finish("hit")
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=86, kv_blocks_cached=10)  # 4 free
+    reuse = cluster.prepare("reuse", ROOT, np.concatenate([hot, tokens(2, 8 * BLOCK)]), 8, 1.0)
+    assert reuse.blocks_needed("a") == 8
+    assert cluster.eviction_cost_s(reuse, "a", 1.0) == 0.0  # its own prefix is pinned, not evicted
+    other = cluster.prepare("other", ROOT, tokens(3, 8 * BLOCK), 8, 1.0)
+    assert cluster.eviction_cost_s(other, "a", 1.0) > 0.0
