@@ -7,6 +7,7 @@ number. Every value is validated at start; errors name the key and where it came
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -14,12 +15,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from common.engine.config import QUEUE_POLICIES
+
 ENV_PREFIX = "BATON_"
-ROUTER_POLICIES = ("round_robin", "least_load")
+ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")
+INDEX_MODES = ("events", "approximate")
+SLO_CLASS_NAME_MAX_CHARS = 64  # the longest name a request may carry (HTTP checks it too)
+TABLE_KEYS = ("api_keys", "slo_classes")  # TOML tables that are values, not sections
 
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key."""
+
+
+class UnknownSloClass(ValueError):
+    """A request names an SLO class the configuration does not have."""
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """A latency target: time to first token and time per output token after it, in seconds."""
+
+    name: str
+    ttft_s: float
+    tpot_s: float
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,14 @@ class ClusterConfig:
     max_queued_requests: int = 256  # per worker, beyond its running batch
     max_queued_tokens: int = 262144  # per worker, prompt tokens waiting
     request_timeout_s: float = 600.0
+    admission: bool = False  # SLO-aware admission control
+    index_mode: str = "events"  # how the router knows workers' prefix caches: KV events or its own guess
+    index_ttl_s: float = 120.0  # approximate index: how long a routed prefix is assumed cached
+    load_window_s: float = 180.0  # how far back the router's load estimates look
+    profile: str = ""  # JSON cost profile; "" = the built-in one
+
+    slo_classes: tuple[SloClass, ...] = ()
+    default_slo_class: str = ""  # for requests that name no class and whose tenant has none; "" = no SLO
 
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     curve_enabled: bool = False
@@ -101,6 +128,24 @@ class ClusterConfig:
     def worker_metrics_port(self, index: int) -> int:
         return self.port(11 + 2 * index)
 
+    # ---- SLO classes ---------------------------------------------------------------
+
+    def slo_class(self, name: str, tenant: str) -> SloClass | None:
+        """A request's SLO class: the one it names; else the one named like its tenant;
+        else the default; None when none applies. An unknown `name` raises UnknownSloClass."""
+        classes = {slo.name: slo for slo in self.slo_classes}
+        if name:
+            if name not in classes:
+                raise UnknownSloClass(f"slo_class: unknown SLO class {name!r}; {_known_classes(self)}")
+            return classes[name]
+        return classes.get(tenant) or classes.get(self.default_slo_class)
+
+
+def _known_classes(config: ClusterConfig) -> str:
+    if not config.slo_classes:
+        return "no SLO classes are configured"
+    return "configured: " + ", ".join(slo.name for slo in config.slo_classes)
+
 
 def _validate(config: ClusterConfig) -> None:
     if not 0 < config.port_base <= 65535 - 11:  # room for the derived ports up to worker 0's
@@ -108,7 +153,8 @@ def _validate(config: ClusterConfig) -> None:
                           f"got {config.port_base}")
     if not 0 < config.http_port < 65536:
         raise ConfigError(f"http_port: must be a port number in 1..65535, got {config.http_port}")
-    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "request_timeout_s"):
+    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "request_timeout_s",
+                 "index_ttl_s", "load_window_s"):
         if not getattr(config, name) > 0:
             raise ConfigError(f"{name}: must be > 0, got {getattr(config, name)}")
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
@@ -124,8 +170,9 @@ def _validate(config: ClusterConfig) -> None:
                           f"({config.worker_timeout_s} <= {config.heartbeat_interval_s})")
     if config.policy not in ROUTER_POLICIES:
         raise ConfigError(f"policy: unknown {config.policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
-    if config.queue_policy not in ("fcfs", "lpm"):
-        raise ConfigError(f"queue_policy: unknown {config.queue_policy!r}; choose fcfs or lpm")
+    if config.queue_policy not in QUEUE_POLICIES:
+        raise ConfigError(f"queue_policy: unknown {config.queue_policy!r}; "
+                          f"choose one of {', '.join(QUEUE_POLICIES)}")
     if config.dtype not in ("bfloat16", "float32", "float16"):
         raise ConfigError(f"dtype: unsupported {config.dtype!r}")
     for name in ("router_address", "sdk_address", "stream_address"):
@@ -142,6 +189,29 @@ def _validate(config: ClusterConfig) -> None:
                                   "(make them with `svc keys generate`)")
     if config.log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level: unknown {config.log_level!r}")
+    if config.index_mode not in INDEX_MODES:
+        raise ConfigError(f"index_mode: unknown {config.index_mode!r}; choose {' or '.join(INDEX_MODES)}")
+    if config.profile and not Path(config.profile).is_file():
+        raise ConfigError(f"profile: {config.profile!r} is not a file")
+    _validate_slo_classes(config)
+
+
+def _validate_slo_classes(config: ClusterConfig) -> None:
+    names: set[str] = set()
+    for slo in config.slo_classes:
+        if not slo.name or len(slo.name) > SLO_CLASS_NAME_MAX_CHARS:
+            raise ConfigError(f"slo_classes: a class name must have 1 to {SLO_CLASS_NAME_MAX_CHARS} "
+                              f"characters, got {slo.name!r}")
+        if slo.name in names:
+            raise ConfigError(f"slo_classes: {slo.name!r} is configured twice")
+        names.add(slo.name)
+        for target in ("ttft_s", "tpot_s"):
+            value = getattr(slo, target)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"slo_classes.{slo.name}.{target}: must be a finite number > 0, got {value}")
+    if config.default_slo_class and config.default_slo_class not in names:
+        raise ConfigError(f"default_slo_class: {config.default_slo_class!r} is not an SLO class; "
+                          f"{_known_classes(config)}")
 
 
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
@@ -173,10 +243,10 @@ def _from_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read config file: {error.strerror or error}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    # Sections only group keys for readers; [api_keys] is the one table value.
+    # Sections only group keys for readers; TABLE_KEYS are the table values.
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        section = value if isinstance(value, dict) and key != "api_keys" else {key: value}
+        section = value if isinstance(value, dict) and key not in TABLE_KEYS else {key: value}
         for name, item in section.items():
             if name in flat:
                 raise ConfigError(f"{name}: set twice in {path}")
@@ -197,6 +267,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _parse_env(name: str, raw: str, kind: Any) -> Any:
     source = f"environment {ENV_PREFIX}{name.upper()}"
+    if name == "slo_classes":
+        return _slo_classes_from_env(raw, source)
     try:
         if kind is bool:
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
@@ -215,10 +287,50 @@ def _parse_env(name: str, raw: str, kind: Any) -> Any:
         raise ConfigError(f"{name}: {source}={raw!r} is not a valid {getattr(kind, '__name__', kind)}") from None
 
 
+def _slo_classes_from_env(raw: str, source: str) -> tuple[SloClass, ...]:
+    """SLO classes from "interactive:1.0:0.1,batch:30:1" (ranges are checked later)."""
+    classes = []
+    for item in (item.strip() for item in raw.split(",")):
+        if not item:
+            continue
+        try:
+            name, ttft_s, tpot_s = item.split(":")
+            classes.append(SloClass(name.strip(), float(ttft_s), float(tpot_s)))
+        except ValueError:
+            raise ConfigError(f"slo_classes: {source}={raw!r}: {item!r} is not name:ttft_s:tpot_s") from None
+    return tuple(classes)
+
+
+def _slo_classes_from_table(value: Any, source: str) -> tuple[SloClass, ...]:
+    """The TOML form, {name: {"ttft_s": number, "tpot_s": number}}, as SLO classes."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"slo_classes: {source} gives {value!r}, expected a table of "
+                          "[slo_classes.NAME] tables")
+    return tuple(_slo_class_from_table(name, targets, source) for name, targets in value.items())
+
+
+def _slo_class_from_table(name: str, targets: Any, source: str) -> SloClass:
+    key = f"slo_classes.{name}"
+    if not isinstance(targets, Mapping):
+        raise ConfigError(f"{key}: {source} gives {targets!r}, expected a table with ttft_s and tpot_s")
+    unknown = sorted(set(targets) - {"ttft_s", "tpot_s"})
+    if unknown:
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r} in {source}; an SLO class has ttft_s and tpot_s")
+    for target in ("ttft_s", "tpot_s"):
+        number = targets.get(target)
+        if number is None:
+            raise ConfigError(f"{key}.{target}: missing in {source}")
+        if not isinstance(number, (int, float)) or isinstance(number, bool):
+            raise ConfigError(f"{key}.{target}: {source} gives {number!r}, expected float")
+    return SloClass(name, float(targets["ttft_s"]), float(targets["tpot_s"]))
+
+
 def _check_type(name: str, value: Any, source: str) -> Any:
     types = _field_types()
     if name not in types:
         raise ConfigError(f"{name}: unknown key in {source}")
+    if name == "slo_classes":
+        return _slo_classes_from_table(value, source)
     kind = types[name]
     ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),

@@ -38,10 +38,13 @@ class Result:
 
 
 def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
-                 sampling: dict) -> tuple[str, list]:
-    """(request id, frames) of a Submit; invalid parameters raise InvalidRequest here."""
+                 sampling: dict, slo_class: str = "") -> tuple[str, list]:
+    """(request id, frames) of a Submit; invalid parameters raise InvalidRequest here
+    (the server checks that `slo_class` names a configured class)."""
     if (prompt is None) == (token_ids is None):
         raise InvalidRequest("prompt: give exactly one of prompt and token_ids")
+    if not isinstance(slo_class, str):
+        raise InvalidRequest(f"slo_class: must be a string, got {type(slo_class).__name__}")
     try:
         params = SamplingParams(**_tuples(sampling))
         params.validate()
@@ -51,7 +54,7 @@ def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
         raise InvalidRequest(str(error)) from None
     request_id = uuid.uuid4().hex
     submit = Submit(request_id=request_id, sampling=sampling_from_params(params), prompt=prompt,
-                    api_key=api_key, timeout_s=timeout_s)
+                    api_key=api_key, timeout_s=timeout_s, slo_class=slo_class)
     payloads = None if token_ids is None else [list(token_ids)]
     return request_id, encode(submit, payloads)
 

@@ -60,14 +60,15 @@ class AsyncClient:
         return message
 
     async def generate(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
-                       **sampling) -> Result:
+                       slo_class: str = "", **sampling) -> Result:
         """Run one request to completion. Chunks are gathered by the reader as they arrive;
-        this coroutine wakes once, at the end."""
+        this coroutine wakes once, at the end. `slo_class` names a configured SLO class
+        ("" = the tenant's or the cluster's default)."""
         if not self.checked:
             await self.status()
             self.checked = True
         timeout_s = timeout_s or self.timeout_s
-        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         done = asyncio.get_running_loop().create_future()
         self.collectors[request_id] = (Accumulator(request_id), done)
         try:
@@ -84,9 +85,9 @@ class AsyncClient:
         return message.result()
 
     async def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
-                     **sampling) -> AsyncIterator[StreamChunk]:
+                     slo_class: str = "", **sampling) -> AsyncIterator[StreamChunk]:
         """Yield chunks as they come; closing the iterator early aborts the request."""
-        async for _, chunk in self._run(prompt, token_ids, timeout_s, sampling):
+        async for _, chunk in self._run(prompt, token_ids, timeout_s, slo_class, sampling):
             yield chunk
 
     async def abort(self, request_id: str) -> None:
@@ -95,12 +96,12 @@ class AsyncClient:
         if not self.socket.closed:
             await self.socket.send_multipart(encode(Abort(request_id=request_id)))
 
-    async def _run(self, prompt, token_ids, timeout_s, sampling):
+    async def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
         if not self.checked:
             await self.status()
             self.checked = True
         timeout_s = timeout_s or self.timeout_s
-        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         await self.socket.send_multipart(frames, copy=False)

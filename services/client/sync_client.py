@@ -59,18 +59,19 @@ class Client:
                 raise_for(message)
 
     def generate(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
-                 **sampling) -> Result:
-        """Run one request to completion."""
-        stream = self._run(prompt, token_ids, timeout_s, sampling)
+                 slo_class: str = "", **sampling) -> Result:
+        """Run one request to completion. `slo_class` names a configured SLO class ("" =
+        the tenant's or the cluster's default)."""
+        stream = self._run(prompt, token_ids, timeout_s, slo_class, sampling)
         accumulator = None
         for accumulator, _ in stream:
             pass
         return accumulator.result()
 
     def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,
-               **sampling) -> Iterator[StreamChunk]:
+               slo_class: str = "", **sampling) -> Iterator[StreamChunk]:
         """Yield chunks as they come; closing the iterator early aborts the request."""
-        for _, chunk in self._run(prompt, token_ids, timeout_s, sampling):
+        for _, chunk in self._run(prompt, token_ids, timeout_s, slo_class, sampling):
             yield chunk
 
     def abort(self, request_id: str) -> None:
@@ -78,12 +79,12 @@ class Client:
         if self.active == request_id:
             self.active = None
 
-    def _run(self, prompt, token_ids, timeout_s, sampling):
+    def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
         if not self.checked:
             self.status()
             self.checked = True
         timeout_s = timeout_s or self.timeout_s
-        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling)
+        request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         self.socket.send_multipart(frames, copy=False)
         self.active = request_id
         accumulator = Accumulator(request_id)

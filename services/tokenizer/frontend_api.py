@@ -39,10 +39,11 @@ class FrontendApi(Protocol):
         (or a missing one when keys are configured)."""
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 tenant: str) -> AsyncIterator[StreamEvent]:
+                 tenant: str, *, slo_class: str = "") -> AsyncIterator[StreamEvent]:
         """Stream the request's events; the last has finished=True. Raises a
-        common.errors.BatonError subclass on failure (InvalidRequest, Rejected, ...).
-        Closing the iterator early aborts the request."""
+        common.errors.BatonError subclass on failure (InvalidRequest, Rejected, ...;
+        InvalidRequest for a `slo_class` that names no configured class; "" = the
+        tenant's class or the default). Closing the iterator early aborts the request."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -12,6 +12,10 @@ Contract with clients (what the openai SDK relies on):
   the response head is sent, so admission failures keep their status; a failure after that
   arrives as a `data: {"error": ...}` event that ends the stream;
 - a client that disconnects has its request's event iterator closed, which aborts it.
+
+Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
+`stop_token_ids`, and an SLO class, named by the `X-Baton-SLO-Class` header or the body's
+`slo_class` (an unknown class is a 400).
 """
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ from services.tokenizer.http_server import (
     HttpError, HttpLimits, HttpServer, Request, Response, Router, StreamResponse, aclose, json_response,
 )
 from services.tokenizer.openai_params import (
-    ApiError, Fields, as_api_error, chat_logprobs_param, finite_logprob, json_type, parse_json_object,
-    prompt_token_ids, refuse_unsupported, requested_max_tokens, sampling_params, sse_json, stream_flags,
+    SLO_CLASS_HEADER, ApiError, Fields, as_api_error, chat_logprobs_param, finite_logprob, json_type,
+    parse_json_object, prompt_token_ids, refuse_unsupported, requested_max_tokens, sampling_params,
+    slo_class_param, sse_json, stream_flags,
 )
 
 log = get_logger("openai_api")
@@ -55,6 +60,7 @@ class Job:
     tenant: str
     stream: bool
     include_usage: bool
+    slo_class: str = ""  # as the client named it; "" = none
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -139,6 +145,7 @@ class OpenAIGateway:
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
         refuse_unsupported(body, chat=False)
+        slo_class = slo_class_param(body, request.header(SLO_CLASS_HEADER))
         stream, include_usage = stream_flags(body)
         params = sampling_params(body, body.get("logprobs", "integer"))
         requested_max = requested_max_tokens(body, "max_tokens")
@@ -146,13 +153,14 @@ class OpenAIGateway:
         params = replace(params, max_tokens=self._max_tokens(
             "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
         return await self._run(Job(False, f"cmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, stream, include_usage))
+                                   tenant, stream, include_usage, slo_class))
 
     async def _chat_completions(self, request: Request) -> Response | StreamResponse:
         tenant = self._tenant(request)
         body = Fields(parse_json_object(request.body))
         model = self._model(body)
         refuse_unsupported(body, chat=True)
+        slo_class = slo_class_param(body, request.header(SLO_CLASS_HEADER))
         stream, include_usage = stream_flags(body)
         params = sampling_params(body, chat_logprobs_param(body))
         requested_max_tokens(body, "max_tokens")  # checked even when the newer name wins
@@ -165,7 +173,7 @@ class OpenAIGateway:
         params = replace(params, max_tokens=self._max_tokens(max_name, requested_max,
                                                              len(prompt_ids), None))
         return await self._run(Job(True, f"chatcmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, stream, include_usage))
+                                   tenant, stream, include_usage, slo_class))
 
     async def _models(self, request: Request) -> Response:
         self._tenant(request)
@@ -260,7 +268,8 @@ class OpenAIGateway:
     # ---- running ---------------------------------------------------------------------
 
     async def _run(self, job: Job) -> Response | StreamResponse:
-        events = self.frontend.generate(job.request_id, job.prompt_ids, job.params, job.tenant)
+        events = self.frontend.generate(job.request_id, job.prompt_ids, job.params, job.tenant,
+                                        slo_class=job.slo_class)
         headers = [("X-Request-Id", job.request_id)]
         if not job.stream:
             try:

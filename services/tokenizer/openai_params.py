@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from common.config import SLO_CLASS_NAME_MAX_CHARS
 from common.errors import BatonError
 from common.logs import get_logger
 from common.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
@@ -16,6 +17,7 @@ log = get_logger("openai_api")
 
 MAX_STOP_STRINGS = 16  # every stop string is searched after every token
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+SLO_CLASS_HEADER = "X-Baton-SLO-Class"
 
 class ApiError(Exception):
     """A request failure in OpenAI's error shape."""
@@ -192,6 +194,25 @@ def refuse_unsupported(body: Fields, chat: bool) -> None:
         raise InvalidRequestError("echo", "is not supported")
     if body.get("suffix", "string", ""):
         raise InvalidRequestError("suffix", "is not supported")
+
+
+def slo_class_param(body: Fields, header: str | None) -> str:
+    """The SLO class a request names, by the X-Baton-SLO-Class header or the body's
+    `slo_class` extension (both may be given if they agree); "" when neither names one.
+    Whether the class is configured is the frontend's check."""
+    from_body = _slo_class_name("slo_class", body.get("slo_class", "string", ""))
+    from_header = _slo_class_name(SLO_CLASS_HEADER, header or "")
+    if from_body and from_header and from_body != from_header:
+        raise InvalidRequestError("slo_class", f"{from_body!r} disagrees with the {SLO_CLASS_HEADER} "
+                                  f"header's {from_header!r}")
+    return from_body or from_header
+
+
+def _slo_class_name(param: str, name: str) -> str:
+    if len(name) > SLO_CLASS_NAME_MAX_CHARS:
+        raise InvalidRequestError(param, f"must be at most {SLO_CLASS_NAME_MAX_CHARS} characters, "
+                                  f"got {len(name)}")
+    return name
 
 
 def chat_logprobs_param(body: Fields) -> int | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from common.config import ClusterConfig
+from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.checkpoint import load_model_config, load_tokenizer
 from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUnavailable, Unauthorized,
@@ -47,6 +47,7 @@ class RequestState:
     tenant: str
     detokenizer: IncrementalDetokenizer
     deadline: float
+    slo_class: str = ""  # the resolved class; "" = none
     arrival: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(STREAM_QUEUE_LIMIT))
     released_chars: int = 0
@@ -115,8 +116,8 @@ class TokenizerService:
         return tenant
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       tenant: str, timeout_s: float = 0.0) -> AsyncIterator[StreamEvent]:
-        state = self._admit(request_id, prompt_ids, params, tenant, timeout_s)
+                       tenant: str, timeout_s: float = 0.0, slo_class: str = "") -> AsyncIterator[StreamEvent]:
+        state = self._admit(request_id, prompt_ids, params, tenant, timeout_s, slo_class=slo_class)
         try:
             while True:
                 item = await state.queue.get()
@@ -149,21 +150,23 @@ class TokenizerService:
     # ---- requests ------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str,
-               timeout_s: float, sink: Callable[[object], None] | None = None) -> RequestState:
+               timeout_s: float, sink: Callable[[object], None] | None = None,
+               slo_class: str = "") -> RequestState:
         """Validate, register and place a request; its events go to `sink` if given,
         else to its queue. Every admitted request ends with `_release`."""
         timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         try:
             params.validate()
             validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
-        except InvalidRequestError as error:
+            slo_class = self._resolve_slo_class(slo_class, tenant)
+        except (InvalidRequestError, UnknownSloClass) as error:
             self.metrics.requests.inc(outcome="invalid_request")
             raise InvalidRequest(str(error)) from None
         if request_id in self.requests:
             raise InvalidRequest(f"request_id: {request_id!r} is already in flight")
         state = RequestState(request_id, list(prompt_ids), params, tenant,
                              IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
-                             deadline=time.monotonic() + timeout_s)
+                             deadline=time.monotonic() + timeout_s, slo_class=slo_class)
         state.sink = sink
         # One timer per request delivers the timeout, rather than a timed wait per token.
         state.timer = asyncio.get_running_loop().call_later(
@@ -172,6 +175,12 @@ class TokenizerService:
         self.metrics.running.set(len(self.requests))
         self._place(state)
         return state
+
+    def _resolve_slo_class(self, name: str, tenant: str) -> str:
+        """The name of the request's SLO class ("" for none); the router gets it resolved,
+        so every role agrees on it. Raises UnknownSloClass for a name not configured."""
+        slo_class = self.config.slo_class(name, tenant)
+        return slo_class.name if slo_class is not None else ""
 
     def _release(self, state: RequestState) -> None:
         """Forget a request; one that did not finish is aborted on its worker."""
@@ -186,7 +195,8 @@ class TokenizerService:
         generate = Generate(request_id=state.request_id, sampling=sampling_from_params(state.params),
                             stream_address=self.config.advertised(self.config.stream), tenant=state.tenant,
                             arrival_time=time.time(),
-                            deadline=time.time() + max(state.deadline - time.monotonic(), 0.0))
+                            deadline=time.time() + max(state.deadline - time.monotonic(), 0.0),
+                            slo_class=state.slo_class)
         self.router.send_multipart(encode(generate, [state.prompt_ids]), copy=False)
 
     async def _send_router(self, message) -> None:
@@ -385,7 +395,7 @@ class TokenizerService:
                 raise InvalidRequest("prompt: give text or token ids")
             params = params_from_sampling(submit.sampling)
             state = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant, submit.timeout_s,
-                                sink=lambda item: self._on_sdk_event(key, item))
+                                sink=lambda item: self._on_sdk_event(key, item), slo_class=submit.slo_class)
         except BatonError as error:
             self._send_error(identity, submit.request_id, error)
             return

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ClusterConfig, ConfigError, load_config
+from common.config import ClusterConfig, ConfigError, SloClass, UnknownSloClass, load_config
 
 KEY = "k" * 40  # a stand-in for a 40-character Z85 curve key
 
@@ -200,3 +200,114 @@ def test_override_of_the_wrong_type_names_the_key():
 def test_port_base_leaves_room_for_derived_ports():
     with pytest.raises(ConfigError, match="^port_base:"):
         load_config(env={"BATON_PORT_BASE": "65535"})
+
+
+# ---- router settings and SLO classes -------------------------------------------------
+
+INTERACTIVE, BATCH = SloClass("interactive", 1.0, 0.1), SloClass("batch", 30.0, 1.0)
+
+
+def test_router_settings_have_defaults_and_come_from_every_source(tmp_path):
+    config = load_config(env={})
+    assert (config.admission, config.index_mode, config.index_ttl_s, config.load_window_s, config.profile,
+            config.slo_classes, config.default_slo_class) == (False, "events", 120.0, 180.0, "", (), "")
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    path = write(tmp_path, f"[router]\npolicy = 'e2'\nadmission = true\nindex_mode = 'approximate'\n"
+                           f"profile = '{profile}'\n")
+    config = load_config(path, env={"BATON_INDEX_TTL_S": "30", "BATON_LOAD_WINDOW_S": "60"},
+                         overrides={"policy": "dynamo"})
+    assert (config.policy, config.admission, config.index_mode, config.profile) == \
+        ("dynamo", True, "approximate", str(profile))
+    assert (config.index_ttl_s, config.load_window_s) == (30.0, 60.0)
+
+
+def test_slo_classes_are_a_toml_table_of_tables(tmp_path):
+    path = write(tmp_path, """
+default_slo_class = "batch"
+
+[slo_classes.interactive]
+ttft_s = 1.0
+tpot_s = 0.1
+
+[slo_classes.batch]
+ttft_s = 30   # an integer is fine
+tpot_s = 1
+""")
+    config = load_config(path, env={})
+    assert config.slo_classes == (INTERACTIVE, BATCH) and config.default_slo_class == "batch"
+    assert isinstance(config.slo_classes[1].ttft_s, float)
+
+
+def test_slo_classes_from_the_environment_and_overrides(tmp_path):
+    env = {"BATON_SLO_CLASSES": " interactive:1.0:0.1, batch:30:1,", "BATON_DEFAULT_SLO_CLASS": "interactive"}
+    config = load_config(env=env)
+    assert config.slo_classes == (INTERACTIVE, BATCH) and config.default_slo_class == "interactive"
+    path = write(tmp_path, "[slo_classes.interactive]\nttft_s = 5\ntpot_s = 5\n")
+    overridden = load_config(path, env=env, overrides={"slo_classes": {"batch": {"ttft_s": 30, "tpot_s": 1}},
+                                                       "default_slo_class": "batch"})
+    assert overridden.slo_classes == (BATCH,)  # a later source replaces the whole set
+
+
+def test_slo_class_of_a_request_is_the_named_one_else_the_tenant_s_else_the_default():
+    tenants = SloClass("tenant-a", 2.0, 0.2)
+    config = ClusterConfig(slo_classes=(INTERACTIVE, BATCH, tenants), default_slo_class="batch")
+    assert config.slo_class("interactive", "tenant-a") == INTERACTIVE
+    assert config.slo_class("", "tenant-a") == tenants
+    assert config.slo_class("", "tenant-b") == config.slo_class("", "") == BATCH
+    assert ClusterConfig(slo_classes=(INTERACTIVE,)).slo_class("", "tenant-a") is None
+    with pytest.raises(UnknownSloClass, match="'bulk'.*configured: interactive, batch, tenant-a"):
+        config.slo_class("bulk", "tenant-a")
+    with pytest.raises(ValueError, match="no SLO classes are configured"):
+        ClusterConfig().slo_class("interactive", "")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"policy": "fastest"}, "policy"),
+    ({"index_mode": "guess"}, "index_mode"),
+    ({"index_ttl_s": 0.0}, "index_ttl_s"),
+    ({"load_window_s": -1.0}, "load_window_s"),
+    ({"profile": "/definitely/not/a/profile.json"}, "profile"),
+    ({"default_slo_class": "interactive"}, "default_slo_class"),
+    ({"slo_classes": {"a": {"ttft_s": 0, "tpot_s": 1}}}, "slo_classes.a.ttft_s"),
+    ({"slo_classes": {"a": {"ttft_s": 1, "tpot_s": -0.5}}}, "slo_classes.a.tpot_s"),
+    ({"slo_classes": {"a": {"ttft_s": float("inf"), "tpot_s": 1}}}, "slo_classes.a.ttft_s"),
+    ({"slo_classes": {"": {"ttft_s": 1, "tpot_s": 1}}}, "slo_classes"),
+    ({"slo_classes": {"x" * 65: {"ttft_s": 1, "tpot_s": 1}}}, "slo_classes"),
+    ({"slo_classes": "a:1:1"}, "slo_classes"),
+])
+def test_invalid_router_and_slo_settings_name_their_key(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}:"):
+        load_config(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("raw, problem", [
+    ("interactive:1", "is not name:ttft_s:tpot_s"),
+    ("interactive:fast:0.1", "is not name:ttft_s:tpot_s"),
+    ("a:1:1:1", "is not name:ttft_s:tpot_s"),
+    ("a:1:1,a:2:2", "'a' is configured twice"),
+    (":1:1", "a class name must have 1 to 64 characters"),
+])
+def test_bad_slo_classes_in_the_environment_say_what_is_wrong(raw, problem):
+    with pytest.raises(ConfigError, match=rf"^slo_classes: .*{problem}"):
+        load_config(env={"BATON_SLO_CLASSES": raw})
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[slo_classes.a]\nttft_s = 1\ntpot_s = 1\nttft = 2\n", "slo_classes.a"),  # unknown subkey
+    ("[slo_classes.a]\nttft_s = 1\n", "slo_classes.a.tpot_s"),  # missing target
+    ("[slo_classes.a]\nttft_s = '1'\ntpot_s = 1\n", "slo_classes.a.ttft_s"),  # string for a number
+    ("[slo_classes.a]\nttft_s = 1\ntpot_s = true\n", "slo_classes.a.tpot_s"),  # bool for a number
+    ("[slo_classes]\na = 1\n", "slo_classes.a"),  # a number for a class table
+    ("slo_classes = 'a:1:1'\n", "slo_classes"),  # the environment's form in a file
+])
+def test_bad_slo_classes_in_toml_name_the_key_and_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{key}: .*{path.name}"):
+        load_config(path, env={})
+
+
+def test_an_unknown_slo_subkey_error_says_what_a_class_has(tmp_path):
+    path = write(tmp_path, "[slo_classes.a]\nttft_s = 1\ntpot_s = 1\nttft = 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'ttft'.*an SLO class has ttft_s and tpot_s"):
+        load_config(path, env={})

@@ -22,9 +22,19 @@ def make_cluster(tiny_model_dir):
         cluster.stop()
 
 
+# The shared cluster's config file: what no flag sets.
+CLUSTER_TOML = """
+[slo_classes.interactive]
+ttft_s = 5.0
+tpot_s = 1.0
+"""
+
+
 @pytest.fixture(scope="module")
-def cluster(make_cluster):
-    """Two float32 workers (exact comparisons with an in-process engine)."""
-    running = make_cluster(workers=2, extra=["--dtype", "float32"])
+def cluster(make_cluster, tmp_path_factory):
+    """Two float32 workers (exact comparisons with an in-process engine), one SLO class."""
+    config = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    config.write_text(CLUSTER_TOML, encoding="utf-8")
+    running = make_cluster(workers=2, extra=["--dtype", "float32", "--config", str(config)])
     yield running
     running.stop()

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import openai
 import pytest
 
 from common.engine.config import EngineConfig
@@ -62,6 +63,35 @@ def test_invalid_parameters_are_typed_errors(cluster):
         with pytest.raises(InvalidRequest, match="context window"):
             client.generate(token_ids=[5] * 2000, max_tokens=2)
         assert client.generate("still fine", max_tokens=2).finish_reason is not None
+
+
+def test_an_slo_class_must_be_configured_via_sdk_and_http(cluster):
+    async def run_async(slo_class: str):
+        async with AsyncClient(cluster.sdk, timeout_s=30) as client:
+            return await client.generate("x", max_tokens=2, slo_class=slo_class)
+
+    with Client(cluster.sdk, timeout_s=30) as client:
+        with pytest.raises(InvalidRequest, match="unknown SLO class 'bulk'; configured: interactive"):
+            client.generate("x", max_tokens=2, slo_class="bulk")
+        assert client.generate("x", max_tokens=2, slo_class="interactive").finish_reason is not None
+        assert list(client.stream("x", max_tokens=2, slo_class="interactive"))[-1].finished
+    with pytest.raises(InvalidRequest, match="'bulk'"):
+        asyncio.run(run_async("bulk"))
+    assert asyncio.run(run_async("interactive")).finish_reason is not None
+
+    api = openai.OpenAI(base_url=cluster.http + "/v1", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError, match="unknown SLO class 'bulk'; configured: interactive"):
+        api.completions.create(model="baton-default", prompt="x", max_tokens=2,
+                               extra_headers={"X-Baton-SLO-Class": "bulk"})
+    with pytest.raises(openai.BadRequestError, match="'bulk'"):  # a stream's admission keeps its status
+        api.chat.completions.create(model="baton-default", messages=[{"role": "user", "content": "x"}],
+                                    max_tokens=2, stream=True, extra_body={"slo_class": "bulk"})
+    completion = api.completions.create(model="baton-default", prompt="x", max_tokens=2,
+                                        extra_headers={"X-Baton-SLO-Class": "interactive"})
+    assert completion.choices[0].finish_reason is not None
+    chat = api.chat.completions.create(model="baton-default", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={"slo_class": "interactive"})
+    assert chat.choices[0].finish_reason is not None
 
 
 def test_status_lists_healthy_workers_with_load_and_kv(cluster):

@@ -31,7 +31,8 @@ LIMITS = HttpLimits(max_body_bytes=256 * 1024, idle_timeout_s=5.0, header_timeou
 
 class EngineFrontend:
     """A FrontendApi over a real Engine: a thread steps the engine, each request reads its
-    outputs from an asyncio queue and detokenises them incrementally. Records aborts."""
+    outputs from an asyncio queue and detokenises them incrementally. Records aborts and
+    the SLO class each request named."""
 
     model_name = MODEL
 
@@ -42,6 +43,7 @@ class EngineFrontend:
         self.reject: BatonError | None = None  # raised by generate() when set
         self.healthy = True
         self.aborted: list[str] = []
+        self.slo_classes: dict[str, str] = {}  # request id -> the SLO class it named
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -91,9 +93,10 @@ class EngineFrontend:
         return self.api_keys[api_key]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       tenant: str) -> AsyncIterator[StreamEvent]:
+                       tenant: str, *, slo_class: str = "") -> AsyncIterator[StreamEvent]:
         if self.reject is not None:
             raise self.reject
+        self.slo_classes[request_id] = slo_class
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
             self.engine.add_request(request_id, prompt_ids, params, tenant_salt=tenant)
@@ -362,8 +365,8 @@ def test_overload_is_a_429_with_retry_after(client, frontend):
 def test_an_error_after_the_stream_started_is_an_sse_error_event(server, frontend, monkeypatch):
     original = frontend.generate
 
-    async def failing(*args):
-        async with contextlib.aclosing(original(*args)) as events:
+    async def failing(*args, **kwargs):
+        async with contextlib.aclosing(original(*args, **kwargs)) as events:
             async for event in events:
                 yield event
                 raise BatonError("worker lost")
@@ -374,6 +377,35 @@ def test_an_error_after_the_stream_started_is_an_sse_error_event(server, fronten
     with pytest.raises(openai.APIError, match="worker lost"):
         list(client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True, **GREEDY))
     wait_for(lambda: not frontend.engine.has_unfinished())
+
+
+def test_the_slo_class_comes_from_the_header_or_the_body(server, frontend):
+    cases = [({}, {}, ""), ({"X-Baton-SLO-Class": "interactive"}, {}, "interactive"),
+             ({}, {"slo_class": "batch"}, "batch"), ({}, {"slo_class": None}, ""),
+             ({"x-baton-slo-class": "batch"}, {"slo_class": "batch"}, "batch")]
+    for headers, extra, expected in cases:
+        for path, body in [("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+            status, response_headers, response = http_post(
+                server.port, path, {"model": MODEL, "max_tokens": 1, **body, **extra}, headers=headers)
+            assert status == 200, response
+            assert frontend.slo_classes[response_headers["x-request-id"]] == expected, (headers, extra)
+
+
+@pytest.mark.parametrize("headers, extra, param", [
+    ({}, {"slo_class": 3}, "slo_class"),
+    ({}, {"slo_class": ["interactive"]}, "slo_class"),
+    ({}, {"slo_class": "x" * 65}, "slo_class"),
+    ({"X-Baton-SLO-Class": "x" * 65}, {}, "X-Baton-SLO-Class"),
+    ({"X-Baton-SLO-Class": "interactive"}, {"slo_class": "batch"}, "slo_class"),
+])
+def test_a_bad_slo_class_is_a_400_naming_the_field(server, headers, extra, param):
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+        status, _, response = http_post(server.port, path, {"model": MODEL, **body, **extra},
+                                        headers=headers)
+        assert status == 400, response
+        assert json.loads(response)["error"]["param"] == param
 
 
 # ---- raw HTTP: malformed input, limits, disconnects ----------------------------------------
@@ -632,13 +664,14 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def request_bytes(method: str, path: str, body: bytes = b"", api_key: str | None = API_KEY,
-                  close: bool = True) -> bytes:
+                  close: bool = True, extra_headers: dict[str, str] | None = None) -> bytes:
     headers = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
                "Content-Type: application/json"]
     if api_key is not None:
         headers.append(f"Authorization: Bearer {api_key}")
     if close:
         headers.append("Connection: close")
+    headers += [f"{name}: {value}" for name, value in (extra_headers or {}).items()]
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
 
 
@@ -699,8 +732,8 @@ def http_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
     return parse_response(raw_exchange(port, request_bytes("GET", path), shutdown=False))
 
 
-def http_post(port: int, path: str, body,
-              api_key: str | None = API_KEY) -> tuple[int, dict[str, str], bytes]:
+def http_post(port: int, path: str, body, api_key: str | None = API_KEY,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = request_bytes("POST", path, data, api_key)
+    request = request_bytes("POST", path, data, api_key, extra_headers=headers)
     return parse_response(raw_exchange(port, request, shutdown=False))

@@ -1,0 +1,62 @@
+"""The tokenizer role in process, against a stand-in router socket: what it sends the router."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.config import ClusterConfig, SloClass
+from common.errors import InvalidRequest
+from common.protocol import Generate, decode
+from common.sampling_params import SamplingParams
+from services.local_cluster import free_port_base
+from services.tokenizer.service import TokenizerService
+
+SLO_CLASSES = (SloClass("interactive", 1.0, 0.1), SloClass("tenant-a", 2.0, 0.2), SloClass("batch", 30.0, 1.0))
+
+
+@pytest.mark.parametrize("named, tenant, default, expected", [
+    ("interactive", "tenant-a", "batch", "interactive"),  # the class the request names
+    ("", "tenant-a", "batch", "tenant-a"),  # else the tenant's
+    ("", "tenant-b", "batch", "batch"),  # else the default
+    ("", "tenant-b", "", ""),  # else none
+])
+def test_generate_carries_the_resolved_slo_class(tiny_model_dir, named, tenant, default, expected):
+    config = ClusterConfig(port_base=free_port_base(), slo_classes=SLO_CLASSES, default_slo_class=default)
+    assert asyncio.run(_routed_slo_class(config, tiny_model_dir, named, tenant)) == expected
+
+
+def test_an_unknown_slo_class_is_an_invalid_request_naming_the_known_ones(tiny_model_dir):
+    config = ClusterConfig(port_base=free_port_base(), slo_classes=SLO_CLASSES)
+    with pytest.raises(InvalidRequest, match="'bulk'; configured: interactive, tenant-a, batch"):
+        asyncio.run(_routed_slo_class(config, tiny_model_dir, "bulk", ""))
+
+
+async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant: str) -> str:
+    """The slo_class of the Generate the tokenizer sends for one request."""
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(config.router)
+    service = TokenizerService(config, model_dir)
+    events = service.generate("r-1", [5, 6, 7], SamplingParams(max_tokens=1), tenant, slo_class=named)
+    first = asyncio.ensure_future(anext(events))  # admits the request (or raises why not)
+    receiving = asyncio.ensure_future(router.recv_multipart())
+    try:
+        await asyncio.wait({first, receiving}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            first.result()
+        message, _ = decode((await asyncio.wait_for(receiving, 10))[1:])
+        assert isinstance(message, Generate)
+        return message.slo_class
+    finally:
+        for task in (first, receiving):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        service.close()
+        router.close(0)
+        context.term()
