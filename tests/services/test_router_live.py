@@ -1,0 +1,105 @@
+"""`svc up --workers 3 --policy e2` with admission on: placement by prefix and early
+rejection, observed through the SDK on real processes."""
+import asyncio
+import json
+import random
+import time
+
+import pytest
+
+from common.cost_model import TINY_CPU
+from services.client import AsyncClient, Client, Rejected
+
+PREFIX_TOKENS = 512  # 32 blocks: well over half of each prompt, so e2 exploits the holder
+SLO = {"ttft_s": 3.0, "tpot_s": 1.0}
+# The router's profile is this machine's (one quiet core per worker) slowed down: here three
+# workers, the tokenizer, the router and the test share two cores, and in a burst prefill
+# chunks of several requests share each step.
+SAFETY = 6.0
+
+
+@pytest.fixture(scope="module")
+def e2_cluster(make_cluster, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("e2")
+    profile = folder / "profile.json"
+    slow = TINY_CPU.to_json()
+    for phase in ("prefill", "decode"):
+        slow[phase] = {key: value * SAFETY for key, value in slow[phase].items()}
+    profile.write_text(json.dumps(slow), encoding="utf-8")
+    config = folder / "cluster.toml"
+    config.write_text(f"[slo_classes.interactive]\nttft_s = {SLO['ttft_s']}\ntpot_s = {SLO['tpot_s']}\n",
+                      encoding="utf-8")
+    running = make_cluster(workers=3, extra=["--policy", "e2", "--admission", "true", "--config", str(config),
+                                             "--profile", str(profile)])
+    yield running
+    running.stop()
+
+
+def family_prompt(family: int, request: int, suffix_tokens: int = 64) -> list[int]:
+    prefix = random.Random(family).choices(range(1, 250), k=PREFIX_TOKENS)
+    return prefix + random.Random(1000 * family + request).choices(range(1, 250), k=suffix_tokens)
+
+
+def wait_for_events(client: Client, at_least: int) -> None:
+    """The router learns of cached blocks from KV events; let them arrive."""
+    deadline = time.monotonic() + 10
+    while client.status().kv_events_received < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_repeats_land_where_their_prefix_is_cached(e2_cluster):
+    with Client(e2_cluster.sdk, timeout_s=60) as client:
+        for family in range(3):
+            first = client.generate(token_ids=family_prompt(family, 0), max_tokens=4, ignore_eos=True)
+            assert first.num_cached_tokens == 0
+        wait_for_events(client, 3 * PREFIX_TOKENS // 16)
+        for request in range(1, 4):
+            for family in range(3):
+                repeat = client.generate(token_ids=family_prompt(family, request), max_tokens=4, ignore_eos=True)
+                # Each worker caches only what it computed: a hit proves the placement.
+                assert repeat.num_cached_tokens >= PREFIX_TOKENS, (family, request)
+        routed = {w.worker_id: w for w in client.status().workers}
+    assert len(routed) == 3
+
+
+def test_with_one_family_flooding_the_others_still_land_and_complete(e2_cluster):
+    async def run():
+        async with AsyncClient(e2_cluster.sdk, timeout_s=120) as client:
+            for family in (10, 11, 12):  # warm each family's prefix somewhere
+                await client.generate(token_ids=family_prompt(family, 0), max_tokens=2, ignore_eos=True)
+            await asyncio.sleep(0.5)
+            flood = [client.generate(token_ids=family_prompt(10, index), max_tokens=8, ignore_eos=True)
+                     for index in range(1, 41)]
+            others = [client.generate(token_ids=family_prompt(family, index), max_tokens=8, ignore_eos=True)
+                      for index in range(1, 6) for family in (11, 12)]
+            return await asyncio.gather(*flood), await asyncio.gather(*others)
+
+    flooded, others = asyncio.run(run())
+    assert all(result.finish_reason == "length" for result in flooded + others)
+    hits = [result.num_cached_tokens >= PREFIX_TOKENS for result in others]
+    assert sum(hits) >= len(others) - 2, hits  # at most a rebalanced request or two recompute
+
+
+def test_a_burst_beyond_capacity_is_refused_early_and_the_admitted_meet_their_slo(e2_cluster):
+    async def one(client, index):
+        prompt = random.Random(5000 + index).choices(range(1, 250), k=900)
+        started = time.monotonic()
+        try:
+            result = await client.generate(token_ids=prompt, max_tokens=4, ignore_eos=True,
+                                           slo_class="interactive")
+            return "admitted", result.ttft_s, time.monotonic() - started
+        except Rejected as error:
+            return "rejected", error.retry_after_s, time.monotonic() - started
+
+    async def burst():
+        async with AsyncClient(e2_cluster.sdk, timeout_s=120) as client:
+            return await asyncio.gather(*(one(client, index) for index in range(60)))
+
+    outcomes = asyncio.run(burst())
+    admitted = [o for o in outcomes if o[0] == "admitted"]
+    rejected = [o for o in outcomes if o[0] == "rejected"]
+    assert admitted and rejected, outcomes
+    assert all(ttft <= SLO["ttft_s"] for _, ttft, _ in admitted), admitted
+    assert all(retry_after > 0 for _, retry_after, _ in rejected)
+    # Early: a refusal comes back well before the SLO would have run out.
+    assert max(elapsed for _, _, elapsed in rejected) < SLO["ttft_s"], rejected
