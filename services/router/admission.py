@@ -8,6 +8,7 @@ with a retry-after: Mooncake's early rejection instead of a timeout later.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,9 +68,14 @@ class AdmissionControl:
                        max(MIN_RETRY_AFTER_S, retry))
 
     def _has_room(self, request: Request, cluster: ClusterState, worker_id: str) -> bool:
+        """The worker's queue (placed there beyond what it reports running) has room.
+        The newest placements are taken to be the ones still waiting."""
         worker = cluster.workers[worker_id]
         queued = len(worker.in_flight) - worker.running
         if queued <= 0:
             return True
-        return queued < self.config.max_queued_requests and \
-            worker.prompt_tokens_sum + request.num_tokens <= self.config.max_queued_tokens
+        if queued >= self.config.max_queued_requests:
+            return False
+        waiting = itertools.islice(reversed(worker.in_flight.values()), queued)
+        return sum(placement.num_tokens for placement in waiting) + request.num_tokens \
+            <= self.config.max_queued_tokens

@@ -11,7 +11,7 @@ reads a clock, so virtual time works the same.
 """
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,7 +30,7 @@ class Request:
 
     request_id: str
     root_hash: int
-    prompt: bytes  # token ids as little-endian uint32
+    block_keys: list[bytes]  # each full block's token ids as little-endian uint32 bytes
     num_tokens: int
     max_tokens: int
     slo_class: str = ""
@@ -87,6 +87,7 @@ class WorkerState:
     window_prefill_s: float = 0.0
     expected_output_sum: int = 0  # over in_flight
     prompt_tokens_sum: int = 0  # over in_flight
+    decode_work_s: float = 0.0  # of in_flight, kept current by ClusterState
     prefill_free_at: float = 0.0  # when the prefills queued here will be done
     blocks_since_report: int = 0  # blocks placements took since the last load report
 
@@ -107,6 +108,8 @@ class ClusterState:
         self.workers: dict[str, WorkerState] = {}
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
+        self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
+        self.eviction_rates: dict[str, tuple[tuple[int, int], list[float]]] = {}  # see eviction_cost_s
 
     @property
     def approximate(self) -> bool:
@@ -123,6 +126,7 @@ class ClusterState:
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
+        self.eviction_rates.pop(worker_id, None)
         for request_id in worker.in_flight:
             self.placements.pop(request_id, None)
         return list(worker.in_flight.values())
@@ -149,11 +153,10 @@ class ClusterState:
         """Match the prompt against the index once; policies and admission read the result."""
         if self.approximate:
             self.index.expire(now)
-        prompt = np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
-        path = self.index.walk(root_hash, prompt)
-        matched = self.index.match(path, now)
-        return Request(request_id, root_hash, prompt, len(token_ids), max_tokens, slo_class, path, matched,
-                       self.block_size)
+        keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4").tobytes())
+        path = self.index.walk(root_hash, keys)
+        return Request(request_id, root_hash, keys, len(token_ids), max_tokens, slo_class, path,
+                       self.index.match(path), self.block_size)
 
     def place(self, request: Request, worker_id: str, now: float) -> Placement:
         """Record that `request` goes to `worker_id`."""
@@ -170,12 +173,13 @@ class ClusterState:
         worker.in_flight[request.request_id] = placement
         worker.expected_output_sum += placement.expected_output
         worker.prompt_tokens_sum += request.num_tokens
+        self._update_decode_work(worker)
         worker.blocks_since_report += request.blocks_needed(worker_id)
         self.placements[request.request_id] = placement
         held = request.matched.get(worker_id, 0)
         self.index.record_hits(request.path[:held], worker_id, now)
         if self.approximate:
-            self.index.placed(worker_id, request.root_hash, request.prompt, request.path, now)
+            self.index.placed(worker_id, request.root_hash, request.block_keys, request.path, now)
         return placement
 
     def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:
@@ -187,29 +191,66 @@ class ClusterState:
         if worker is not None and worker.in_flight.pop(request_id, None) is not None:
             worker.expected_output_sum -= placement.expected_output
             worker.prompt_tokens_sum -= placement.num_tokens
+            self._update_decode_work(worker)
         if output_tokens:
-            self.recent_outputs.append(output_tokens)
+            self._note_output(output_tokens)
         return placement
 
     # ---- what policies read ------------------------------------------------------------
 
     def expected_output(self, request: Request) -> int:
-        if not self.recent_outputs:
+        """The median output of recent requests, capped by this one's max_tokens."""
+        if not self.sorted_outputs:
             return request.max_tokens
-        return max(1, min(request.max_tokens, int(statistics.median(self.recent_outputs))))
+        return max(1, min(request.max_tokens, self.sorted_outputs[len(self.sorted_outputs) // 2]))
 
     def load_s(self, worker_id: str, now: float) -> float:
         """Windowed prefill seconds plus the decode seconds its requests still need."""
         worker = self.workers[worker_id]
         self._expire_window(worker, now)
-        return worker.window_prefill_s + self.decode_work_s(worker)
+        return worker.window_prefill_s + worker.decode_work_s
 
-    def decode_work_s(self, worker: WorkerState) -> float:
+    def loads(self, now: float) -> dict[str, float]:
+        """load_s of every worker."""
+        horizon = now - self.window_s
+        loads = {}
+        for worker_id, worker in self.workers.items():
+            if worker.window and worker.window[0].placed_at < horizon:
+                self._expire_window(worker, now)
+            loads[worker_id] = worker.window_prefill_s + worker.decode_work_s
+        return loads
+
+    def explore_costs(self, request: Request, now: float) -> dict[str, float]:
+        """Preble's C = L + M + P of placing `request` on each worker, in one pass: the
+        workers that hold none of the prompt share one prefill time."""
+        loads = self.loads(now)
+        matched = request.matched
+        cold_prefill_s = self.cost.prefill_s(request.num_tokens)
+        blocks = -(-request.num_tokens // self.block_size)
+        costs = {}
+        for worker_id, worker in self.workers.items():
+            cost = loads[worker_id]
+            if worker_id in matched:
+                cost += self.prefill_s(request, worker_id) + self.eviction_cost_s(request, worker_id, now)
+            else:
+                cost += cold_prefill_s
+                to_evict = blocks - worker.free_blocks
+                if to_evict > 0:
+                    cost += self._extrapolate(self._cached_lru_costs(worker_id, now), to_evict)
+            costs[worker_id] = cost
+        return costs
+
+    def _update_decode_work(self, worker: WorkerState) -> None:
         """Σ over requests in flight of expected output × the batch's TPOT (DESIGN §6.1)."""
         batch = len(worker.in_flight)
-        if not batch:
-            return 0.0
-        return worker.expected_output_sum * self.cost.decode_step_s(batch, worker.prompt_tokens_sum / batch)
+        worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
+            batch, worker.prompt_tokens_sum / batch) if batch else 0.0
+
+    def _note_output(self, output_tokens: int) -> None:
+        if len(self.recent_outputs) == self.recent_outputs.maxlen:
+            del self.sorted_outputs[bisect.bisect_left(self.sorted_outputs, self.recent_outputs[0])]
+        self.recent_outputs.append(output_tokens)
+        bisect.insort(self.sorted_outputs, output_tokens)
 
     def prefill_s(self, request: Request, worker_id: str) -> float:
         """P: the time to prefill what the worker does not hold of the prompt."""
@@ -228,25 +269,47 @@ class ClusterState:
 
     def eviction_cost_s(self, request: Request, worker_id: str, now: float) -> float:
         """M: recompute seconds that placing the request would cause, weighted by how often
-        the evicted blocks were hit in the window (LRU blocks go first, as in the engine)."""
+        the evicted blocks were hit in the window (LRU blocks go first, as in the engine).
+
+        Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is cached per
+        worker until its LRU changes or the hit window moves on, except on workers that
+        hold part of the prompt: the request pins those blocks, so they are skipped."""
         worker = self.workers[worker_id]
         to_evict = request.blocks_needed(worker_id) - worker.free_blocks
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
-        reused = set(request.path[:held]) if held else ()  # pinned by this very request
-        sampled, cost = 0, 0.0
+        costs = self._lru_costs(worker_id, now, set(request.path[:held])) if held else \
+            self._cached_lru_costs(worker_id, now)
+        return self._extrapolate(costs, to_evict)
+
+    @staticmethod
+    def _extrapolate(cumulative_costs: list[float], to_evict: int) -> float:
+        if not cumulative_costs:
+            return 0.0
+        sampled = min(to_evict, len(cumulative_costs))
+        return cumulative_costs[sampled - 1] * to_evict / sampled
+
+    def _cached_lru_costs(self, worker_id: str, now: float) -> list[float]:
+        key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
+        cached = self.eviction_rates.get(worker_id)
+        if cached is None or cached[0] != key:
+            cached = self.eviction_rates[worker_id] = (key, self._lru_costs(worker_id, now, ()))
+        return cached[1]
+
+    def _lru_costs(self, worker_id: str, now: float, skip) -> list[float]:
+        """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first."""
+        cumulative, total = [], 0.0
         for node in self.index.lru_blocks(worker_id):
-            if sampled == min(to_evict, EVICTION_SAMPLE):
+            if len(cumulative) == EVICTION_SAMPLE:
                 break
-            if node in reused:
+            if node in skip:
                 continue
             hits = self.index.hits(node, now)
             if hits:
-                depth = max(node.depth, 0) * self.block_size
-                cost += hits * self.cost.recompute_s(self.block_size, depth)
-            sampled += 1
-        return cost * to_evict / sampled if sampled else 0.0
+                total += hits * self.cost.recompute_s(self.block_size, max(node.depth, 0) * self.block_size)
+            cumulative.append(total)
+        return cumulative
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]

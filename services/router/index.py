@@ -17,6 +17,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import xxhash
 
 _hash = xxhash.xxh3_64_intdigest
@@ -26,7 +27,7 @@ NEVER = math.inf
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
-    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "children",
+    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
                  "hits_now", "hits_before", "hit_epoch")
 
     def __init__(self, block_hash: int, depth: int = -1):
@@ -35,6 +36,7 @@ class BlockNode:
         self.key = b""  # this block's token bytes, the key in parent.children
         self.depth = depth  # index of the block in its prompt; -1 while unknown
         self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
+        self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
         self.children: dict[bytes, BlockNode] = {}
         self.hits_now = 0  # hits in the current half-window
         self.hits_before = 0  # hits in the half-window before it
@@ -52,45 +54,57 @@ class PrefixIndex:
         self.nodes: dict[int, BlockNode] = {}
         self.roots: dict[int, BlockNode] = {}
         self.lru: dict[str, OrderedDict[int, BlockNode]] = {}  # per worker, least recent first
+        self.lru_version: dict[str, int] = {}  # per worker, bumped whenever its LRU changes
+        self.worker_bits: dict[str, int] = {}
         self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
 
     # ---- reading ---------------------------------------------------------------------
 
-    def walk(self, root_hash: int, prompt: bytes) -> list[BlockNode]:
+    def block_keys(self, prompt: bytes) -> list[bytes]:
+        """Each full block's token bytes, the keys a walk follows (one C call, not a slice each)."""
+        return np.frombuffer(prompt, dtype=f"V{self.block_bytes}", count=len(prompt) // self.block_bytes).tolist()
+
+    def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names."""
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        width = self.block_bytes
-        for start in range(0, len(prompt) - width + 1, width):
-            key = prompt[start:start + width]
+        append = path.append
+        nodes = self.nodes
+        for key in keys:
             child = node.children.get(key)
             if child is None:
-                child = self.nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
+                child = nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
                 if child is None:
                     break
                 self._link(node, key, child, len(path))
-            path.append(child)
+            append(child)
             node = child
         return path
 
-    def match(self, path: list[BlockNode], now: float) -> dict[str, int]:
-        """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1)."""
+    def match(self, path: list[BlockNode]) -> dict[str, int]:
+        """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
+
+        Holder sets are compared only where a node's signature differs from its parent's,
+        so a match costs O(blocks) cheap steps however many workers share the prefix
+        (holder sets rarely change along a chain). Call expire() first in approximate mode.
+        """
         if not path:
             return {}
         matched: dict[str, int] = {}
-        alive = [w for w, expiry in path[0].holders.items() if expiry > now]
-        for depth, node in enumerate(path[1:], start=1):
-            if not alive:
-                break
-            holders = node.holders
-            still = [w for w in alive if holders.get(w, 0.0) > now]
-            if len(still) < len(alive):
-                for worker_id in alive:
-                    if worker_id not in still:
-                        matched[worker_id] = depth
-                alive = still
+        alive = path[0].holders.keys()
+        signature = path[0].signature
+        for depth in range(1, len(path)):
+            node = path[depth]
+            if node.signature == signature:
+                continue
+            still = alive & node.holders.keys()
+            for worker_id in alive - still:
+                matched[worker_id] = depth
+            if not still:
+                return matched
+            alive, signature = still, node.signature
         for worker_id in alive:
             matched[worker_id] = len(path)
         return matched
@@ -120,10 +134,14 @@ class PrefixIndex:
         """A worker holds these blocks now (a KV event, or a placement in approximate mode)."""
         expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
         lru = self.lru.setdefault(worker_id, OrderedDict())
+        bit = self._worker_bit(worker_id)
+        self._touched(worker_id)
         for block_hash in block_hashes:
             node = self.nodes.get(block_hash)
             if node is None:
                 node = self.nodes[block_hash] = BlockNode(block_hash)
+            if worker_id not in node.holders:
+                node.signature ^= bit
             node.holders[worker_id] = expiry
             lru[block_hash] = node
             lru.move_to_end(block_hash)
@@ -132,9 +150,12 @@ class PrefixIndex:
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
         lru = self.lru.get(worker_id)
+        bit = self._worker_bit(worker_id)
+        self._touched(worker_id)
         for block_hash in block_hashes:
             node = self.nodes.get(block_hash)
             if node is not None and node.holders.pop(worker_id, None) is not None:
+                node.signature ^= bit
                 if lru is not None:
                     lru.pop(block_hash, None)
                 if not node.holders:
@@ -142,8 +163,10 @@ class PrefixIndex:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything a worker held (it left or restarted with an empty cache)."""
+        bit = self._worker_bit(worker_id)
         for node in (self.lru.pop(worker_id, None) or {}).values():
-            node.holders.pop(worker_id, None)
+            if node.holders.pop(worker_id, None) is not None:
+                node.signature ^= bit
             if not node.holders:
                 self._forget(node)
 
@@ -151,25 +174,26 @@ class PrefixIndex:
         """A request placed on `worker_id` reuses these blocks: count the hits and make
         them the worker's most recently used."""
         epoch = int(now / self.half_window_s)
+        self._touched(worker_id)
         lru = self.lru.get(worker_id)
+        touch = lru.move_to_end if lru is not None else None
         for node in path:
             if node.hit_epoch != epoch:
                 node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
                 node.hits_now = 0
                 node.hit_epoch = epoch
             node.hits_now += 1
-            if lru is not None and node.block_hash in lru:
-                lru.move_to_end(node.block_hash)
+            if touch is not None and worker_id in node.holders:
+                touch(node.block_hash)
 
-    def placed(self, worker_id: str, root_hash: int, prompt: bytes, path: list[BlockNode],
+    def placed(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
                now: float) -> None:
         """Approximate mode: predict that `worker_id` now holds every full block of the
-        prompt (`path` is its already-known prefix)."""
+        prompt whose block `keys` these are (`path` is its already-known prefix)."""
         parent = path[-1] if path else self.roots[root_hash]
-        width = self.block_bytes
         hashes = [node.block_hash for node in path]
-        for depth in range(len(path), len(prompt) // width):
-            key = prompt[depth * width:(depth + 1) * width]
+        for depth in range(len(path), len(keys)):
+            key = keys[depth]
             child = parent.children.get(key)
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
@@ -193,6 +217,16 @@ class PrefixIndex:
         return dropped
 
     # ---- internals -------------------------------------------------------------------
+
+    def _worker_bit(self, worker_id: str) -> int:
+        """A random-looking 64-bit word per worker, for holder-set signatures."""
+        bit = self.worker_bits.get(worker_id)
+        if bit is None:
+            bit = self.worker_bits[worker_id] = _hash(worker_id.encode()) or 1
+        return bit
+
+    def _touched(self, worker_id: str) -> None:
+        self.lru_version[worker_id] = self.lru_version.get(worker_id, 0) + 1
 
     @staticmethod
     def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:

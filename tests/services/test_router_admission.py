@@ -83,3 +83,13 @@ def test_queue_bounds_back_admission_up():
     assert refused.worker_id is None and "queue" in refused.reason
     cluster.report("a", running=3, waiting=0, kv_blocks_used=0, kv_blocks_cached=0)
     assert submit(control, cluster, 12).worker_id == "a"
+
+
+def test_the_token_bound_counts_only_the_requests_still_waiting():
+    cluster = cluster_of("a")
+    control = admission(enabled=False, max_queued_tokens=2500)
+    # Nothing reported running yet: a second waiting 1,000-token prompt would pass 2,500.
+    assert [submit(control, cluster, index).worker_id for index in range(3)] == ["a", "a", None]
+    cluster.report("a", running=1, waiting=1, kv_blocks_used=0, kv_blocks_cached=0)  # 1,000 tokens wait
+    assert submit(control, cluster, 5).worker_id == "a"
+    assert submit(control, cluster, 6).worker_id is None  # 2,000 waiting + 1,000 > 2,500

@@ -129,7 +129,7 @@ def test_load_is_windowed_prefill_plus_decode_work():
     p2 = cluster.place(r2, "a", 4.0)
     decode_two = (40 + 60) * TINY_CPU.decode_step_s(2, 300)
     assert cluster.load_s("a", 4.0) == pytest.approx(p1.prefill_s + p2.prefill_s + decode_two)
-    assert cluster.decode_work_s(cluster.workers["a"]) == pytest.approx(decode_two)
+    assert cluster.workers["a"].decode_work_s == pytest.approx(decode_two)
     assert cluster.tpot_s(cluster.prepare("r3", ROOT, tokens(3, 600), 8, 4.0), "a") == \
         pytest.approx(TINY_CPU.decode_step_s(3, 400))
 

@@ -12,8 +12,9 @@ def tokens(seed: int, count: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30000, count).astype(np.uint32)
 
 
-def as_bytes(token_ids) -> bytes:
-    return np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+def as_bytes(token_ids, block: int = BLOCK) -> list[bytes]:
+    """The prompt's block keys, as the router walks them."""
+    return PrefixIndex(block).block_keys(np.ascontiguousarray(token_ids, dtype="<u4").tobytes())
 
 
 def hashes(token_ids, root: int = ROOT) -> list[int]:
@@ -21,7 +22,8 @@ def hashes(token_ids, root: int = ROOT) -> list[int]:
 
 
 def match(index: PrefixIndex, token_ids, now: float = 0.0, root: int = ROOT) -> dict[str, int]:
-    return index.match(index.walk(root, as_bytes(token_ids)), now)
+    index.expire(now)
+    return index.match(index.walk(root, as_bytes(token_ids)))
 
 
 # ---- walk -----------------------------------------------------------------------------
@@ -30,7 +32,7 @@ def match(index: PrefixIndex, token_ids, now: float = 0.0, root: int = ROOT) -> 
 def test_walk_on_an_empty_index_finds_nothing():
     index = PrefixIndex(BLOCK)
     assert index.walk(ROOT, as_bytes(tokens(1, 40))) == []
-    assert index.walk(ROOT, b"") == []
+    assert index.walk(ROOT, []) == []
     assert len(index) == 0
     assert match(index, tokens(1, 40)) == {}
 
@@ -251,8 +253,7 @@ def test_placed_predicts_every_full_block_and_expires_after_the_ttl():
     assert [node.block_hash for node in index.lru_blocks("A")] == hashes(prompt)
     path = index.walk(ROOT, prompt_bytes)
     assert [node.block_hash for node in path] == hashes(prompt)
-    assert index.match(path, 5.0) == {"A": 6}
-    assert index.match(path, 10.0) == {}  # past its TTL, even before expire()
+    assert index.match(path) == {"A": 6}
     assert index.expire(9.9) == 0
     assert len(index) == 6
     assert index.expire(10.0) == 6
@@ -270,10 +271,10 @@ def test_placed_extends_a_known_prefix_for_another_worker():
     index.placed("B", ROOT, as_bytes(longer), path, 1.0)
     path = index.walk(ROOT, as_bytes(longer))
     assert [node.block_hash for node in path] == hashes(longer)
-    assert index.match(path, 2.0) == {"A": 3, "B": 7}
+    assert index.match(path) == {"A": 3, "B": 7}
     assert index.expire(10.0) == 3  # A's entries; B's shared ones stay
     assert len(index) == 7
-    assert index.match(index.walk(ROOT, as_bytes(longer)), 10.0) == {"B": 7}
+    assert index.match(index.walk(ROOT, as_bytes(longer))) == {"B": 7}
 
 
 def test_a_refreshed_entry_outlives_its_older_expiry():
@@ -284,7 +285,7 @@ def test_a_refreshed_entry_outlives_its_older_expiry():
     index.placed("A", ROOT, prompt_bytes, index.walk(ROOT, prompt_bytes), 5.0)
     assert index.expire(12.0) == 0
     assert len(index) == 4
-    assert index.match(index.walk(ROOT, prompt_bytes), 12.0) == {"A": 4}
+    assert index.match(index.walk(ROOT, prompt_bytes)) == {"A": 4}
     assert index.expire(15.0) == 4
     assert len(index) == 0
 
@@ -298,12 +299,12 @@ def test_walking_an_unseen_long_prompt_touches_one_block():
     index.stored("A", chain_hashes(ROOT, known, 16), 0.0)
     before = len(index.nodes)
     unseen = tokens(2, 65536)
-    assert index.walk(ROOT, as_bytes(unseen)) == []
+    assert index.walk(ROOT, as_bytes(unseen, 16)) == []
     assert len(index.nodes) == before
     # Nothing was linked for the unseen prompt: the root's only children are known blocks.
     root = index.roots[ROOT]
     assert all(child.block_hash in index.nodes for child in root.children.values())
-    assert index.walk(ROOT, as_bytes(tokens(3, 100_000))) == []
+    assert index.walk(ROOT, as_bytes(tokens(3, 100_000), 16)) == []
     assert len(index.nodes) == before
 
 
@@ -321,12 +322,13 @@ def test_walk_stops_at_the_first_unknown_block_without_hashing_the_rest(monkeypa
     index = PrefixIndex(16)
     known = tokens(1, 4 * 16)
     index.stored("A", chain_hashes(ROOT, known, 16), 0.0)
-    assert index.walk(ROOT, as_bytes(tokens(2, 65536))) == []
+    calls.clear()
+    assert index.walk(ROOT, as_bytes(tokens(2, 65536), 16)) == []
     assert len(calls) == 1
     calls.clear()
     prompt = np.concatenate([known, tokens(3, 65536)])
-    assert len(index.walk(ROOT, as_bytes(prompt))) == 4
+    assert len(index.walk(ROOT, as_bytes(prompt, 16))) == 4
     assert len(calls) == 5  # 4 known blocks the first time, then the first unknown one
     calls.clear()
-    assert len(index.walk(ROOT, as_bytes(prompt))) == 4
+    assert len(index.walk(ROOT, as_bytes(prompt, 16))) == 4
     assert len(calls) == 1  # known blocks come from the children links now

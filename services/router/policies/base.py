@@ -30,4 +30,4 @@ class StatelessFeedback:
 
 def ranked(worker_ids, key: Callable[[str], object]) -> list[str]:
     """Worker ids by ascending key, ties broken by id so decisions are reproducible."""
-    return sorted(worker_ids, key=lambda worker_id: (key(worker_id), worker_id))
+    return sorted(sorted(worker_ids), key=key)  # a stable sort keeps the id order among ties

@@ -13,7 +13,6 @@ the least loaded other worker and its traffic splits between the holders by load
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from services.router.cluster import ClusterState, Placement, Request
@@ -29,6 +28,30 @@ class E2Config:
     min_ttft_samples: int = 3  # per half-window before replication may trigger
 
 
+class HalfWindowMeans:
+    """Sum and count of samples in the current half-window and the one before it."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.now = [0.0, 0]
+        self.before = [0.0, 0]
+
+    def add(self, value: float, epoch: int) -> None:
+        self._roll(epoch)
+        self.now[0] += value
+        self.now[1] += 1
+
+    def halves(self, epoch: int) -> tuple[list, list]:
+        """(recent, older) as [sum, count]."""
+        self._roll(epoch)
+        return self.now, self.before
+
+    def _roll(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.before = self.now if epoch == self.epoch + 1 else [0.0, 0]
+            self.now, self.epoch = [0.0, 0], epoch
+
+
 @dataclass
 class Redirect:
     worker_id: str
@@ -42,41 +65,33 @@ class E2:
         self.config = config
         self.redirects: dict[int, Redirect] = {}  # prefix key -> where its traffic goes now
         self.replicas: dict[int, Redirect] = {}  # prefix key -> an extra holder
-        self.ttfts: dict[int, deque[tuple[float, float]]] = {}  # prefix key -> (time, ttft)
-        self.rebalanced_at = -float("inf")
+        self.ttfts: dict[int, HalfWindowMeans] = {}  # prefix key -> its TTFTs by half-window
+        self.checked_balance_at = -float("inf")
+        self.half_window_s = 0.0  # the cluster's, learned on the first decision
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
         if not cluster.workers:
             return []
-        loads = {w: cluster.load_s(w, now) for w in cluster.workers}
-        self._maybe_rebalance(cluster, loads, now)
-        half = cluster.window_s / 2
+        self.half_window_s = cluster.window_s / 2
+        if self.config.rebalance and now - self.checked_balance_at >= cluster.window_s / 36:
+            self.checked_balance_at = now
+            self._maybe_rebalance(cluster, cluster.loads(now), now)
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
-            first = self._exploit(request, cluster, loads, now, half)
-        else:
-            first = None
-        costs = {w: self.cost_s(request, cluster, w, loads[w], now) for w in cluster.workers}
-        order = ranked(costs, costs.__getitem__)
-        if first is None:
-            return order
-        return [first] + [w for w in order if w != first]
-
-    def cost_s(self, request: Request, cluster: ClusterState, worker_id: str, load_s: float,
-               now: float) -> float:
-        """C = L + M + P for placing `request` on `worker_id`."""
-        return load_s + cluster.eviction_cost_s(request, worker_id, now) + cluster.prefill_s(request, worker_id)
+            loads = cluster.loads(now)
+            first = self._exploit(request, cluster, loads, now)
+            return [first] + [w for w in ranked(loads, loads.__getitem__) if w != first]
+        costs = cluster.explore_costs(request, now)
+        return ranked(costs, costs.__getitem__)
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         key = placement.prefix_key
-        if key is None or ttft_s < 0:
+        if key is None or ttft_s < 0 or not self.half_window_s:  # not placed by this policy
             return
-        samples = self.ttfts.setdefault(key, deque())
-        samples.append((now, ttft_s))
+        self.ttfts.setdefault(key, HalfWindowMeans()).add(ttft_s, int(now / self.half_window_s))
 
     # ---- exploit, rebalance, replicate -----------------------------------------------
 
-    def _exploit(self, request: Request, cluster: ClusterState, loads: dict[str, float], now: float,
-                 half: float) -> str:
+    def _exploit(self, request: Request, cluster: ClusterState, loads: dict[str, float], now: float) -> str:
         key = request.prefix_key
         redirect = self._live(self.redirects, key, cluster, now)
         if redirect is not None:
@@ -84,37 +99,33 @@ class E2:
         best = request.best_blocks
         holders = [w for w, blocks in request.matched.items() if blocks == best and w in cluster.workers]
         replica = self._live(self.replicas, key, cluster, now)
-        if replica is None and self._overloads_holder(key, now, half):
-            replica = self._replicate(key, holders, loads, now, half)
+        if replica is None and self._overloads_holder(key, now):
+            replica = self._replicate(key, holders, loads, now)
         if replica is not None and replica not in holders:
             holders.append(replica)
         return min(holders, key=lambda w: (loads[w], w))
 
-    def _overloads_holder(self, key: int, now: float, half: float) -> bool:
-        samples = self.ttfts.get(key)
-        if not samples:
+    def _overloads_holder(self, key: int, now: float) -> bool:
+        stats = self.ttfts.get(key)
+        if stats is None:
             return False
-        while samples and samples[0][0] < now - 2 * half:
-            samples.popleft()
-        recent = [ttft for t, ttft in samples if t >= now - half]
-        older = [ttft for t, ttft in samples if t < now - half]
+        recent, older = stats.halves(int(now / self.half_window_s))
         enough = self.config.min_ttft_samples
-        if len(recent) < enough or len(older) < enough:
+        if recent[1] < enough or older[1] < enough:
             return False
-        return sum(recent) / len(recent) >= self.config.replicate_ratio * sum(older) / len(older)
+        return recent[0] / recent[1] >= self.config.replicate_ratio * older[0] / older[1]
 
-    def _replicate(self, key: int, holders: list[str], loads: dict[str, float], now: float,
-                   half: float) -> str | None:
+    def _replicate(self, key: int, holders: list[str], loads: dict[str, float], now: float) -> str | None:
         others = [w for w in loads if w not in holders]
         if not others:
             return None
         target = min(others, key=lambda w: (loads[w], w))
-        self.replicas[key] = Redirect(target, now + half)
-        self.ttfts[key].clear()  # judge the split on fresh samples
+        self.replicas[key] = Redirect(target, now + self.half_window_s)
+        del self.ttfts[key]  # judge the split on fresh samples
         return target
 
     def _maybe_rebalance(self, cluster: ClusterState, loads: dict[str, float], now: float) -> None:
-        if not self.config.rebalance or len(loads) < 2 or now - self.rebalanced_at < cluster.window_s / 36:
+        if len(loads) < 2:
             return
         heavy = max(loads, key=lambda w: (loads[w], w))
         light = min(loads, key=lambda w: (loads[w], w))
@@ -123,7 +134,6 @@ class E2:
         window = cluster.in_window(heavy, now)
         if len(window) < self.config.min_requests_to_rebalance:
             return
-        self.rebalanced_at = now
         by_prefix: dict[int, list[Placement]] = {}
         for placement in window:
             if placement.prefix_key is not None:

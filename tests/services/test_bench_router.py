@@ -1,0 +1,33 @@
+"""scripts/bench_router.py end to end at toy sizes: every policy measured, JSON last."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from services.router.policies import POLICIES
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_router.py"
+TINY = ["--workers", "4", "--prompt-tokens", "512", "--families", "4", "--warmup", "50",
+        "--decisions", "200", "--min-index-blocks", "100", "--kv-blocks", "200", "--in-flight", "4"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_router", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_policy_reports_a_rate_and_ordered_percentiles(capsys):
+    assert load_script().main(TINY + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == set(POLICIES)
+    for row in result.values():
+        assert row["decisions_per_s"] > 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["decisions"] == 200
+        assert row["index_blocks_start"] >= 100
+    assert any(row["removed_blocks"] for row in result.values())  # the caches overflowed
