@@ -192,8 +192,19 @@ def _validate(config: ClusterConfig) -> None:
     if config.index_mode not in INDEX_MODES:
         raise ConfigError(f"index_mode: unknown {config.index_mode!r}; choose {' or '.join(INDEX_MODES)}")
     if config.profile and not Path(config.profile).is_file():
-        raise ConfigError(f"profile: {config.profile!r} is not a file")
+        _validate_profile_name(config.profile)
     _validate_slo_classes(config)
+
+
+def _validate_profile_name(name: str) -> None:
+    """A profile that is not a file must be a built-in profile's name."""
+    from common.cost_model import ProfileError  # numpy, only when a name is given
+    from common.profiles import analytic_profile
+
+    try:
+        analytic_profile(name)
+    except ProfileError as error:
+        raise ConfigError(f"profile: {name!r} is not a file, and {error}") from None
 
 
 def _validate_slo_classes(config: ClusterConfig) -> None:

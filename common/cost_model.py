@@ -4,14 +4,21 @@ Both phases use Preble's form T = a + b·n + c·ctx + d·n·ctx, in seconds:
   prefill: n = new tokens computed, ctx = cached context they attend to;
   decode:  n = sequences in the batch, ctx = their mean context length.
 A profile is a JSON object {"name", "prefill": {a,b,c,d}, "decode": {a,b,c,d}}; the
-router, the simulator and the profiler all read this one format.
+router, the simulator and the profiler all read this one format. A profile may also carry
+metadata that readers ignore: "fit" (the fit's error per phase), "source", "measured_on"
+and "points" (what was measured). `load_cost_model` also takes a profile name
+(common/profiles.py: analytic GPU profiles such as "a6000/mistral-7b", published fits).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 
 class ProfileError(ValueError):
@@ -60,6 +67,8 @@ class CostModel:
 
     @classmethod
     def from_json(cls, data: object, source: str = "profile") -> CostModel:
+        """The cost model of a profile object; keys beside name, prefill and decode (the
+        metadata) are ignored, unknown keys inside prefill or decode are refused."""
         if not isinstance(data, dict):
             raise ProfileError(f"{source}: expected a JSON object, got {type(data).__name__}")
         name = data.get("name", "")
@@ -96,11 +105,19 @@ TINY_CPU = CostModel(
 )
 
 
-def load_cost_model(path: str | Path | None) -> CostModel:
-    """The profile at `path`, or the built-in tiny-model profile when path is empty."""
-    if not path:
+def load_cost_model(path_or_name: str | Path | None) -> CostModel:
+    """The profile in the file `path_or_name`, else the built-in profile of that name
+    (common/profiles.py), else ProfileError; the tiny-model profile when it is empty."""
+    if not path_or_name:
         return TINY_CPU
-    path = Path(path)
+    path = Path(path_or_name)
+    if not path.is_file():
+        from common.profiles import analytic_profile  # it imports this module
+
+        try:
+            return analytic_profile(str(path_or_name))
+        except ProfileError as error:
+            raise ProfileError(f"{path_or_name}: no such profile file, and {error}") from None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
@@ -108,3 +125,52 @@ def load_cost_model(path: str | Path | None) -> CostModel:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ProfileError(f"{path}: not valid JSON: {error}") from None
     return CostModel.from_json(data, str(path))
+
+
+# ---- fitting ---------------------------------------------------------------------------
+
+
+def fit_latency(points: Iterable[tuple[float, float, float]]) -> LatencyFit:
+    """The T = a + b·n + c·ctx + d·n·ctx with all coefficients >= 0 that best fits the
+    (n, ctx, seconds) points in least squares of the relative error.
+
+    Relative, because step times span orders of magnitude and the router needs short steps
+    as right as long ones. Non-negative least squares over four unknowns is solved exactly:
+    the optimum is the unconstrained fit on some subset of the coefficients, so every
+    subset is fitted and the best feasible one kept. Raises ProfileError on no points or a
+    time that is not > 0.
+    """
+    data = np.asarray(list(points), dtype=float).reshape(-1, 3)
+    if not len(data):
+        raise ProfileError("no points to fit")
+    if not np.all(np.isfinite(data)) or np.any(data[:, 2] <= 0):
+        raise ProfileError("every point needs finite n and ctx and a time > 0")
+    n, ctx, seconds = data.T
+    design = np.column_stack([np.ones_like(n), n, ctx, n * ctx]) / seconds[:, None]
+    scale = np.abs(design).max(axis=0)
+    scale[scale == 0] = 1.0  # a term no point exercises (ctx always 0) stays at 0
+    design /= scale
+    target = np.ones_like(seconds)
+    best_residual, best = math.inf, np.zeros(4)
+    for size in range(1, 5):
+        for support in itertools.combinations(range(4), size):
+            columns = list(support)
+            solution, *_ = np.linalg.lstsq(design[:, columns], target, rcond=None)
+            if np.any(solution < 0):
+                continue
+            coefficients = np.zeros(4)
+            coefficients[columns] = solution
+            residual = float(np.sum((design @ coefficients - target) ** 2))
+            if residual < best_residual * (1 - 1e-9):  # a larger support must really help
+                best_residual, best = residual, coefficients
+    return LatencyFit(*(float(value) for value in best / scale))
+
+
+def fit_error(fit: LatencyFit, points: Iterable[tuple[float, float, float]]) -> dict:
+    """How far `fit` is from the (n, ctx, seconds) points, relative to each measured time:
+    {"mean_abs_rel_error", "max_abs_rel_error", "points"}."""
+    errors = [abs(fit(n, ctx) - seconds) / seconds for n, ctx, seconds in points]
+    if not errors:
+        raise ProfileError("no points to measure the fit's error on")
+    return {"mean_abs_rel_error": sum(errors) / len(errors), "max_abs_rel_error": max(errors),
+            "points": len(errors)}

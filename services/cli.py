@@ -281,6 +281,72 @@ def keys_generate() -> None:
         click.echo(f'{name} = "{value}"')
 
 
+@main.command("profile")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path),
+              help="Hugging Face checkpoint directory (default: the tiny embedded model)")
+@click.option("--out", type=click.Path(path_type=Path), help="write the profile here (default: print it)")
+@click.option("--name", help="the profile's name (default: <model directory>-<device>)")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0 = torch's default)")
+@click.option("--kv-cache-gb", type=float, default=1.0, show_default=True)
+@click.option("--quick", is_flag=True, help="a small grid: seconds on the tiny model")
+@click.option("--compare-preble", is_flag=True,
+              help="print the analytic h100/llama-3-70b prefill against Preble's published fit; measure nothing")
+def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, compare_preble) -> None:
+    """Measure this machine's engine (prefill and decode step times) and write the fitted
+    cost profile as JSON, for --profile."""
+    if compare_preble:
+        _echo_preble_comparison()
+        return
+    import torch
+
+    from common.cost_model import ProfileError
+    from common.engine.checkpoint import CheckpointError
+    from common.engine.config import EngineConfig
+    from common.engine.default_model import default_model_dir
+    from common.engine.engine import Engine, EngineConfigError
+    from services.eval.profiler import FULL_GRID, QUICK_GRID, ProfilerError, run_profile
+
+    if threads:
+        torch.set_num_threads(threads)
+    grid = QUICK_GRID if quick else FULL_GRID
+    model_dir = model_dir or default_model_dir()
+    try:
+        engine = Engine(EngineConfig(model_dir=model_dir, dtype=dtype, device=device,
+                                     kv_cache_gb=kv_cache_gb,
+                                     max_num_batched_tokens=grid.max_batched_tokens))
+        data = run_profile(engine, grid, name or f"{Path(model_dir).name}-{device}")
+    except (CheckpointError, EngineConfigError, ProfilerError, ProfileError) as error:
+        raise click.ClickException(str(error)) from error
+    text = json.dumps(data, indent=2)
+    if out is None:
+        click.echo(text)
+    else:
+        out.write_text(text + "\n", encoding="utf-8")
+    for phase in ("prefill", "decode"):
+        error = data["fit"][phase]
+        coefficients = ", ".join(f"{key}={value:.3g}" for key, value in data[phase].items())
+        click.echo(f"{phase}: {coefficients} s; fit error mean {error['mean_abs_rel_error']:.1%}, "
+                   f"max {error['max_abs_rel_error']:.1%} over {error['points']} points",
+                   err=out is None)
+    if out is not None:
+        click.echo(f"wrote {out}")
+
+
+def _echo_preble_comparison() -> None:
+    from common.profiles import PREBLE_TP, preble_comparison
+
+    click.echo("Llama-3-70B prefill on H100: analytic roofline (and its fitted profile) vs Preble's "
+               "fit 28.93 + 0.1822 n + 0.004004 ctx + 2.55e-6 n ctx ms")
+    for tp in (PREBLE_TP, 8):
+        click.echo(f"tp={tp}\n{'n':>6}{'ctx':>7}{'Preble ms':>11}{'roofline ms':>13}{'profile ms':>12}"
+                   f"{'profile/Preble':>16}")
+        for row in preble_comparison(tp):
+            click.echo(f"{row['n']:>6}{row['ctx']:>7}{row['preble_s'] * 1e3:>11.1f}"
+                       f"{row['roofline_s'] * 1e3:>13.1f}{row['analytic_s'] * 1e3:>12.1f}{row['ratio']:>16.2f}")
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]

@@ -1,0 +1,198 @@
+"""`svc profile`: time this machine's engine over a grid of steps and fit its cost profile
+(DESIGN §7).
+
+A prefill point times the one engine step that computes `n` new tokens of a prompt whose
+first `ctx` tokens an earlier request left in the prefix cache. A decode point times steps
+in which `batch` sequences, all past their prefill, add one token each; its ctx is their
+mean context during those steps. Each point is the median of `repeats` timed steps after
+one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from common.cost_model import CostModel, LatencyFit, fit_error, fit_latency
+from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports torch; callers build it
+    from common.engine.engine import Engine
+
+FIRST_PLAIN_ID = 4  # prompts avoid the special ids (0..3 in the default model)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where to measure: prefill over (new tokens x cached context), decode over
+    (batch size x context). Points that do not fit max_model_len are skipped."""
+
+    prefill_tokens: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    repeats: int = 3
+
+    @property
+    def max_batched_tokens(self) -> int:
+        """The step budget an engine needs to run each prefill point in one step."""
+        return max(max(self.prefill_tokens), max(self.decode_batches))
+
+
+FULL_GRID = Grid((16, 64, 256, 512, 1024), (0, 512, 1024, 2048), (1, 4, 16, 32), (64, 256, 1024))
+QUICK_GRID = Grid((16, 128, 512), (0, 512), (1, 8), (64, 256), repeats=2)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured step time: n is new tokens (prefill) or batch size (decode)."""
+
+    phase: str  # "prefill" or "decode"
+    n: int
+    ctx: float
+    seconds: float
+
+
+class ProfilerError(RuntimeError):
+    """The engine cannot be measured as asked; the message says what to change."""
+
+
+# ---- measuring -------------------------------------------------------------------------
+
+
+def measure(engine: Engine, grid: Grid, seed: int = 0) -> list[Point]:
+    """Every grid point that fits the engine's max_model_len, prefill first. The engine
+    must be idle, with prefix caching on and a step budget of grid.max_batched_tokens."""
+    if engine.has_unfinished():
+        raise ProfilerError("the engine must be idle")
+    if not engine.config.enable_prefix_caching:
+        raise ProfilerError("prefill over cached context needs prefix caching on")
+    if engine.config.max_num_batched_tokens < grid.max_batched_tokens:
+        raise ProfilerError(f"max_num_batched_tokens must be >= {grid.max_batched_tokens} "
+                            f"to run each point in one step")
+    rng = random.Random(seed)
+    limit = engine.max_model_len
+    points = [_prefill_point(engine, rng, n, ctx, grid.repeats)
+              for ctx, n in itertools.product(grid.prefill_contexts, grid.prefill_tokens)
+              if ctx + n < limit]
+    points += [_decode_point(engine, rng, batch, ctx, grid.repeats)
+               for ctx, batch in itertools.product(grid.decode_contexts, grid.decode_batches)
+               if ctx + grid.repeats + 2 < limit]
+    return points
+
+
+def _prefill_point(engine: Engine, rng: random.Random, n: int, ctx: int, repeats: int) -> Point:
+    prefix = _random_ids(engine, rng, ctx)
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    if prefix:
+        engine.generate([prefix], one_token)  # leaves the prefix in the prefix cache
+    times, cached = [], []
+    for attempt in range(repeats + 1):
+        request_id = f"profile-prefill-{n}-{ctx}-{attempt}"
+        engine.add_request(request_id, prefix + _random_ids(engine, rng, n), one_token)
+        started = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - started
+        if engine.has_unfinished() or [o.finished for o in outputs] != [True]:
+            raise ProfilerError(f"prefill of {n} tokens over {ctx} did not finish in one step")
+        if attempt:
+            times.append(elapsed)
+            cached.append(outputs[0].num_cached_tokens)
+    return Point("prefill", n, statistics.median(cached), statistics.median(times))
+
+
+def _decode_point(engine: Engine, rng: random.Random, batch: int, ctx: int, repeats: int) -> Point:
+    # Sequences admitted first decode while later ones still prefill, so none may stop
+    # early: they run to max_model_len unless aborted, which they are once timed.
+    params = SamplingParams(max_tokens=engine.max_model_len - ctx, temperature=0.0, ignore_eos=True)
+    ids = [f"profile-decode-{batch}-{ctx}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, _random_ids(engine, rng, ctx), params)
+    generated = dict.fromkeys(ids, 0)
+    preemptions = engine.stats.num_preemptions
+    try:
+        while not all(generated.values()):  # until every prefill is done
+            _count_tokens(engine.step(), generated)
+        times, contexts = [], []
+        for attempt in range(repeats + 1):
+            context = ctx + statistics.mean(generated.values())
+            started = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - started
+            if len(outputs) != batch:
+                raise ProfilerError(f"a decode step of batch {batch} ran {len(outputs)} sequences")
+            _count_tokens(outputs, generated)
+            if attempt:
+                times.append(elapsed)
+                contexts.append(context)
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+    if engine.stats.num_preemptions != preemptions:
+        raise ProfilerError(f"the KV pool cannot hold batch {batch} at context {ctx} without "
+                            f"preemption; raise --kv-cache-gb")
+    return Point("decode", batch, statistics.mean(contexts), statistics.median(times))
+
+
+def _count_tokens(outputs, generated: dict[str, int]) -> None:
+    for output in outputs:
+        generated[output.request_id] += len(output.new_token_ids)
+
+
+def _random_ids(engine: Engine, rng: random.Random, length: int) -> list[int]:
+    """Fresh token ids, so no point reuses another's cached blocks by accident."""
+    return [rng.randrange(FIRST_PLAIN_ID, engine.model_config.vocab_size) for _ in range(length)]
+
+
+# ---- fitting ---------------------------------------------------------------------------
+
+
+def fit(points: Sequence[Point]) -> tuple[LatencyFit, dict]:
+    """The non-negative least-squares fit of one phase's points, and its error
+    ({"mean_abs_rel_error", "max_abs_rel_error", "points"})."""
+    if len({point.phase for point in points}) > 1:
+        raise ProfilerError("fit one phase at a time")
+    triples = [(point.n, point.ctx, point.seconds) for point in points]
+    latency = fit_latency(triples)
+    return latency, fit_error(latency, triples)
+
+
+def profile_json(points: Sequence[Point], name: str, measured_on: dict) -> dict:
+    """The profile file's object: the fits, their errors, the points and where they were
+    measured. Raises ProfileError if a fit is not a valid cost model (e.g. a phase has
+    no points)."""
+    phases = {phase: [p for p in points if p.phase == phase] for phase in ("prefill", "decode")}
+    fits = {phase: fit(phase_points) for phase, phase_points in phases.items()}
+    model = CostModel(name, fits["prefill"][0], fits["decode"][0])
+    data = {**model.to_json(), "fit": {phase: error for phase, (_, error) in fits.items()},
+            "source": "measured by svc profile", "measured_on": measured_on,
+            "points": {phase: [[p.n, p.ctx, p.seconds] for p in phase_points]
+                       for phase, phase_points in phases.items()}}
+    CostModel.from_json(data, name)
+    return data
+
+
+def describe_machine(engine: Engine) -> dict:
+    """Where a profile was measured, for its `measured_on` field."""
+    import torch
+
+    device = str(engine.device)
+    return {
+        "device": torch.cuda.get_device_name(engine.device) if device.startswith("cuda") else device,
+        "machine": platform.machine(), "processor": platform.processor(),
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "dtype": engine.config.dtype, "model": str(engine.config.model_dir),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def run_profile(engine: Engine, grid: Grid, name: str) -> dict:
+    """measure, then profile_json: what `svc profile` writes."""
+    return profile_json(measure(engine, grid), name, describe_machine(engine))

@@ -1,0 +1,109 @@
+"""The profiler: the fit recovers known coefficients, `measure` times an engine, and
+`svc profile` writes a profile the router can load."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.cost_model import CostModel, LatencyFit, ProfileError, fit_latency, load_cost_model
+from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, profile_json
+
+REPO = Path(__file__).parents[3]
+TRUE = LatencyFit(a=3.5e-3, b=5.5e-5, c=7.3e-6, d=1.75e-8)
+
+
+def grid_points(latency: LatencyFit, phase: str = "prefill") -> list[Point]:
+    return [Point(phase, n, ctx, latency(n, ctx)) for n in (16, 64, 256, 1024) for ctx in (0, 512, 2048)]
+
+
+def test_fit_recovers_known_coefficients_exactly():
+    latency, error = fit(grid_points(TRUE))
+    for key in "abcd":
+        assert getattr(latency, key) == pytest.approx(getattr(TRUE, key), rel=1e-6)
+    assert error["max_abs_rel_error"] < 1e-9 and error["points"] == 12
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # Times that fall with context would want c < 0; the fit clamps c at 0 instead.
+    falling = [(n, ctx, 1e-3 + 1e-5 * n - 1e-7 * ctx) for n in (16, 256, 1024) for ctx in (0, 1024, 4096)]
+    latency = fit_latency(falling)
+    assert min(latency.a, latency.b, latency.c, latency.d) >= 0 and latency.c == 0
+    assert latency.b == pytest.approx(1e-5, rel=0.1)
+    # A term no point exercises stays at zero.
+    no_context = fit_latency([(n, 0, 2e-3 + 1e-5 * n) for n in (1, 8, 32)])
+    assert (no_context.c, no_context.d) == (0, 0)
+    assert no_context.a == pytest.approx(2e-3) and no_context.b == pytest.approx(1e-5)
+
+
+def test_fit_with_noise_reports_its_error():
+    noisy = [Point(p.phase, p.n, p.ctx, p.seconds * (1.1 if i % 2 else 0.9))
+             for i, p in enumerate(grid_points(TRUE))]
+    latency, error = fit(noisy)
+    assert 0.05 < error["mean_abs_rel_error"] <= error["max_abs_rel_error"] < 0.2
+    assert latency.b == pytest.approx(TRUE.b, rel=0.2)
+
+
+def test_fit_refuses_mixed_phases_and_bad_points():
+    with pytest.raises(ProfilerError, match="one phase"):
+        fit(grid_points(TRUE) + grid_points(TRUE, "decode"))
+    with pytest.raises(ProfileError, match="no points"):
+        fit_latency([])
+    with pytest.raises(ProfileError, match="time > 0"):
+        fit_latency([(16, 0, 0.0)])
+
+
+def test_profile_json_is_a_valid_profile_with_its_fit_error():
+    data = profile_json(grid_points(TRUE) + grid_points(LatencyFit(4e-3, 2e-4), "decode"), "synthetic",
+                        {"device": "cpu"})
+    model = CostModel.from_json(json.loads(json.dumps(data)))
+    assert model.prefill.b == pytest.approx(TRUE.b, rel=1e-6)
+    assert set(data["fit"]) == {"prefill", "decode"} and data["fit"]["decode"]["points"] == 12
+    assert data["measured_on"] == {"device": "cpu"} and len(data["points"]["prefill"]) == 12
+
+
+def test_measure_times_each_point_of_a_real_engine(make_engine):
+    engine = make_engine(max_num_batched_tokens=256)
+    grid = Grid(prefill_tokens=(16, 128), prefill_contexts=(0, 256), decode_batches=(1, 4),
+                decode_contexts=(32,), repeats=1)
+    points = measure(engine, grid)
+    prefill = [(p.n, p.ctx) for p in points if p.phase == "prefill"]
+    assert prefill == [(16, 0), (128, 0), (16, 256), (128, 256)]  # the cached context is used
+    decode = [p for p in points if p.phase == "decode"]
+    assert [p.n for p in decode] == [1, 4] and all(33 <= p.ctx <= 40 for p in decode)
+    assert all(p.seconds > 0 for p in points)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_measure_needs_a_step_budget_for_the_largest_point(make_engine):
+    grid = Grid((512,), (0,), (1,), (32,))
+    with pytest.raises(ProfilerError, match="max_num_batched_tokens must be >= 512"):
+        measure(make_engine(max_num_batched_tokens=256), grid)
+
+
+def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "profile", "--quick", "--model", str(tiny_model_dir),
+         "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    model = load_cost_model(out)
+    assert model.name == "tiny-cpu" and model.prefill_s(512, 512) > model.prefill_s(16, 0) > 0
+    data = json.loads(out.read_text(encoding="utf-8"))
+    for phase in ("prefill", "decode"):
+        error = data["fit"][phase]
+        assert error["points"] >= 4 and 0 <= error["mean_abs_rel_error"] <= error["max_abs_rel_error"]
+        assert f"{phase}: " in done.stdout and "fit error mean" in done.stdout
+    assert data["measured_on"]["threads"] == 1 and data["source"]
+
+
+def test_svc_profile_compare_preble_prints_the_table():
+    done = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--compare-preble"],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "tp=4" in done.stdout and "tp=8" in done.stdout and "profile/Preble" in done.stdout
