@@ -1,0 +1,99 @@
+"""What every workload generator emits, and the few helpers the generated shapes share.
+
+Token ids are drawn uniformly from [FIRST_TOKEN_ID, vocab_size): ids 0..3 are the special
+tokens of the embedded default model (<s>, </s>, <unk>, <pad>; common/engine/
+default_model.py), whose "tiny" size has a vocabulary of 512 and "small" one of 32,000.
+Random content means two blocks are equal only where the generator meant them to be.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+FIRST_TOKEN_ID = 4
+MIN_VOCAB_SIZE = 64  # below this, random 16-token blocks start to collide by chance
+
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    request_id: str
+    arrival_s: float          # seconds from the start of the run
+    token_ids: np.ndarray     # uint32 prompt token ids
+    output_tokens: int        # how many tokens to generate (max_tokens, ignore_eos)
+    slo_class: str            # the class label (e.g. the shape name, or "interactive"/"batch")
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One generated request before it gets its id: prompt tokens and output length."""
+
+    token_ids: np.ndarray
+    output_tokens: int
+
+
+class Synth:
+    """Lengths and token ids for one generator run, from two streams seeded by `seed`:
+    `rng` for the structure (lengths, counts, choices, order) and another for the tokens.
+
+    Every length is drawn at full size and then multiplied by `scale` (at least 1 token);
+    as the token stream is separate, a scaled run has the same structure as the full one,
+    with shorter parts.
+    """
+
+    def __init__(self, seed: int, vocab_size: int, scale: float):
+        structure, content = np.random.SeedSequence(seed).spawn(2)
+        self.rng = np.random.default_rng(structure)
+        self._content = np.random.default_rng(content)
+        self.vocab_size = vocab_size
+        self.scale = scale
+
+    def length(self, mean: float, sd: float, low: int, high: int) -> int:
+        """A normal draw clipped to [low, high], then scaled."""
+        return self.scaled(min(max(round(self.rng.normal(mean, sd)), low), high))
+
+    def scaled(self, length: int) -> int:
+        return max(1, round(length * self.scale))
+
+    def count(self, mean: float, low: int) -> int:
+        """A group size: `low` plus a Poisson draw, so its mean is `mean`. Not scaled."""
+        return low + int(self.rng.poisson(max(mean - low, 0.0)))
+
+    def tokens(self, length: int) -> np.ndarray:
+        return self._content.integers(FIRST_TOKEN_ID, self.vocab_size, length, dtype=np.uint32)
+
+
+def interleave(groups: Iterator[list[Item]], num_items: int, rng: np.random.Generator,
+               concurrency: int) -> list[Item]:
+    """`num_items` items of `groups` (each an ordered list, e.g. a conversation's turns) as
+    `concurrency` groups in progress at once would send them: each step takes the next
+    item of a random group in progress, and a finished group is replaced by the next.
+    Each group's own order is kept. Only the last group opened is cut short, so the
+    sample's groups keep their sizes (and its sharing statistics) at any num_items."""
+    active: list[Iterator[Item]] = []
+    opened = 0
+    items: list[Item] = []
+    while len(items) < num_items:
+        while len(active) < concurrency and opened < num_items:
+            group = next(groups)[:num_items - opened]
+            opened += len(group)
+            active.append(iter(group))
+        position = int(rng.integers(len(active)))
+        item = next(active[position], None)
+        if item is None:
+            active.pop(position)
+        else:
+            items.append(item)
+    return items
+
+
+def to_requests(prompts: list[Prompt], shape: str) -> list[WorkloadRequest]:
+    """Requests named `<shape>-<index>`, class `shape`, all arriving at 0.0 (arrivals are
+    assigned separately; services/eval/workloads/arrivals.py)."""
+    return [WorkloadRequest(f"{shape}-{index}", 0.0, prompt.token_ids, prompt.output_tokens, shape)
+            for index, prompt in enumerate(prompts)]
