@@ -63,7 +63,7 @@ class E2:
 
     def __init__(self, config: E2Config = E2Config()):
         self.config = config
-        self.redirects: dict[int, Redirect] = {}  # prefix key -> where its traffic goes now
+        self.redirects: dict[int, Redirect] = {}  # prefix key -> where its next request goes
         self.replicas: dict[int, Redirect] = {}  # prefix key -> an extra holder
         self.ttfts: dict[int, HalfWindowMeans] = {}  # prefix key -> its TTFTs by half-window
         self.checked_balance_at = -float("inf")
@@ -95,6 +95,9 @@ class E2:
         key = request.prefix_key
         redirect = self._live(self.redirects, key, cluster, now)
         if redirect is not None:
+            # One request moves the prefix: the light worker computes it and becomes a
+            # holder, and from then on the least-loaded-holder rule splits the traffic.
+            del self.redirects[key]
             return redirect
         best = request.best_blocks
         holders = [w for w, blocks in request.matched.items() if blocks == best and w in cluster.workers]

@@ -1,0 +1,269 @@
+"""A discrete-event simulator of a Baton cluster on virtual time (DESIGN §8).
+
+Nothing here re-implements a policy. The router side is the live router's own objects
+(ClusterState with its prefix index and loads, the placement policy, AdmissionControl);
+each worker is the live engine's own Scheduler, BlockManager and waiting-queue policy.
+Only the model is replaced: a step takes the time the cost model gives for its plan, and
+every sampled token is a stand-in id. KV events go from each block manager to the index
+as they happen; load reports and finished requests reach the router on heartbeats, as
+they do live.
+
+Step time of a plan (prefill chunks and decode tokens run as one forward pass, as in the
+engine): the larger of the phases' fixed costs, plus each prefill chunk's marginal cost
+over the context before it, plus the decode batch's marginal cost at its mean context.
+
+Co-located workers only for now; prefill/decode pools join when disaggregation does
+(a SimWorker per role, and a transfer delay between them).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from common.cost_model import CostModel
+from common.engine.block_manager import BlockManager
+from common.engine.queue_policy import make_queue_policy
+from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from common.engine.sequence import Sequence
+from common.hashing import root_hash
+from common.sampling_params import SamplingParams
+from services.eval.report import RequestRecord, RunTotals
+from services.eval.workloads.base import WorkloadRequest
+from services.router.admission import AdmissionConfig, AdmissionControl
+from services.router.cluster import ClusterState
+from services.router.policies import make_policy
+
+STAND_IN_VOCAB = 30_000
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int
+    policy: str
+    cost: CostModel
+    kv_blocks: int = 32_768  # per worker
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 262_144
+    queue_policy: str = "fcfs"
+    heartbeat_interval_s: float = 0.5
+    load_window_s: float = 180.0
+    index_ttl_s: float | None = None  # set: the router's approximate index mode
+    admission: bool = False
+    slos: Mapping[str, object] = field(default_factory=dict)  # class -> object with ttft_s, tpot_s
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262_144 * 64
+    network_s: float = 0.0  # one-way delay client -> worker and worker -> client
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    totals: RunTotals
+    steps: int
+
+
+class _EventSink:
+    """BlockManager events go straight into the router's index at the current time."""
+
+    def __init__(self, cluster: ClusterState, worker_id: str, clock: Callable[[], float]):
+        self.cluster, self.worker_id, self.clock = cluster, worker_id, clock
+        self.evicted = 0
+
+    def stored(self, block_hashes: list[int]) -> None:
+        self.cluster.kv_stored(self.worker_id, block_hashes, self.clock())
+
+    def removed(self, block_hashes: list[int]) -> None:
+        self.evicted += len(block_hashes)
+        self.cluster.kv_removed(self.worker_id, block_hashes)
+
+
+class SimWorker:
+    """One worker: the engine's scheduler and block manager, with modelled step times."""
+
+    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink):
+        self.worker_id = worker_id
+        self.config = config
+        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
+            self.block_manager, make_queue_policy(config.queue_policy))
+        self.sink = sink
+        self.busy = False
+        self.finished: list[tuple[str, float, int]] = []  # (request id, ttft, outputs) since the last beat
+        self.arrivals = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def step_time(self, plan: SchedulePlan) -> float:
+        cost = self.config.cost
+        fixed, marginal = 0.0, 0.0
+        decode_batch, decode_context = 0, 0
+        for chunk in plan.chunks:
+            if chunk.start >= chunk.seq.prompt_len:
+                decode_batch += 1
+                decode_context += chunk.start
+            else:
+                fixed = max(fixed, cost.prefill.a)
+                marginal += cost.prefill.marginal(chunk.num_new, chunk.start)
+        if decode_batch:
+            fixed = max(fixed, cost.decode.a)
+            marginal += cost.decode.marginal(decode_batch, decode_context / decode_batch)
+        return fixed + marginal
+
+
+class Simulator:
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.now = 0.0
+        ttl = config.index_ttl_s
+        self.cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl)
+        self.policy = make_policy(config.policy)
+        self.admission = AdmissionControl(
+            AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
+            config.slos)
+        self.workers: dict[str, SimWorker] = {}
+        for index in range(config.workers):
+            worker_id = f"worker-{index}"
+            self.cluster.add_worker(worker_id, config.kv_blocks)
+            self.workers[worker_id] = SimWorker(worker_id, config, _EventSink(self.cluster, worker_id,
+                                                                              lambda: self.now))
+        self.events: list[tuple[float, int, str, object]] = []
+        self.order = itertools.count()
+        self.records: dict[str, RequestRecord] = {}
+        self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
+        self.root_hashes: dict[str, int] = {}
+        self.steps = 0
+
+    # ---- driving -----------------------------------------------------------------------
+
+    def run(self, requests: Iterable[WorkloadRequest], progress=None) -> SimResult:
+        """Simulate until every request has finished or been refused."""
+        for request in requests:
+            self._at(request.arrival_s + self.config.network_s, "arrive", request)
+        self._at(self.config.heartbeat_interval_s, "heartbeat", None)
+        pending = len(self.events) - 1
+        while self.events and pending:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrive":
+                self._arrive(payload)
+            elif kind == "step_done":
+                pending -= self._step_done(*payload)
+            elif kind == "heartbeat":
+                self._heartbeat()
+                self._at(self.now + self.config.heartbeat_interval_s, "heartbeat", None)
+            if kind == "arrive" and self.records[payload.request_id].rejected:
+                pending -= 1
+            if progress is not None and kind != "heartbeat":
+                progress(self.now)
+        evictions = sum(worker.sink.evicted for worker in self.workers.values())
+        totals = RunTotals(duration_s=self.now, gpus=self.config.workers, evictions=evictions,
+                           eviction_recompute_s=evictions * self.config.cost.recompute_s(self.config.block_size))
+        return SimResult(list(self.records.values()), totals, self.steps)
+
+    def _at(self, time: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (time, next(self.order), kind, payload))
+
+    # ---- the router ----------------------------------------------------------------------
+
+    def _arrive(self, request: WorkloadRequest) -> None:
+        record = RequestRecord(request.request_id, request.slo_class, request.arrival_s,
+                               len(request.token_ids))
+        self.records[request.request_id] = record
+        root = self._root_hash(request.tenant)
+        candidate = self.cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
+                                         self.now, request.slo_class)
+        preference = self.policy.choose(candidate, self.cluster, self.now)
+        verdict = self.admission.decide(candidate, preference, self.cluster, self.now)
+        if verdict.worker_id is None:
+            record.rejected = True
+            return
+        self.cluster.place(candidate, verdict.worker_id, self.now)
+        record.worker_id = verdict.worker_id
+        record.ideal_s = self._ideal_s(request)
+        worker = self.workers[verdict.worker_id]
+        seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
+                       token_ids=request.token_ids.tolist(),
+                       params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                       arrival_index=next(worker.arrivals), root_hash=root, block_size=self.config.block_size,
+                       eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
+                       arrival_time=self.now)
+        self.sequences[request.request_id] = (seq, request)
+        worker.add(seq)
+        if not worker.busy:
+            self._start_step(worker)
+
+    def _heartbeat(self) -> None:
+        for worker_id, worker in self.workers.items():
+            manager, scheduler = worker.block_manager, worker.scheduler
+            self.cluster.report(worker_id, len(scheduler.running), len(scheduler.waiting), manager.num_used,
+                                manager.num_cached)
+            for request_id, ttft, outputs in worker.finished:
+                placement = self.cluster.finish(request_id, outputs)
+                if placement is not None:
+                    self.policy.finished(placement, ttft, self.now)
+            worker.finished = []
+
+    def _root_hash(self, tenant: str) -> int:
+        if tenant not in self.root_hashes:
+            self.root_hashes[tenant] = root_hash("sim-model", "sim-tokenizer", "", "sim", self.config.block_size,
+                                                 tenant)
+        return self.root_hashes[tenant]
+
+    def _ideal_s(self, request: WorkloadRequest) -> float:
+        """The request alone on an idle worker: its prefill, then its decode steps."""
+        cost = self.config.cost
+        prompt = len(request.token_ids)
+        return cost.prefill_s(prompt) + max(request.output_tokens - 1, 0) * cost.decode_step_s(1, prompt)
+
+    # ---- the workers ---------------------------------------------------------------------
+
+    def _start_step(self, worker: SimWorker) -> None:
+        plan = worker.scheduler.schedule()
+        if plan.is_empty:
+            worker.busy = False
+            return
+        worker.busy = True
+        self.steps += 1
+        for chunk in plan.chunks:
+            if chunk.seq.first_scheduled_time is None:
+                chunk.seq.first_scheduled_time = self.now
+        self._at(self.now + worker.step_time(plan), "step_done", (worker, plan))
+
+    def _step_done(self, worker: SimWorker, plan: SchedulePlan) -> int:
+        """Apply a finished step; returns how many requests it completed."""
+        worker.scheduler.complete(plan)
+        completed = 0
+        for chunk in plan.chunks:
+            if chunk.samples and self._sample(worker, chunk.seq):
+                completed += 1
+        self._start_step(worker)
+        return completed
+
+    def _sample(self, worker: SimWorker, seq: Sequence) -> bool:
+        """Append a stand-in token; True when the request is done."""
+        record = self.records[seq.request_id]
+        if seq.first_token_time is None:
+            seq.first_token_time = self.now
+            record.first_token_s = self.now + self.config.network_s
+            record.queue_s = seq.first_scheduled_time - seq.arrival_time
+            record.prefill_s = self.now - seq.first_scheduled_time
+            record.num_cached_tokens = seq.num_cached_tokens
+        seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
+        if seq.check_stop(seq.token_ids[-1]) is None:
+            return False
+        worker.scheduler.finish(seq, "length")
+        record.finish_s = self.now + self.config.network_s
+        record.output_tokens = seq.num_output_tokens
+        record.decode_s = self.now - seq.first_token_time
+        worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens))
+        del self.sequences[seq.request_id]
+        return True
+
+
+def simulate(requests: list[WorkloadRequest], config: SimConfig, progress=None) -> SimResult:
+    return Simulator(config).run(requests, progress)
