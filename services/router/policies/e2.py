@@ -25,6 +25,7 @@ class E2Config:
     rebalance_ratio: float = 1.5
     replicate_ratio: float = 2.0
     min_requests_to_rebalance: int = 4  # in the heavy worker's window: too few is noise
+    check_every: float = 1 / 36  # of the load window, between balance checks (5 s of 3 min)
     min_ttft_samples: int = 3  # per half-window before replication may trigger
 
 
@@ -73,7 +74,7 @@ class E2:
         if not cluster.workers:
             return []
         self.half_window_s = cluster.window_s / 2
-        if self.config.rebalance and now - self.checked_balance_at >= cluster.window_s / 36:
+        if self.config.rebalance and now - self.checked_balance_at >= cluster.window_s * self.config.check_every:
             self.checked_balance_at = now
             self._maybe_rebalance(cluster, cluster.loads(now), now)
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
