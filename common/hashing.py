@@ -46,9 +46,11 @@ def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[in
     A trailing partial block is not named. Pass the last hash of an earlier call as
     `parent` to extend a chain (tokens must then start on a block boundary).
     """
-    token_array = np.asarray(tokens, dtype="<u4")
+    token_bytes = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    # One C call cuts every full block's bytes; the loop only chains the hashes.
+    blocks = np.frombuffer(token_bytes, dtype=f"V{4 * block_size}", count=len(token_bytes) // (4 * block_size))
     hashes: list[int] = []
-    for start in range(0, len(token_array) - block_size + 1, block_size):
-        parent = block_hash(parent, token_array[start:start + block_size])
+    for block in blocks.tolist():
+        parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + block)
         hashes.append(parent)
     return hashes

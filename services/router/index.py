@@ -27,20 +27,17 @@ NEVER = math.inf
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
-    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
-                 "hits_now", "hits_before", "hit_epoch")
+    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children", "hits")
 
-    def __init__(self, block_hash: int, depth: int = -1):
+    def __init__(self, block_hash: int):
         self.block_hash = block_hash
         self.parent: BlockNode | None = None
         self.key = b""  # this block's token bytes, the key in parent.children
-        self.depth = depth  # index of the block in its prompt; -1 while unknown
+        self.depth = -1  # index of the block in its prompt; -1 while unknown
         self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
         self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
-        self.children: dict[bytes, BlockNode] = {}
-        self.hits_now = 0  # hits in the current half-window
-        self.hits_before = 0  # hits in the half-window before it
-        self.hit_epoch = 0
+        self.children: dict[bytes, BlockNode] | None = None  # made when the first child is linked
+        self.hits: list[int] | None = None  # [half-window epoch, hits in it, hits in the one before]
 
 
 class PrefixIndex:
@@ -73,7 +70,8 @@ class PrefixIndex:
         append = path.append
         nodes = self.nodes
         for key in keys:
-            child = node.children.get(key)
+            children = node.children
+            child = children.get(key) if children is not None else None
             if child is None:
                 child = nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
                 if child is None:
@@ -111,12 +109,13 @@ class PrefixIndex:
 
     def hits(self, node: BlockNode, now: float) -> int:
         """Hits of `node` over the last full window (two half-windows)."""
-        epoch = int(now / self.half_window_s)
-        if node.hit_epoch == epoch:
-            return node.hits_now + node.hits_before
-        if node.hit_epoch == epoch - 1:
-            return node.hits_now
-        return 0
+        if node.hits is None:
+            return 0
+        epoch, hits_now, hits_before = node.hits
+        current = int(now / self.half_window_s)
+        if epoch == current:
+            return hits_now + hits_before
+        return hits_now if epoch == current - 1 else 0
 
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
@@ -136,15 +135,18 @@ class PrefixIndex:
         lru = self.lru.setdefault(worker_id, OrderedDict())
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
+        nodes = self.nodes
         for block_hash in block_hashes:
-            node = self.nodes.get(block_hash)
+            node = nodes.get(block_hash)
             if node is None:
-                node = self.nodes[block_hash] = BlockNode(block_hash)
-            if worker_id not in node.holders:
+                node = nodes[block_hash] = BlockNode(block_hash)
+            holders = node.holders
+            if worker_id in holders:
+                lru.move_to_end(block_hash)
+            else:
                 node.signature ^= bit
-            node.holders[worker_id] = expiry
-            lru[block_hash] = node
-            lru.move_to_end(block_hash)
+                lru[block_hash] = node
+            holders[worker_id] = expiry
             if self.ttl_s is not None:
                 self.expiries.append((expiry, worker_id, block_hash))
 
@@ -178,11 +180,13 @@ class PrefixIndex:
         lru = self.lru.get(worker_id)
         touch = lru.move_to_end if lru is not None else None
         for node in path:
-            if node.hit_epoch != epoch:
-                node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
-                node.hits_now = 0
-                node.hit_epoch = epoch
-            node.hits_now += 1
+            hits = node.hits
+            if hits is None:
+                node.hits = [epoch, 1, 0]
+            elif hits[0] == epoch:
+                hits[1] += 1
+            else:
+                node.hits = [epoch, 1, hits[1] if hits[0] == epoch - 1 else 0]
             if touch is not None and worker_id in node.holders:
                 touch(node.block_hash)
 
@@ -194,7 +198,7 @@ class PrefixIndex:
         hashes = [node.block_hash for node in path]
         for depth in range(len(path), len(keys)):
             key = keys[depth]
-            child = parent.children.get(key)
+            child = parent.children.get(key) if parent.children is not None else None
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
                 child = self.nodes.get(block_hash)
@@ -230,12 +234,14 @@ class PrefixIndex:
 
     @staticmethod
     def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:
+        if parent.children is None:
+            parent.children = {}
         parent.children[key] = child
         child.parent, child.key, child.depth = parent, key, depth
 
     def _forget(self, node: BlockNode) -> None:
         del self.nodes[node.block_hash]
         parent = node.parent
-        if parent is not None and parent.children.get(node.key) is node:
+        if parent is not None and parent.children and parent.children.get(node.key) is node:
             del parent.children[node.key]
         node.parent = None

@@ -1,0 +1,109 @@
+"""`svc sim`: simulate a workload on a cluster of N workers under each placement policy.
+
+Only click is imported here; the simulator and its dependencies load when the command
+runs (services/eval/sim_runner.py does the work).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+ARRIVAL_CHOICES = ("poisson", "bursty", "trace")
+POSITIVE = click.FloatRange(min=0, min_open=True)
+
+
+@click.command("sim")
+@click.option("--workload", help="workload shape, e.g. toolbench (a wrong name lists them)")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              help="replay this Mooncake-format trace (the mooncake workload)")
+@click.option("--workers", type=click.IntRange(min=1), help="workers in the simulated cluster")
+@click.option("--policy", "policy_list", required=True,
+              help="placement policies to compare, comma separated (a wrong name lists them)")
+@click.option("--profile", default="", help="cost profile: a JSON file or a name such as h100/llama-3-70b "
+              "(default: the tiny model on CPU)")
+@click.option("--sweep", "sweep_text", metavar="VAR=a,b,c",
+              help="run each value of VAR: load, rate, workers, zipf or scale")
+@click.option("--json", "as_json", is_flag=True, help="end with one JSON line of the results (see below)")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="with --sweep: write PNG plots of the sweep to this directory")
+@click.option("--num-requests", type=click.IntRange(min=1),
+              help="requests to simulate [default: 1000; a trace's every record]")
+@click.option("--seed", type=int, default=0, show_default=True, help="seeds the workload and its arrivals")
+@click.option("--rate", type=POSITIVE, help="arrivals per second")
+@click.option("--load", type=POSITIVE,
+              help="instead of --rate: a fraction of the workers' no-reuse capacity [default: 0.8]")
+@click.option("--arrival", type=click.Choice(ARRIVAL_CHOICES),
+              help="arrival process [default: trace for a trace, poisson otherwise]")
+@click.option("--time-scale", type=POSITIVE, help="trace arrivals: multiplies the trace's times")
+@click.option("--scale", type=POSITIVE, default=1.0, show_default=True,
+              help="multiplies every prompt and output length")
+@click.option("--zipf", type=click.FloatRange(min=0), help="toolbench's tool popularity exponent zipf_a")
+@click.option("--option", "option_pairs", multiple=True, metavar="KEY=VALUE",
+              help="a workload shape option, e.g. num_tools=40 (repeatable)")
+@click.option("--queue-policy", default="fcfs", show_default=True,
+              help="workers' waiting queue: fcfs, lpm or priority")
+@click.option("--kv-blocks", type=click.IntRange(min=1),
+              help="KV blocks (16 tokens) per worker [default: what a GPU profile's memory holds, else 32768]")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+              help="per-step token budget [default: 8192 for a GPU profile, else 2048]")
+@click.option("--ttft-slo", type=POSITIVE, help="TTFT target in seconds, for every request class")
+@click.option("--tpot-slo", type=POSITIVE, help="TPOT target in seconds, for every request class")
+@click.option("--admission", is_flag=True, help="refuse requests predicted to miss their SLO")
+@click.option("--index-mode", default="events", show_default=True,
+              help="router's prefix index: events (KV events) or approximate (from placements)")
+def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json, plot_dir, num_requests, seed,
+        rate, load, arrival, time_scale, scale, zipf, option_pairs, queue_policy, kv_blocks,
+        max_num_batched_tokens, ttft_slo, tpot_slo, admission, index_mode) -> None:
+    """Simulate a workload on WORKERS workers under each policy in discrete virtual time
+    (the live router's policies and the engine's scheduler, with step times from the
+    cost profile) and print the metrics table: TTFT, TPOT, end-to-end latency, SLO
+    attainment, cache hit rate, fairness and refusals, per policy and request class.
+
+    \b
+    With --json the last line of output is one JSON object:
+      {POLICY: {"overall": {...}, "classes": {CLASS: {...}}}, ...}
+    and with --sweep VAR=a,b,c
+      {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ...}}}}
+    with each VALUE as written in --sweep. A swept load or rate replaces --load and
+    --rate; workers, zipf and scale replace --workers, --zipf and --scale.
+    """
+    from common.cost_model import ProfileError, load_cost_model
+    from services.eval import sim_runner as runner
+    from services.eval.progress import Progress
+
+    try:
+        sweep = runner.parse_sweep(sweep_text) if sweep_text else None
+        if plot_dir is not None and sweep is None:
+            raise runner.SimUsageError("--plot draws a sweep: give --sweep too")
+        name, trace = runner.workload_source(workload, trace_path)
+        spec = runner.SimSpec(
+            workload=name, policies=runner.parse_policies(policy_list), workers=_workers(workers, sweep),
+            cost=load_cost_model(profile), trace=trace, num_requests=num_requests, seed=seed, arrival=arrival,
+            rate=rate, load=load, time_scale=time_scale, scale=scale,
+            options=runner.parse_options(option_pairs, zipf), queue_policy=queue_policy, kv_blocks=kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
+            admission=admission, index_mode=index_mode)
+        points = runner.prepare(spec, sweep)
+    except (runner.SimUsageError, ProfileError) as error:
+        raise click.UsageError(str(error)) from error
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    with Progress(runner.total_requests(points), "sim") as progress:
+        results = runner.run_points(points, progress.advance)
+    variable = sweep.variable if sweep is not None else None
+    runner.print_results(results, variable)
+    if plot_dir is not None:
+        for path in runner.write_plots(points, results, variable, plot_dir):
+            click.echo(f"wrote {path}", err=True)
+    if as_json:
+        click.echo(runner.results_json(results, variable))
+
+
+def _workers(workers: int | None, sweep) -> int:
+    """--workers, or the first swept value when sweeping workers (each value replaces it)."""
+    if sweep is not None and sweep.variable == "workers":
+        return int(sweep.values[0][1])
+    if workers is None:
+        raise click.UsageError("give --workers N (or --sweep workers=a,b,c)")
+    return workers

@@ -1,0 +1,412 @@
+"""The work behind `svc sim` (services/eval/sim_command.py): build a workload once per
+setting, simulate it under each placement policy, and report the summaries.
+
+A setting is a SimSpec. Its defaults, resolved by `resolve`:
+  * arrivals: the workload's own times ("trace") for mooncake, Poisson otherwise;
+  * rate: --rate, else rate_for_load(requests, --load or DEFAULT_LOAD, workers, cost).
+    With trace arrivals, a rate or load rescales the trace's times so that its mean rate
+    (requests / span of arrivals) is the target; without one the trace keeps its times
+    (times --time-scale);
+  * kv_blocks and max_num_batched_tokens: a profile that names a GPU and a model (the
+    built-in "<gpu>/<model>[/tpN]" profiles and Preble's) gets the KV blocks its GPUs'
+    memory holds (KV_MEMORY_UTILIZATION of it, less the weights) and 8,192 batched tokens
+    per step; any other profile (a file, the tiny CPU default) gets DEFAULT_KV_BLOCKS and
+    2,048 (the engine's default).
+A sweep replaces one variable of the setting per value: load or rate (both are replaced,
+so the value alone sets the arrival rate), workers, zipf (toolbench's zipf_a) or scale.
+
+Progress counts simulated requests (finished or refused) across every setting and policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import INDEX_MODES, ClusterConfig
+from common.cost_model import CostModel
+from common.engine.config import QUEUE_POLICIES
+from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
+from services.eval.report import Slo, json_line, plot_sweep, print_table, summarize
+from services.eval.simulator import SimConfig, Simulator
+from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
+from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
+from services.router.policies import POLICIES
+
+DEFAULT_NUM_REQUESTS = 1000  # generated workloads; a trace replays all its records by default
+DEFAULT_LOAD = 0.8
+DEFAULT_KV_BLOCKS = 32_768
+GPU_BATCHED_TOKENS = 8192
+OTHER_BATCHED_TOKENS = 2048
+KV_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
+SWEEP_VARIABLES = ("load", "rate", "workers", "zipf", "scale")
+COMMON_WORKLOAD_KEYWORDS = ("vocab_size", "scale", "trace")  # make_workload's own, not --option's
+_ANALYTIC_NAME = re.compile(r"(?P<gpu>[a-z0-9]+)/(?P<model>[a-z0-9.-]+)/tp(?P<tp>\d+)")
+
+
+class SimUsageError(ValueError):
+    """Options that do not make a valid run; the message names the option."""
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """One setting to simulate under each of `policies`. None means "the default" (the
+    module docstring); `resolve` fills those in."""
+
+    workload: str
+    policies: tuple[str, ...]
+    workers: int
+    cost: CostModel
+    trace: str | None = None
+    num_requests: int | None = None
+    seed: int = 0
+    arrival: str | None = None  # poisson, bursty or trace
+    rate: float | None = None
+    load: float | None = None
+    time_scale: float | None = None
+    scale: float = 1.0
+    options: tuple[tuple[str, int | float | str], ...] = ()  # the workload shape's keywords
+    queue_policy: str = "fcfs"
+    kv_blocks: int | None = None  # per worker
+    max_num_batched_tokens: int | None = None
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    admission: bool = False
+    index_mode: str = "events"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    variable: str
+    values: tuple[tuple[str, float], ...]  # (the value as written, the number)
+
+
+@dataclass(frozen=True)
+class Point:
+    """A resolved setting with its timed requests; `label` is the swept value as written
+    ("" when not sweeping)."""
+
+    label: str
+    value: float
+    spec: SimSpec
+    requests: list[WorkloadRequest]
+    slos: Mapping[str, Slo]
+
+
+# ---- parsing ---------------------------------------------------------------------------
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    """"P[,P...]" as policy names; SimUsageError names an unknown one and lists POLICIES."""
+    names = tuple(name.strip() for name in text.split(","))
+    for name in names:
+        if name not in POLICIES:
+            raise SimUsageError(f"--policy: unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    if len(set(names)) != len(names):
+        raise SimUsageError(f"--policy: a policy is named twice in {text!r}")
+    return names
+
+
+def parse_options(pairs: Iterable[str], zipf: float | None) -> tuple[tuple[str, int | float | str], ...]:
+    """`--option key=value` pairs (values read as int, else float, else kept as text),
+    plus zipf_a from --zipf; each key at most once."""
+    options = [_parse_option(pair) for pair in pairs]
+    if zipf is not None:
+        options.append(("zipf_a", zipf))
+    keys = [key for key, _ in options]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise SimUsageError(f"--option: {key} is given twice (--zipf sets zipf_a)")
+    return tuple(options)
+
+
+def _parse_option(pair: str) -> tuple[str, int | float | str]:
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise SimUsageError(f"--option: expected KEY=VALUE, got {pair!r}")
+    return key.strip(), _number(value.strip())
+
+
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_sweep(text: str) -> Sweep:
+    """"VAR=a,b,c" with VAR one of SWEEP_VARIABLES and distinct numbers (integers for
+    workers)."""
+    variable, sep, values = text.partition("=")
+    variable = variable.strip()
+    if not sep or variable not in SWEEP_VARIABLES:
+        raise SimUsageError(f"--sweep: expected VAR=a,b,c with VAR one of {', '.join(SWEEP_VARIABLES)}; "
+                            f"got {text!r}")
+    labels = [label.strip() for label in values.split(",")]
+    numbers = [_sweep_value(variable, label) for label in labels]
+    if len(set(numbers)) != len(numbers):
+        raise SimUsageError(f"--sweep: a value of {variable} is given twice in {text!r}")
+    return Sweep(variable, tuple(zip(labels, numbers)))
+
+
+def _sweep_value(variable: str, label: str) -> float:
+    number = _number(label)
+    if isinstance(number, str) or not math.isfinite(number):
+        raise SimUsageError(f"--sweep: {variable} value {label!r} is not a number")
+    if variable == "workers" and (not isinstance(number, int) or number < 1):
+        raise SimUsageError(f"--sweep: workers value {label!r} is not an integer >= 1")
+    return number
+
+
+def workload_source(workload: str | None, trace_path: str | None) -> tuple[str, str | None]:
+    """(workload name, trace file) from --workload and --trace: a trace means mooncake."""
+    if workload is None and trace_path is None:
+        raise SimUsageError("give --workload NAME or --trace FILE")
+    name = workload if workload is not None else "mooncake"
+    if name not in WORKLOADS:
+        raise SimUsageError(f"--workload: unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if name == "mooncake" and trace_path is None:
+        raise SimUsageError("the mooncake workload replays a trace: give --trace FILE")
+    if name != "mooncake" and trace_path is not None:
+        raise SimUsageError(f"--trace replays a Mooncake trace; it does not go with --workload {name}")
+    return name, trace_path
+
+
+# ---- settings --------------------------------------------------------------------------
+
+
+def check(spec: SimSpec) -> None:
+    """SimUsageError for options that contradict each other or name nothing known."""
+    if spec.rate is not None and spec.load is not None:
+        raise SimUsageError("give at most one of --rate and --load")
+    if spec.time_scale is not None and arrival_of(spec) != "trace":
+        raise SimUsageError("--time-scale applies to trace arrivals only")
+    if spec.time_scale is not None and (spec.rate is not None or spec.load is not None):
+        raise SimUsageError("give --time-scale or --rate/--load, not both (either sets the trace's pace)")
+    if spec.queue_policy not in QUEUE_POLICIES:
+        raise SimUsageError(f"--queue-policy: unknown {spec.queue_policy!r}; known: {', '.join(QUEUE_POLICIES)}")
+    if spec.index_mode not in INDEX_MODES:
+        raise SimUsageError(f"--index-mode: unknown {spec.index_mode!r}; known: {', '.join(INDEX_MODES)}")
+    accepted = workload_options(spec.workload)
+    for key, _ in spec.options:
+        if key not in accepted:
+            raise SimUsageError(f"--option {key}: the {spec.workload} workload takes "
+                                f"{', '.join(accepted) or 'no options'}")
+
+
+def workload_options(name: str) -> tuple[str, ...]:
+    """The keyword options of a workload shape's generator, beyond make_workload's own."""
+    parameters = inspect.signature(WORKLOADS[name]).parameters.values()
+    return tuple(p.name for p in parameters
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in COMMON_WORKLOAD_KEYWORDS)
+
+
+def arrival_of(spec: SimSpec) -> str:
+    if spec.arrival is not None:
+        return spec.arrival
+    return "trace" if spec.workload == "mooncake" else "poisson"
+
+
+def gpu_model_of(cost: CostModel) -> tuple[str, str, int] | None:
+    """(gpu, model, tensor-parallel degree) a profile is named for, or None."""
+    if cost.name == PREBLE_NAME:
+        return "h100", "llama-3-70b", PREBLE_TP
+    match = _ANALYTIC_NAME.fullmatch(cost.name)
+    if match is None or match["gpu"] not in GPUS or match["model"] not in MODELS:
+        return None
+    return match["gpu"], match["model"], int(match["tp"])
+
+
+def default_kv_blocks(cost: CostModel, block_size: int) -> int:
+    """KV blocks per worker: what KV_MEMORY_UTILIZATION of the named GPUs' memory holds
+    beside the weights, or DEFAULT_KV_BLOCKS when the profile names no GPU and model."""
+    named = gpu_model_of(cost)
+    if named is None:
+        return DEFAULT_KV_BLOCKS
+    gpu, model = GPUS[named[0]], MODELS[named[1]]
+    free = named[2] * gpu.memory_gib * GIB * KV_MEMORY_UTILIZATION - model.params * BYTES_PER_VALUE
+    return max(1, int(free // (model.kv_bytes_per_token * block_size)))
+
+
+def resolve(spec: SimSpec) -> SimSpec:
+    """The spec with its defaults filled in (except rate, which needs the requests)."""
+    named = gpu_model_of(spec.cost) is not None
+    block_size = SimConfig.block_size
+    return dataclasses.replace(
+        spec,
+        arrival=arrival_of(spec),
+        kv_blocks=spec.kv_blocks or default_kv_blocks(spec.cost, block_size),
+        max_num_batched_tokens=spec.max_num_batched_tokens or (GPU_BATCHED_TOKENS if named
+                                                                else OTHER_BATCHED_TOKENS))
+
+
+def swept(spec: SimSpec, variable: str, value: float) -> SimSpec:
+    """`spec` with the swept variable set to `value`."""
+    if variable == "load":
+        return dataclasses.replace(spec, load=value, rate=None)
+    if variable == "rate":
+        return dataclasses.replace(spec, rate=value, load=None)
+    if variable == "workers":
+        return dataclasses.replace(spec, workers=int(value))
+    if variable == "scale":
+        return dataclasses.replace(spec, scale=value)
+    options = tuple((key, v) for key, v in spec.options if key != "zipf_a") + (("zipf_a", value),)
+    return dataclasses.replace(spec, options=options)
+
+
+# ---- requests --------------------------------------------------------------------------
+
+
+def prepare(spec: SimSpec, sweep: Sweep | None = None) -> list[Point]:
+    """The points to simulate: one per swept value (one in all without a sweep), each
+    with its timed requests. The workload is generated once per distinct (scale,
+    options). SimUsageError for bad options; ValueError for bad data (a trace, a profile
+    value) with the generator's message."""
+    settings = [("", 0.0, spec)] if sweep is None else \
+        [(label, value, swept(spec, sweep.variable, value)) for label, value in sweep.values]
+    generated: dict[tuple, list[WorkloadRequest]] = {}
+    points = []
+    for label, value, setting in settings:
+        check(setting)
+        setting = resolve(setting)
+        key = (setting.scale, setting.options)
+        if key not in generated:
+            generated[key] = _generate(setting)
+        requests = timed(setting, generated[key])
+        _check_fits(setting, requests)
+        points.append(Point(label, value, setting, requests, slos_for(setting, requests)))
+    return points
+
+
+def _generate(spec: SimSpec) -> list[WorkloadRequest]:
+    count = spec.num_requests if spec.num_requests is not None else (
+        sys.maxsize if spec.trace is not None else DEFAULT_NUM_REQUESTS)
+    requests = make_workload(spec.workload, count, spec.seed, scale=spec.scale, trace=spec.trace,
+                             **dict(spec.options))
+    if not requests:
+        raise ValueError(f"the {spec.workload} workload has no requests" +
+                         (f" ({spec.trace} is empty)" if spec.trace else ""))
+    return requests
+
+
+def timed(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
+    """The requests with the spec's arrival times (see the module docstring)."""
+    if spec.arrival == "trace":
+        return trace(requests, _time_scale(spec, requests))
+    rate = spec.rate if spec.rate is not None else rate_for_load(
+        requests, spec.load if spec.load is not None else DEFAULT_LOAD, spec.workers, spec.cost)
+    arrive = poisson if spec.arrival == "poisson" else bursty
+    return arrive(requests, rate, spec.seed)
+
+
+def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
+    if spec.rate is None and spec.load is None:
+        return spec.time_scale if spec.time_scale is not None else 1.0
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    if span <= 0:
+        raise SimUsageError("--rate/--load with trace arrivals rescale the workload's own times, but all its "
+                            "requests arrive at once; use --arrival poisson or bursty")
+    rate = spec.rate if spec.rate is not None else rate_for_load(requests, spec.load, spec.workers, spec.cost)
+    if not rate > 0:
+        raise SimUsageError(f"the arrival rate must be > 0, got {rate}")
+    return len(requests) / span / rate
+
+
+def _check_fits(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> None:
+    """A request larger than a worker's whole KV pool could never run."""
+    longest = max(len(r.token_ids) + r.output_tokens for r in requests)
+    capacity = spec.kv_blocks * SimConfig.block_size
+    if longest > capacity:
+        raise SimUsageError(f"--kv-blocks: {spec.kv_blocks} blocks hold {capacity} tokens per worker, but the "
+                            f"longest request needs {longest} (prompt and output); raise --kv-blocks or "
+                            f"lower --scale")
+
+
+def slos_for(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Slo]:
+    """The same SLO for every class when either target is given (the other is then
+    unbounded), else {} (no targets: every completed request meets its SLO)."""
+    if spec.ttft_slo_s is None and spec.tpot_slo_s is None:
+        return {}
+    slo = Slo(spec.ttft_slo_s if spec.ttft_slo_s is not None else math.inf,
+              spec.tpot_slo_s if spec.tpot_slo_s is not None else math.inf)
+    return dict.fromkeys(sorted({r.slo_class for r in requests}), slo)
+
+
+# ---- running ---------------------------------------------------------------------------
+
+
+def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig:
+    """The simulator's configuration of a resolved spec under one policy."""
+    ttl = ClusterConfig.index_ttl_s if spec.index_mode == "approximate" else None
+    return SimConfig(workers=spec.workers, policy=policy, cost=spec.cost, kv_blocks=spec.kv_blocks,
+                     max_num_batched_tokens=spec.max_num_batched_tokens, queue_policy=spec.queue_policy,
+                     index_ttl_s=ttl, admission=spec.admission, slos=slos)
+
+
+def total_requests(points: Sequence[Point]) -> int:
+    """How many requests `run_points` simulates (its progress total)."""
+    return sum(len(point.requests) * len(point.spec.policies) for point in points)
+
+
+def run_points(points: Sequence[Point], advance: Callable[[int], None] | None = None) -> dict[str, dict]:
+    """{point label: {policy: summarize result}}, calling `advance(n)` as n more requests
+    finish or are refused."""
+    return {point.label: {policy: simulate_policy(point, policy, advance) for policy in point.spec.policies}
+            for point in points}
+
+
+def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | None = None) -> dict:
+    """One simulation of the point's requests under `policy`, summarised."""
+    simulator = Simulator(sim_config(point.spec, policy, point.slos))
+    reported = 0
+
+    def on_event(_now: float) -> None:
+        nonlocal reported
+        # Every arrived request has a record; admitted ones hold a sequence until they finish.
+        done = len(simulator.records) - len(simulator.sequences)
+        if done > reported:
+            advance(done - reported)
+            reported = done
+
+    result = simulator.run(point.requests, on_event if advance is not None else None)
+    return summarize(result.records, point.slos, result.totals)
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def print_results(results: Mapping[str, dict], variable: str | None) -> None:
+    """The metrics table; with a sweep, one per value under a `VAR=value` heading."""
+    if variable is None:
+        print_table(results[""])
+        return
+    for label, by_policy in results.items():
+        print(f"{variable}={label}")
+        print_table(by_policy)
+
+
+def results_json(results: Mapping[str, dict], variable: str | None) -> str:
+    """One line of JSON: json_line of the policies' results, or with a sweep
+    {"sweep": VAR, "values": {value as written: {policy: {"overall", "classes"}}}}."""
+    if variable is None:
+        return json_line(results[""])
+    values = {label: {policy: {"overall": r["overall"], "classes": r["classes"]} for policy, r in by_policy.items()}
+              for label, by_policy in results.items()}
+    return json.dumps({"sweep": variable, "values": values}, separators=(",", ":"))
+
+
+def write_plots(points: Sequence[Point], results: Mapping[str, dict], variable: str, out_dir: Path) -> list[Path]:
+    """plot_sweep's PNGs of a sweep: each metric against `variable`, a line per policy."""
+    by_policy: dict[str, dict[float, dict]] = {}
+    for point in points:
+        for policy, summary in results[point.label].items():
+            by_policy.setdefault(policy, {})[point.value] = summary
+    return plot_sweep(by_policy, variable, out_dir)

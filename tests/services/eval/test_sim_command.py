@@ -1,0 +1,143 @@
+"""`svc sim` through click: tables, the JSON line, sweeps and their plots, trace replay,
+and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from services.cli import main
+
+REQUIRED_KEYS = ("ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s", "slo_attainment",
+                 "hit_rate", "jain", "rejected")
+SMALL = ["--workload", "toolbench", "--num-requests", "60", "--workers", "2", "--scale", "0.2"]
+
+
+def run_sim(*args: str):
+    result = CliRunner().invoke(main, ["sim", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def last_json(result) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check_policies(results: dict, policies: list[str], workload_class: str, requests: int) -> None:
+    assert list(results) == policies
+    for policy in policies:
+        overall, classes = results[policy]["overall"], results[policy]["classes"]
+        assert list(classes) == [workload_class]
+        for summary in (overall, classes[workload_class]):
+            assert all(isinstance(summary[key], (int, float)) for key in REQUIRED_KEYS)
+        assert overall["requests"] == overall["completed"] == requests
+        assert overall["ttft_mean_s"] > 0 and overall["e2e_p99_s"] >= overall["e2e_mean_s"] > 0
+
+
+def test_a_run_prints_the_table_and_ends_with_the_json_line():
+    result = run_sim(*SMALL, "--policy", "round_robin,e2", "--ttft-slo", "10", "--json")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split()[:3] == ["policy", "reqs", "ttft_ms"]
+    assert [line.split()[0] for line in lines[1:-1]] == ["round_robin", "toolbench", "e2", "toolbench"]
+    results = last_json(result)
+    check_policies(results, ["round_robin", "e2"], "toolbench", 60)
+    assert results["e2"]["overall"]["slo_attainment"] == 1.0
+
+
+def test_without_json_the_output_is_only_the_table():
+    lines = run_sim(*SMALL, "--policy", "lpm").stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["policy", "lpm", "toolbench"]
+
+
+def test_a_sweep_prints_a_table_per_value_writes_plots_and_one_json_object(tmp_path):
+    result = run_sim(*SMALL, "--policy", "round_robin,lpm", "--sweep", "load=0.5, 2", "--plot",
+                     str(tmp_path / "plots"), "--json")
+    assert "load=0.5" in result.stdout and "load=2" in result.stdout
+    line = last_json(result)
+    assert line["sweep"] == "load" and list(line["values"]) == ["0.5", "2"]
+    for by_policy in line["values"].values():
+        check_policies(by_policy, ["round_robin", "lpm"], "toolbench", 60)
+    fast, slow = (line["values"][value]["lpm"]["overall"]["duration_s"] for value in ("0.5", "2"))
+    assert fast > slow  # the higher load's arrivals come four times as fast
+    pngs = sorted(path.name for path in (tmp_path / "plots").iterdir())
+    assert pngs == ["load_e2e_p99_s.png", "load_slo_attainment.png", "load_ttft_mean_s.png"]
+    assert all((tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG") for name in pngs)
+
+
+def test_sweeping_workers_needs_no_workers_option():
+    args = ["--workload", "toolbench", "--num-requests", "30", "--scale", "0.2", "--policy", "e2",
+            "--sweep", "workers=1,3", "--json"]
+    line = last_json(run_sim(*args))
+    assert [line["values"][v]["e2"]["overall"]["gpus"] for v in ("1", "3")] == [1, 3]
+
+
+def write_trace(path) -> None:
+    """A Mooncake-format trace: two prompts each reused, one request alone."""
+    records = [(0, 1100, 5, [1, 2, 3]), (100, 1100, 3, [1, 2, 3]), (200, 700, 4, [4, 5]),
+               (350, 1030, 2, [1, 2, 6]), (500, 700, 6, [4, 5]), (800, 300, 1, [7])]
+    lines = [json.dumps({"timestamp": t, "input_length": n, "output_length": out, "hash_ids": ids})
+             for t, n, out, ids in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_a_trace_replays_in_mooncake_format(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace)
+    result = run_sim("--trace", str(trace), "--workers", "2", "--policy", "lpm,round_robin", "--json")
+    results = last_json(result)
+    check_policies(results, ["lpm", "round_robin"], "mooncake", 6)
+    assert results["lpm"]["overall"]["hit_rate"] > 0
+    # Its own times by default: the last request arrives at 0.8 s.
+    assert results["lpm"]["overall"]["duration_s"] > 0.8
+
+
+def test_a_rate_rescales_a_trace_and_num_requests_takes_a_prefix(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace)
+    args = ["--trace", str(trace), "--workers", "1", "--policy", "lpm", "--num-requests", "4", "--json"]
+    own, fast = (last_json(run_sim(*args, *extra))["lpm"]["overall"] for extra in ([], ["--rate", "1000"]))
+    assert own["requests"] == fast["requests"] == 4
+    assert fast["duration_s"] < own["duration_s"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "nope", "--workers", "1", "--policy", "e2"], "unknown workload 'nope'; known: toolbench"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2,best"], "unknown policy 'best'; known: round_robin"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2,e2"], "named twice"),
+    (["--workers", "1", "--policy", "e2"], "give --workload NAME or --trace FILE"),
+    (["--workload", "toolbench", "--policy", "e2"], "give --workers N"),
+    (["--workload", "mooncake", "--workers", "1", "--policy", "e2"], "give --trace FILE"),
+    (["--trace", "/no/such/trace.jsonl", "--workers", "1", "--policy", "e2"], "does not exist"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--rate", "2", "--load", "0.5"],
+     "at most one of --rate and --load"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--sweep", "load"], "expected VAR=a,b,c"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--sweep", "color=1,2"], "expected VAR=a,b,c"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--sweep", "load=0.5,high"],
+     "load value 'high' is not a number"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--sweep", "workers=2,2.5"],
+     "not an integer"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--plot", "out"], "--plot draws a sweep"),
+    (["--workload", "chat", "--workers", "1", "--policy", "e2", "--zipf", "1.2"], "the chat workload takes"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--option", "tools"], "expected KEY=VALUE"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--time-scale", "2"], "trace arrivals only"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--queue-policy", "lifo"],
+     "unknown 'lifo'; known: fcfs"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--index-mode", "guess"],
+     "unknown 'guess'; known: events"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--profile", "tpu/llama"],
+     "unknown profile name"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--kv-blocks", "8"], "--kv-blocks: 8 blocks"),
+])
+def test_bad_input_is_a_usage_error_naming_the_problem(args, message):
+    result = CliRunner().invoke(main, ["sim", "--num-requests", "20", "--scale", "0.2", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_a_bad_trace_record_is_an_error_naming_its_line(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n')
+    result = CliRunner().invoke(main, ["sim", "--trace", str(trace), "--workers", "1", "--policy", "e2"])
+    assert result.exit_code == 1
+    assert f"{trace}:2: not valid JSON" in result.output
