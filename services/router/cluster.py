@@ -279,7 +279,7 @@ class ClusterState:
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
-        costs = self._lru_costs(worker_id, now, set(request.path[:held])) if held else \
+        costs = self._lru_costs(worker_id, now, request.path[:held]) if held else \
             self._cached_lru_costs(worker_id, now)
         return self._extrapolate(costs, to_evict)
 
@@ -294,16 +294,17 @@ class ClusterState:
         key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
         cached = self.eviction_rates.get(worker_id)
         if cached is None or cached[0] != key:
-            cached = self.eviction_rates[worker_id] = (key, self._lru_costs(worker_id, now, ()))
+            cached = self.eviction_rates[worker_id] = (key, self._lru_costs(worker_id, now, []))
         return cached[1]
 
-    def _lru_costs(self, worker_id: str, now: float, skip) -> list[float]:
-        """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first."""
+    def _lru_costs(self, worker_id: str, now: float, pinned: list[BlockNode]) -> list[float]:
+        """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
+        leaving out `pinned` (a prompt's leading blocks: node i of it has depth i)."""
         cumulative, total = [], 0.0
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
                 break
-            if node in skip:
+            if 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
                 continue
             hits = self.index.hits(node, now)
             if hits:
