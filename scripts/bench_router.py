@@ -37,6 +37,7 @@ from common.cost_model import CostModel, load_cost_model
 from common.hashing import chain_hashes, root_hash
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Request
+from services.router.main import quiet_gc
 from services.router.policies import POLICIES, PlacementPolicy, make_policy
 
 BLOCK_SIZE = 16
@@ -308,9 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     workload = Workload(args)
     result = {}
-    for name in args.policies:
-        result[name] = run_policy(name, workload, cost, args)
-        gc.collect()  # free this policy's index before the next one builds its own
+    previous = gc.get_threshold()
+    quiet_gc()  # as the router process runs
+    try:
+        for name in args.policies:
+            result[name] = run_policy(name, workload, cost, args)
+            gc.collect()  # free this policy's index before the next one builds its own
+    finally:
+        gc.set_threshold(*previous)
     print_table(args, result, time.perf_counter() - started)
     if args.json:
         print(json.dumps(result), flush=True)

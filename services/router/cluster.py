@@ -37,10 +37,11 @@ class Request:
     path: list[BlockNode] = field(default_factory=list)  # indexed prefix, any holder
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
     block_size: int = 16
+    best_blocks: int = 0  # the most leading blocks any worker holds
 
-    @property
-    def best_blocks(self) -> int:
-        return max(self.matched.values(), default=0)
+    def __post_init__(self) -> None:
+        self.best_blocks = max(self.matched.values(), default=0)
+
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -106,6 +107,7 @@ class ClusterState:
         self.window_s = window_s
         self.index = PrefixIndex(block_size, window_s, index_ttl_s)
         self.workers: dict[str, WorkerState] = {}
+        self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
@@ -119,10 +121,12 @@ class ClusterState:
 
     def add_worker(self, worker_id: str, kv_blocks_total: int) -> None:
         self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
+        self.worker_ids = sorted(self.workers)
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
         """Forget a worker and what it cached; returns the placements it still had."""
         worker = self.workers.pop(worker_id, None)
+        self.worker_ids = sorted(self.workers)
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
@@ -230,13 +234,16 @@ class ClusterState:
         costs = {}
         for worker_id, worker in self.workers.items():
             cost = loads[worker_id]
-            if worker_id in matched:
-                cost += self.prefill_s(request, worker_id) + self.eviction_cost_s(request, worker_id, now)
+            held = matched.get(worker_id, 0)
+            if held:
+                cost += self.prefill_s(request, worker_id)
             else:
                 cost += cold_prefill_s
-                to_evict = blocks - worker.free_blocks
-                if to_evict > 0:
-                    cost += self._extrapolate(self._cached_lru_costs(worker_id, now), to_evict)
+            to_evict = blocks - held - worker.free_blocks
+            if to_evict > 0:
+                lru_costs = self._lru_costs(worker_id, now, request.path[:held]) if held else \
+                    self._cached_lru_costs(worker_id, now)
+                cost += self._extrapolate(lru_costs, to_evict)
             costs[worker_id] = cost
         return costs
 

@@ -28,6 +28,7 @@ class StatelessFeedback:
         return None
 
 
-def ranked(worker_ids, key: Callable[[str], object]) -> list[str]:
-    """Worker ids by ascending key, ties broken by id so decisions are reproducible."""
-    return sorted(sorted(worker_ids), key=key)  # a stable sort keeps the id order among ties
+def ranked(cluster: ClusterState, key: Callable[[str], object]) -> list[str]:
+    """The cluster's worker ids by ascending key, ties broken by id so decisions are
+    reproducible (the ids are kept sorted, and the sort is stable)."""
+    return sorted(cluster.worker_ids, key=key)

@@ -29,11 +29,11 @@ class CacheAware(StatelessFeedback):
         loads = {w: len(state.in_flight) for w, state in cluster.workers.items()}
         if not loads:
             return []
-        by_load = ranked(loads, loads.__getitem__)
+        by_load = ranked(cluster, loads.__getitem__)
         most, least = max(loads.values()), min(loads.values())
         if most - least > self.config.balance_abs and most > least * self.config.balance_rel:
             return by_load
         match_ratio = request.best_cached_tokens / max(request.num_tokens, 1)
         if match_ratio > self.config.cache_threshold:
-            return ranked(loads, lambda w: (-request.matched.get(w, 0), loads[w]))
+            return ranked(cluster, lambda w: (-request.matched.get(w, 0), loads[w]))
         return by_load

@@ -32,7 +32,7 @@ class Dynamo(StatelessFeedback):
         logits = {w: self.config.prefill_weight * request.blocks_needed(w)
                   + state.kv_blocks_used + state.blocks_since_report
                   for w, state in cluster.workers.items()}
-        order = ranked(logits, logits.__getitem__)
+        order = ranked(cluster, logits.__getitem__)
         if self.config.temperature <= 0 or len(order) < 2:
             return order
         scale = max(logits.values()) or 1.0

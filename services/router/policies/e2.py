@@ -80,9 +80,9 @@ class E2:
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
             loads = cluster.loads(now)
             first = self._exploit(request, cluster, loads, now)
-            return [first] + [w for w in ranked(loads, loads.__getitem__) if w != first]
+            return [first] + [w for w in ranked(cluster, loads.__getitem__) if w != first]
         costs = cluster.explore_costs(request, now)
-        return ranked(costs, costs.__getitem__)
+        return ranked(cluster, costs.__getitem__)
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         key = placement.prefix_key

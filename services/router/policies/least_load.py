@@ -9,4 +9,4 @@ class LeastLoad(StatelessFeedback):
     name = "least_load"
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        return ranked(cluster.workers, lambda w: (cluster.load_s(w, now), len(cluster.workers[w].in_flight)))
+        return ranked(cluster, lambda w: (cluster.load_s(w, now), len(cluster.workers[w].in_flight)))

@@ -10,4 +10,4 @@ class LongestPrefixMatch(StatelessFeedback):
     name = "lpm"
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        return ranked(cluster.workers, lambda w: (-request.matched.get(w, 0), len(cluster.workers[w].in_flight)))
+        return ranked(cluster, lambda w: (-request.matched.get(w, 0), len(cluster.workers[w].in_flight)))

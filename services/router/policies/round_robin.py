@@ -12,7 +12,7 @@ class RoundRobin(StatelessFeedback):
         self.turn = 0
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        ordered = sorted(cluster.workers)
+        ordered = cluster.worker_ids
         if not ordered:
             return []
         start = self.turn % len(ordered)
