@@ -111,7 +111,7 @@ class ClusterState:
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
-        self.eviction_rates: dict[str, tuple[tuple[int, int], list[float]]] = {}  # see eviction_cost_s
+        self.eviction_rates: dict[str, tuple] = {}  # worker id -> a cached _lru_costs, see there
 
     @property
     def approximate(self) -> bool:
@@ -232,6 +232,7 @@ class ClusterState:
         cold_prefill_s = self.cost.prefill_s(request.num_tokens)
         blocks = -(-request.num_tokens // self.block_size)
         costs = {}
+        on_path: set[BlockNode] | None = None  # the prompt's indexed blocks, made if needed
         for worker_id, worker in self.workers.items():
             cost = loads[worker_id]
             held = matched.get(worker_id, 0)
@@ -241,8 +242,11 @@ class ClusterState:
                 cost += cold_prefill_s
             to_evict = blocks - held - worker.free_blocks
             if to_evict > 0:
-                lru_costs = self._lru_costs(worker_id, now, request.path[:held]) if held else \
-                    self._cached_lru_costs(worker_id, now)
+                lru_costs, sampled = self._cached_lru_costs(worker_id, now)
+                if held:
+                    on_path = set(request.path) if on_path is None else on_path
+                    if not sampled.isdisjoint(on_path):
+                        lru_costs = self._lru_costs(worker_id, now, request.path[:held])[0]
                 cost += self._extrapolate(lru_costs, to_evict)
             costs[worker_id] = cost
         return costs
@@ -286,8 +290,9 @@ class ClusterState:
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
-        costs = self._lru_costs(worker_id, now, request.path[:held]) if held else \
-            self._cached_lru_costs(worker_id, now)
+        costs, sampled = self._cached_lru_costs(worker_id, now)
+        if held and not sampled.isdisjoint(request.path[:held]):
+            costs = self._lru_costs(worker_id, now, request.path[:held])[0]
         return self._extrapolate(costs, to_evict)
 
     @staticmethod
@@ -297,17 +302,21 @@ class ClusterState:
         sampled = min(to_evict, len(cumulative_costs))
         return cumulative_costs[sampled - 1] * to_evict / sampled
 
-    def _cached_lru_costs(self, worker_id: str, now: float) -> list[float]:
+    def _cached_lru_costs(self, worker_id: str, now: float) -> tuple[list[float], frozenset[BlockNode]]:
+        """_lru_costs with nothing pinned, cached until the worker's LRU changes or the hit
+        window moves on; with the blocks it read."""
         key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
         cached = self.eviction_rates.get(worker_id)
         if cached is None or cached[0] != key:
-            cached = self.eviction_rates[worker_id] = (key, self._lru_costs(worker_id, now, []))
-        return cached[1]
+            cached = self.eviction_rates[worker_id] = (key, *self._lru_costs(worker_id, now, []))
+        return cached[1], cached[2]
 
-    def _lru_costs(self, worker_id: str, now: float, pinned: list[BlockNode]) -> list[float]:
+    def _lru_costs(self, worker_id: str, now: float,
+                   pinned: list[BlockNode]) -> tuple[list[float], frozenset[BlockNode]]:
         """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
-        leaving out `pinned` (a prompt's leading blocks: node i of it has depth i)."""
-        cumulative, total = [], 0.0
+        leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
+        the blocks read."""
+        cumulative, total, read = [], 0.0, []
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
                 break
@@ -317,7 +326,8 @@ class ClusterState:
             if hits:
                 total += hits * self.cost.recompute_s(self.block_size, max(node.depth, 0) * self.block_size)
             cumulative.append(total)
-        return cumulative
+            read.append(node)
+        return cumulative, frozenset(read)
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]
