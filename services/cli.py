@@ -354,6 +354,13 @@ def _parse_ids(text: str) -> list[int]:
         raise click.BadParameter(f"not a comma-separated list of integers: {text!r}",
                                  param_hint="--prompt-ids") from error
 
+from services.eval.bench_command import bench  # noqa: E402 (click only; the work imports lazily)
+main.add_command(bench)
+from services.eval.sim_command import sim  # noqa: E402 (click only; the work imports lazily)
+main.add_command(sim)
+from services.eval.plan_command import plan  # noqa: E402 (click only; the work imports lazily)
+main.add_command(plan)
+
 
 if __name__ == "__main__":
     sys.exit(main())

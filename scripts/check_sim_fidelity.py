@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Run one workload live and in the simulator, and compare what they report.
+
+    scripts/check_sim_fidelity.py [--json] [--workload toolbench] [--rate 8] [--duration 60]
+                                  [--workers 1] [--policy round_robin] [--dtype bfloat16]
+                                  [--profile FILE | --profile-source replay|svc [--quick-profile]]
+                                  [--no-overheads]
+
+Live: `svc up` on the tiny default model (--dtype, --workers workers with the machine's
+cores but one split between them; see worker_threads), driven open loop through the SDK
+by `svc bench`'s load generator. Simulated: the same requests on a SimConfig with the
+cluster's worker count, policy, step budget, heartbeat interval and KV blocks (as the
+router reports them), a cost profile of this machine's engine, and the services'
+overheads. Reported: the relative error |sim − live| / live of mean TTFT, mean TPOT and
+p95 end-to-end latency (target ≤ 15 % each), a table of both runs, and with --json one
+JSON line with the errors, both runs' values, the overheads and the profile used. The
+default run takes about 2 minutes.
+
+The profile: --profile, else by default one fitted to an engine-only replay of the same
+workload shape with another seed (see replay), else (--profile-source svc) `svc profile`
+with the workers' dtype and threads. `svc profile` times each point back to back after
+a warm-up step of the same size; on a CPU, a step after an idle gap, or of a size the
+process has not run lately (bfloat16's per-shape kernel setup), costs up to 2× that, and
+an open-loop run at moderate load is full of both: its sim then comes out ~50 % fast.
+
+The overheads (see calibrate), measured by the same paced requests on the engine alone
+and through the idle cluster, in pairs: the one-way delay client → worker → client (the
+simulator's network_s) and the worker loop's cost per step beyond engine.step() (added
+to the profile's fixed step costs). --no-overheads leaves them out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.cost_model import CostModel, fit_latency, load_cost_model  # noqa: E402
+from services.eval.loadgen import Target, WorkloadSpec, bench, plan_requests  # noqa: E402
+from services.eval.report import print_table, summarize  # noqa: E402
+from services.eval.simulator import SimConfig, simulate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = 0.15  # the largest relative error accepted per metric
+METRICS = ("ttft_mean_s", "tpot_mean_s", "e2e_p95_s")
+MAX_NUM_BATCHED_TOKENS = 2048  # `svc up`'s default step budget, passed explicitly to both
+HEARTBEAT_INTERVAL_S = 0.5
+CALIBRATION_WARMUP, CALIBRATION_SAMPLES, CALIBRATION_PROMPT, CALIBRATION_OUTPUT = 5, 30, 16, 32
+REPLAY_S = 30.0  # seconds of arrivals the engine-only replay fits the profile to
+
+
+@dataclass(frozen=True)
+class Timing:
+    ttft_s: float
+    tpot_s: float
+
+    @staticmethod
+    def median(timings: list[Timing]) -> Timing:
+        return Timing(statistics.median(t.ttft_s for t in timings), statistics.median(t.tpot_s for t in timings))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="toolbench")
+    parser.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--policy", default="round_robin")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--scale", type=float, default=0.2, help="workload length scale")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", help="cost profile file (default: measure one, see --profile-source)")
+    parser.add_argument("--profile-source", choices=("replay", "svc"), default="replay",
+                        help="fit the profile to an engine-only replay of the workload, or run svc profile")
+    parser.add_argument("--quick-profile", action="store_true", help="with --profile-source svc: its quick grid")
+    parser.add_argument("--no-overheads", action="store_true",
+                        help="simulate without the services' measured overheads (see calibrate)")
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
+
+
+def worker_threads(workers: int) -> int:
+    """Torch threads per worker: the machine's cores but one, split between the workers.
+    `svc up`'s default (all cores split) leaves none for the tokenizer, the router and
+    the client, and torch's threads then wait on each other whenever one is preempted:
+    on a shared 2-core machine that took this check's live mean TTFT from ~15 ms to 1.8 s."""
+    return max(1, ((os.cpu_count() or 1) - 1) // workers)
+
+
+def measure_profile(threads: int, dtype: str, quick: bool, out: Path) -> Path:
+    """`svc profile` with the workers' dtype and thread count, written to `out`. The full
+    grid by default: the quick one times decode at contexts 64 and 256 only, and toolbench's
+    contexts (~500 at scale 0.2) are then extrapolated, 10-25 % off either way."""
+    subprocess.run([sys.executable, "-m", "services.cli", "profile", *(["--quick"] if quick else []),
+                    "--dtype", dtype, "--threads", str(threads), "--out", str(out)], check=True, cwd=REPO,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
+def calibration_prompts(seed: int = 0) -> list[list[int]]:
+    """Short fresh prompts (nothing cached), the same for the engine alone and live."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 512) for _ in range(CALIBRATION_PROMPT)]
+            for _ in range(CALIBRATION_WARMUP + CALIBRATION_SAMPLES)]
+
+
+def calibration_gap_s(args) -> float:
+    """The pause before each calibration request: a worker's mean gap between arrivals
+    (at most a quarter second), so that the engine, and each service on the way, is as
+    idle before it as before a request of the run; a machine woken from idle is slower
+    than one kept busy."""
+    return min(args.workers / args.rate, 0.25)
+
+
+def build_engine(args, threads: int):
+    """The engine the workers run (dtype, threads, step budget), in this process."""
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.default_model import default_model_dir
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(threads)
+    return Engine(EngineConfig(model_dir=default_model_dir(), dtype=args.dtype,
+                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+
+
+def replay_profile(engine, args) -> CostModel:
+    """The cost model fitted to an engine-only replay of the workload shape with another
+    seed, at one worker's share of the rate, for REPLAY_S seconds (see replay)."""
+    requests = plan_requests(WorkloadSpec(args.workload, rate=args.rate / args.workers,
+                                          duration_s=min(args.duration, REPLAY_S),
+                                          scale=args.scale, vocab_size=512, seed=args.seed + 1))
+    points = replay(engine, requests)
+    if min(len(phase) for phase in points.values()) < 4:
+        raise SystemExit(f"the replay gave too few steps to fit: {({k: len(v) for k, v in points.items()})}")
+    return CostModel("replay", fit_latency(points["prefill"]), fit_latency(points["decode"]))
+
+
+def replay(engine, requests) -> dict[str, list[tuple[float, float, float]]]:
+    """Feed `requests` to `engine` open loop at their arrival times, as a worker would,
+    and time each engine.step(): (n, ctx, seconds) points per phase (see classify).
+    Unlike `svc profile`, which times each point back to back after a warm-up step of the
+    same size, these steps have the live run's variety of sizes and its idle gaps, both
+    of which cost time on a CPU."""
+    from common.sampling_params import SamplingParams
+
+    points: dict[str, list] = {"prefill": [], "decode": []}
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # what each step runs, seen where the engine plans it
+        plans.append(schedule())
+        return plans[-1]
+
+    engine.scheduler.schedule = recorded
+    try:
+        start, pending = time.perf_counter(), list(requests)
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while pending and pending[0].arrival_s <= now:
+                request = pending.pop(0)
+                engine.add_request(request.request_id, request.token_ids.tolist(), SamplingParams(
+                    max_tokens=request.output_tokens, temperature=0.0, ignore_eos=True))
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, pending[0].arrival_s - now))
+                continue
+            started = time.perf_counter()
+            engine.step()
+            classify(plans[-1], time.perf_counter() - started, points)
+    finally:
+        del engine.scheduler.schedule  # back to the class's method
+    return points
+
+
+def classify(plan, seconds: float, points: dict) -> None:
+    """A step of decode tokens only is a decode point (batch, mean context); a step of
+    one prompt chunk a prefill point (new tokens, the context before them); steps that
+    mix them are left out (the cost model prices them from the two phases)."""
+    if plan.is_empty:
+        return
+    decode = [chunk for chunk in plan.chunks if chunk.start >= chunk.seq.prompt_len]
+    if len(decode) == len(plan.chunks):
+        points["decode"].append((len(decode), statistics.mean(chunk.start for chunk in decode), seconds))
+    elif len(plan.chunks) == 1:
+        points["prefill"].append((plan.chunks[0].num_new, plan.chunks[0].start, seconds))
+
+
+def alone(engine, prompt: list[int]) -> Timing:
+    """One calibration request on the engine alone."""
+    from common.sampling_params import SamplingParams
+
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=CALIBRATION_OUTPUT, temperature=0.0,
+                                                        ignore_eos=True))
+    return Timing(result.ttft_s, (result.e2e_s - result.ttft_s) / (CALIBRATION_OUTPUT - 1))
+
+
+def engine_speed(engine, gap_s: float, seed: int) -> Timing:
+    """The median timing of paced calibration requests (prompts of `seed`) on the engine
+    alone, the first few left out."""
+    timings = []
+    for prompt in calibration_prompts(seed):
+        time.sleep(gap_s)
+        timings.append(alone(engine, prompt))
+    return Timing.median(timings[CALIBRATION_WARMUP:])
+
+
+async def calibrate(address: str, engine, gap_s: float) -> tuple[object, Timing, Timing]:
+    """The router's status, what the services add to the engine, and the engine's own
+    timing. Each calibration request runs on `engine` alone, then through the idle
+    cluster, each `gap_s` after the last answer; the medians of the paired differences
+    (the first few pairs, warming both up, left out) are the overheads. TTFT grows by
+    the way in and out (SDK socket, tokenizer, router, the worker's loop: twice the
+    one-way delay), TPOT by what the worker's loop costs per step beyond engine.step()
+    (sending tokens and KV events, polling its sockets). Pairing keeps the machine's
+    drift out of the difference."""
+    from services.client import AsyncClient
+
+    pairs = []
+    async with AsyncClient(address) as client:
+        status = await client.status()
+        for prompt in calibration_prompts():
+            await asyncio.sleep(gap_s)
+            engine_only = alone(engine, prompt)  # blocks the loop: nothing else runs now
+            await asyncio.sleep(gap_s)
+            live = await client.generate(token_ids=prompt, max_tokens=CALIBRATION_OUTPUT, temperature=0.0,
+                                         ignore_eos=True)
+            pairs.append((engine_only, Timing((live.ttft_s - engine_only.ttft_s) / 2,
+                                              live.tpot_s - engine_only.tpot_s)))
+    overheads = Timing.median([difference for _, difference in pairs[CALIBRATION_WARMUP:]])
+    return (status, Timing(max(overheads.ttft_s, 0.0), max(overheads.tpot_s, 0.0)),
+            Timing.median([engine_only for engine_only, _ in pairs[CALIBRATION_WARMUP:]]))
+
+
+def run_live(args, requests, profile: Path, engine, threads: int) -> tuple[dict, int, Timing, Timing]:
+    """The live run's summary, the KV blocks per worker the router reports, the
+    services' overheads (see calibrate, which uses `engine`) and the engine's drift:
+    how much slower (> 0) or faster the engine alone is after the run than before it,
+    relative, in TTFT and TPOT. The machine's speed changing under other load during
+    the run shows there, and no simulation can follow it."""
+    from common.engine.default_model import default_model_dir
+    from services.local_cluster import start_cluster
+
+    gap_s = calibration_gap_s(args)
+    cluster = start_cluster(default_model_dir(), workers=args.workers, extra=[
+        "--dtype", args.dtype, "--threads", str(threads), "--policy", args.policy, "--profile", str(profile),
+        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--heartbeat-interval-s",
+        str(HEARTBEAT_INTERVAL_S)])
+    try:
+        status, overheads, before = asyncio.run(calibrate(cluster.sdk, engine, gap_s))
+        result = asyncio.run(bench(Target(address=cluster.sdk), requests, drain_timeout_s=120.0))
+        after = engine_speed(engine, gap_s, seed=1)  # with the cluster up and idle, as before
+    finally:
+        cluster.stop()
+    drift = Timing(after.ttft_s / before.ttft_s - 1, after.tpot_s / before.tpot_s - 1)
+    return result.summary, min(worker.kv_blocks_total for worker in status.workers), overheads, drift
+
+
+def run_sim(args, requests, cost: CostModel, kv_blocks: int, overheads: Timing) -> dict:
+    """The simulated run, with the services' overheads: `overheads.ttft_s` as the
+    one-way network delay, `overheads.tpot_s` added to every step's fixed cost."""
+    step = overheads.tpot_s
+    cost = CostModel(cost.name, replace(cost.prefill, a=cost.prefill.a + step),
+                     replace(cost.decode, a=cost.decode.a + step))
+    config = SimConfig(workers=args.workers, policy=args.policy, cost=cost, kv_blocks=kv_blocks,
+                       max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                       network_s=overheads.ttft_s)
+    result = simulate(requests, config)
+    return summarize(result.records, {}, result.totals)
+
+
+def relative_errors(live: dict, sim: dict) -> dict[str, float]:
+    return {metric: abs(sim[metric] - live[metric]) / live[metric] if live[metric] else float("inf")
+            for metric in METRICS}
+
+
+def report(args, live: dict, sim: dict, extra: dict) -> None:
+    errors = relative_errors(live["overall"], sim["overall"])
+    print_table({"live": live, "sim": sim})
+    for metric, error in errors.items():
+        verdict = "ok" if error <= TARGET else f"over {TARGET:.0%}"
+        print(f"{metric:<12} live {live['overall'][metric] * 1000:8.2f} ms  sim {sim['overall'][metric] * 1000:8.2f} ms"
+              f"  error {error:6.1%}  {verdict}")
+    drift = extra["engine_drift"]
+    print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, per step {extra['step_overhead_s'] * 1000:.2f} ms; "
+          f"engine alone after the run vs before: TTFT {drift['ttft']:+.1%}, TPOT {drift['tpot']:+.1%}")
+    if args.json:
+        print(json.dumps({"rel_error": errors, "ok": all(error <= TARGET for error in errors.values()),
+                          "live": {metric: live["overall"][metric] for metric in METRICS},
+                          "sim": {metric: sim["overall"][metric] for metric in METRICS},
+                          "workload": args.workload, "rate": args.rate, "duration_s": args.duration,
+                          "scale": args.scale, "workers": args.workers, "policy": args.policy,
+                          "dtype": args.dtype, **extra}))
+
+
+def main() -> None:
+    args = parse_args()
+    threads = worker_threads(args.workers)
+    requests = plan_requests(WorkloadSpec(args.workload, rate=args.rate, duration_s=args.duration,
+                                          scale=args.scale, vocab_size=512, seed=args.seed))
+    source = "file" if args.profile else args.profile_source
+    engine = build_engine(args, threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        if source == "file":
+            profile = Path(args.profile)
+        elif source == "svc":
+            profile = measure_profile(threads, args.dtype, args.quick_profile, Path(scratch) / "profile.json")
+        else:
+            profile = Path(scratch) / "replay.json"
+            profile.write_text(json.dumps(replay_profile(engine, args).to_json()), encoding="utf-8")
+        cost = load_cost_model(profile)
+        live, kv_blocks, measured, drift = run_live(args, requests, profile, engine, threads)
+    overheads = Timing(0.0, 0.0) if args.no_overheads else measured
+    sim = run_sim(args, requests, cost, kv_blocks, overheads)
+    report(args, live, sim, {"profile_source": source, "requests": len(requests), "threads": threads,
+                             "kv_blocks": kv_blocks, "network_s": overheads.ttft_s,
+                             "step_overhead_s": overheads.tpot_s, "measured_network_s": measured.ttft_s,
+                             "measured_step_overhead_s": measured.tpot_s,
+                             "engine_drift": {"ttft": drift.ttft_s, "tpot": drift.tpot_s},
+                             "profile": cost.to_json()})
+
+
+if __name__ == "__main__":
+    main()
