@@ -226,26 +226,28 @@ class ClusterState:
 
     def explore_costs(self, request: Request, now: float) -> dict[str, float]:
         """Preble's C = L + M + P of placing `request` on each worker, in one pass: the
-        workers that hold none of the prompt share one prefill time."""
+        workers that hold none of the prompt share one prefill time (this runs on every
+        explore decision, for every worker, so it is written for speed)."""
         loads = self.loads(now)
         matched = request.matched
         cold_prefill_s = self.cost.prefill_s(request.num_tokens)
         blocks = -(-request.num_tokens // self.block_size)
+        epoch = int(now / self.index.half_window_s)
+        versions, samples = self.index.lru_version, self.eviction_rates
         costs = {}
         on_path: set[BlockNode] | None = None  # the prompt's indexed blocks, made if needed
         for worker_id, worker in self.workers.items():
-            cost = loads[worker_id]
             held = matched.get(worker_id, 0)
-            if held:
-                cost += self.prefill_s(request, worker_id)
-            else:
-                cost += cold_prefill_s
+            cost = loads[worker_id] + (self.prefill_s(request, worker_id) if held else cold_prefill_s)
             to_evict = blocks - held - worker.free_blocks
             if to_evict > 0:
-                lru_costs, sampled = self._cached_lru_costs(worker_id, now)
+                sample = samples.get(worker_id)
+                if sample is None or sample[0] != (versions.get(worker_id, 0), epoch):
+                    sample = self._sample_lru(worker_id, now)
+                lru_costs = sample[1]
                 if held:
                     on_path = set(request.path) if on_path is None else on_path
-                    if not sampled.isdisjoint(on_path):
+                    if not sample[2].isdisjoint(on_path):
                         lru_costs = self._lru_costs(worker_id, now, request.path[:held])[0]
                 cost += self._extrapolate(lru_costs, to_evict)
             costs[worker_id] = cost
@@ -306,10 +308,15 @@ class ClusterState:
         """_lru_costs with nothing pinned, cached until the worker's LRU changes or the hit
         window moves on; with the blocks it read."""
         key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
-        cached = self.eviction_rates.get(worker_id)
-        if cached is None or cached[0] != key:
-            cached = self.eviction_rates[worker_id] = (key, *self._lru_costs(worker_id, now, []))
-        return cached[1], cached[2]
+        sample = self.eviction_rates.get(worker_id)
+        if sample is None or sample[0] != key:
+            sample = self._sample_lru(worker_id, now)
+        return sample[1], sample[2]
+
+    def _sample_lru(self, worker_id: str, now: float) -> tuple:
+        key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
+        sample = self.eviction_rates[worker_id] = (key, *self._lru_costs(worker_id, now, []))
+        return sample
 
     def _lru_costs(self, worker_id: str, now: float,
                    pinned: list[BlockNode]) -> tuple[list[float], frozenset[BlockNode]]:
