@@ -173,12 +173,11 @@ class PrefixIndex:
                 self._forget(node)
 
     def record_hits(self, path: list[BlockNode], worker_id: str, now: float) -> None:
-        """A request placed on `worker_id` reuses these blocks: count the hits and make
-        them the worker's most recently used."""
+        """A request placed on `worker_id` reuses these blocks (a prefix of a path it
+        holds, as match() reports): count the hits and make them its most recently used."""
         epoch = int(now / self.half_window_s)
         self._touched(worker_id)
-        lru = self.lru.get(worker_id)
-        touch = lru.move_to_end if lru is not None else None
+        touch = self.lru.setdefault(worker_id, OrderedDict()).move_to_end
         for node in path:
             hits = node.hits
             if hits is None:
@@ -187,8 +186,10 @@ class PrefixIndex:
                 hits[1] += 1
             else:
                 node.hits = [epoch, 1, hits[1] if hits[0] == epoch - 1 else 0]
-            if touch is not None and worker_id in node.holders:
+            try:
                 touch(node.block_hash)
+            except KeyError:  # not the worker's: a caller passed more than the worker holds
+                pass
 
     def placed(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
                now: float) -> None:
