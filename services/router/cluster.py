@@ -108,6 +108,8 @@ class ClusterState:
         self.index = PrefixIndex(block_size, window_s, index_ttl_s)
         self.workers: dict[str, WorkerState] = {}
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
+        self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
+        self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
@@ -122,11 +124,13 @@ class ClusterState:
     def add_worker(self, worker_id: str, kv_blocks_total: int) -> None:
         self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
         self.worker_ids = sorted(self.workers)
+        self.current_loads[worker_id] = 0.0
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
         """Forget a worker and what it cached; returns the placements it still had."""
         worker = self.workers.pop(worker_id, None)
         self.worker_ids = sorted(self.workers)
+        self.current_loads.pop(worker_id, None)
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
@@ -215,14 +219,15 @@ class ClusterState:
         return worker.window_prefill_s + worker.decode_work_s
 
     def loads(self, now: float) -> dict[str, float]:
-        """load_s of every worker."""
-        horizon = now - self.window_s
-        loads = {}
-        for worker_id, worker in self.workers.items():
-            if worker.window and worker.window[0].placed_at < horizon:
-                self._expire_window(worker, now)
-            loads[worker_id] = worker.window_prefill_s + worker.decode_work_s
-        return loads
+        """load_s of every worker (read-only). Placements and finishes keep it current;
+        the window's oldest placements are let go at most once a window/180 (1 s of 3 min)."""
+        if now - self.loads_expired_at >= self.window_s / 180:
+            self.loads_expired_at = now
+            horizon = now - self.window_s
+            for worker in self.workers.values():
+                if worker.window and worker.window[0].placed_at < horizon:
+                    self._expire_window(worker, now)
+        return self.current_loads
 
     def explore_costs(self, request: Request, now: float) -> dict[str, float]:
         """Preble's C = L + M + P of placing `request` on each worker, in one pass: the
@@ -258,6 +263,7 @@ class ClusterState:
         batch = len(worker.in_flight)
         worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
             batch, worker.prompt_tokens_sum / batch) if batch else 0.0
+        self.current_loads[worker.worker_id] = worker.window_prefill_s + worker.decode_work_s
 
     def _note_output(self, output_tokens: int) -> None:
         if len(self.recent_outputs) == self.recent_outputs.maxlen:
@@ -348,3 +354,4 @@ class ClusterState:
             worker.window_prefill_s -= window.popleft().prefill_s
         if not window:
             worker.window_prefill_s = 0.0  # no float drift accumulates across windows
+        self.current_loads[worker.worker_id] = worker.window_prefill_s + worker.decode_work_s
