@@ -68,6 +68,19 @@ class Synth:
         return self._content.integers(FIRST_TOKEN_ID, self.vocab_size, length, dtype=np.uint32)
 
 
+Draw = tuple[float, float, int, int]  # Synth.length's (mean, sd, low, high)
+
+
+def shared_context_questions(synth: Synth, questions: float, context: Draw, question: Draw,
+                             answer: Draw) -> Iterator[list[Prompt]]:
+    """Endless groups: one shared context, then about `questions` (at least 2) prompts of
+    that context followed by a question of their own, each with its answer length."""
+    while True:
+        shared = synth.tokens(synth.length(*context))
+        yield [Prompt(np.concatenate([shared, synth.tokens(synth.length(*question))]), synth.length(*answer))
+               for _ in range(synth.count(questions, 2))]
+
+
 def interleave(groups: Iterator[list[Item]], num_items: int, rng: np.random.Generator,
                concurrency: int) -> list[Item]:
     """`num_items` items of `groups` (each an ordered list, e.g. a conversation's turns) as

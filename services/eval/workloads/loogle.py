@@ -2,11 +2,8 @@
 prompt is the whole document followed by one question."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import numpy as np
-
-from services.eval.workloads.base import Prompt, Synth, WorkloadRequest, interleave, to_requests
+from services.eval.workloads.base import (Synth, WorkloadRequest, interleave, shared_context_questions,
+                                          to_requests)
 
 
 def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale: float = 1.0,
@@ -16,13 +13,6 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
     if questions_per_document < 2 or concurrency < 1:
         raise ValueError("questions_per_document must be >= 2 and concurrency >= 1")
     synth = Synth(seed, vocab_size, scale)
-    documents = _documents(synth, questions_per_document)
+    documents = shared_context_questions(synth, questions_per_document, context=(22000, 6000, 8000, 40000),
+                                         question=(40, 15, 8, 120), answer=(16, 10, 1, 64))
     return to_requests(interleave(documents, num_requests, synth.rng, concurrency), "loogle")
-
-
-def _documents(synth: Synth, questions: float) -> Iterator[list[Prompt]]:
-    while True:
-        document = synth.tokens(synth.length(22000, 6000, 8000, 40000))
-        yield [Prompt(np.concatenate([document, synth.tokens(synth.length(40, 15, 8, 120))]),
-                      synth.length(16, 10, 1, 64))
-               for _ in range(synth.count(questions, 2))]

@@ -2,11 +2,8 @@
 several questions about that video, each with a very short answer."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import numpy as np
-
-from services.eval.workloads.base import Prompt, Synth, WorkloadRequest, interleave, to_requests
+from services.eval.workloads.base import (Synth, WorkloadRequest, interleave, shared_context_questions,
+                                          to_requests)
 
 
 def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale: float = 1.0,
@@ -16,13 +13,6 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
     if questions_per_video < 2 or concurrency < 1:
         raise ValueError("questions_per_video must be >= 2 and concurrency >= 1")
     synth = Synth(seed, vocab_size, scale)
-    videos = _videos(synth, questions_per_video)
+    videos = shared_context_questions(synth, questions_per_video, context=(7500, 3500, 2000, 24000),
+                                      question=(60, 20, 10, 200), answer=(4, 1.5, 1, 10))
     return to_requests(interleave(videos, num_requests, synth.rng, concurrency), "videoqa")
-
-
-def _videos(synth: Synth, questions: float) -> Iterator[list[Prompt]]:
-    while True:
-        video = synth.tokens(synth.length(7500, 3500, 2000, 24000))
-        yield [Prompt(np.concatenate([video, synth.tokens(synth.length(60, 20, 10, 200))]),
-                      synth.length(4, 1.5, 1, 10))
-               for _ in range(synth.count(questions, 2))]
