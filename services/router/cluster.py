@@ -75,6 +75,26 @@ class Placement:
     predicted_ttft_s: float
 
 
+class EvictionSample:
+    """A worker's least recently used blocks as read once: the cumulative hit-weighted
+    recompute cost of evicting the first k of them, the blocks read, and the mean cost per
+    block (what an eviction larger than the sample is extrapolated by)."""
+
+    __slots__ = ("cumulative", "read", "per_block")
+
+    def __init__(self, cumulative: list[float], read: frozenset[BlockNode]):
+        self.cumulative = cumulative
+        self.read = read
+        self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
+
+    def cost(self, to_evict: int) -> float:
+        if to_evict <= 0 or not self.cumulative:
+            return 0.0
+        if to_evict >= len(self.cumulative):
+            return self.per_block * to_evict
+        return self.cumulative[to_evict - 1]
+
+
 @dataclass
 class WorkerState:
     worker_id: str
@@ -109,11 +129,17 @@ class ClusterState:
         self.workers: dict[str, WorkerState] = {}
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
+        self.free_blocks: dict[str, int] = {}  # each worker's free_blocks, kept current
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
-        self.eviction_rates: dict[str, tuple] = {}  # worker id -> a cached _lru_costs, see there
+        # Per worker, its LRU as last sampled; valid while the worker is not in
+        # index.changed and the hit window's half has not moved on from sample_epoch.
+        self.eviction_samples: dict[str, EvictionSample] = {}
+        self.sample_epoch: int | None = None
+        fit = cost.prefill  # recompute_s(block_size, depth × block_size), as base + slope × depth
+        self.block_recompute = (fit.b * block_size, (fit.c + fit.d * block_size) * block_size)
 
     @property
     def approximate(self) -> bool:
@@ -125,16 +151,18 @@ class ClusterState:
         self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
         self.worker_ids = sorted(self.workers)
         self.current_loads[worker_id] = 0.0
+        self.free_blocks[worker_id] = kv_blocks_total
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
         """Forget a worker and what it cached; returns the placements it still had."""
         worker = self.workers.pop(worker_id, None)
         self.worker_ids = sorted(self.workers)
         self.current_loads.pop(worker_id, None)
+        self.free_blocks.pop(worker_id, None)
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
-        self.eviction_rates.pop(worker_id, None)
+        self.eviction_samples.pop(worker_id, None)
         for request_id in worker.in_flight:
             self.placements.pop(request_id, None)
         return list(worker.in_flight.values())
@@ -145,6 +173,7 @@ class ClusterState:
         worker.running, worker.waiting = running, waiting
         worker.kv_blocks_used, worker.kv_blocks_cached = kv_blocks_used, kv_blocks_cached
         worker.blocks_since_report = 0
+        self.free_blocks[worker_id] = worker.free_blocks
 
     def kv_stored(self, worker_id: str, block_hashes: list[int], now: float) -> None:
         if worker_id in self.workers and not self.approximate:
@@ -183,6 +212,7 @@ class ClusterState:
         worker.prompt_tokens_sum += request.num_tokens
         self._update_decode_work(worker)
         worker.blocks_since_report += request.blocks_needed(worker_id)
+        self.free_blocks[worker_id] = worker.free_blocks
         self.placements[request.request_id] = placement
         held = request.matched.get(worker_id, 0)
         self.index.record_hits(request.path[:held], worker_id, now)
@@ -230,32 +260,26 @@ class ClusterState:
         return self.current_loads
 
     def explore_costs(self, request: Request, now: float) -> dict[str, float]:
-        """Preble's C = L + M + P of placing `request` on each worker, in one pass: the
-        workers that hold none of the prompt share one prefill time (this runs on every
-        explore decision, for every worker, so it is written for speed)."""
+        """Preble's C = L + M + P of placing `request` on each worker.
+
+        This runs on every explore decision for every worker, so it is written for
+        speed: the workers that hold none of the prompt share one prefill time, holders
+        that hold the same number of blocks share another, and M is priced only where
+        the prompt needs more blocks than the worker has free."""
         loads = self.loads(now)
-        matched = request.matched
-        cold_prefill_s = self.cost.prefill_s(request.num_tokens)
-        blocks = -(-request.num_tokens // self.block_size)
-        epoch = int(now / self.index.half_window_s)
-        versions, samples = self.index.lru_version, self.eviction_rates
-        costs = {}
-        on_path: set[BlockNode] | None = None  # the prompt's indexed blocks, made if needed
-        for worker_id, worker in self.workers.items():
-            held = matched.get(worker_id, 0)
-            cost = loads[worker_id] + (self.prefill_s(request, worker_id) if held else cold_prefill_s)
-            to_evict = blocks - held - worker.free_blocks
-            if to_evict > 0:
-                sample = samples.get(worker_id)
-                if sample is None or sample[0] != (versions.get(worker_id, 0), epoch):
-                    sample = self._sample_lru(worker_id, now)
-                lru_costs = sample[1]
-                if held:
-                    on_path = set(request.path) if on_path is None else on_path
-                    if not sample[2].isdisjoint(on_path):
-                        lru_costs = self._lru_costs(worker_id, now, request.path[:held])[0]
-                cost += self._extrapolate(lru_costs, to_evict)
-            costs[worker_id] = cost
+        num_tokens = request.num_tokens
+        cold_prefill_s = self.cost.prefill_s(num_tokens)
+        costs = {worker_id: load + cold_prefill_s for worker_id, load in loads.items()}
+        prefill_by_held: dict[int, float] = {}
+        for worker_id, held in request.matched.items():
+            if worker_id in costs:
+                prefill_s = prefill_by_held.get(held)
+                if prefill_s is None:
+                    prefill_s = prefill_by_held[held] = self.prefill_s(request, worker_id)
+                costs[worker_id] = loads[worker_id] + prefill_s
+        blocks = -(-num_tokens // self.block_size)
+        for worker_id in [w for w, free in self.free_blocks.items() if free < blocks]:
+            costs[worker_id] += self.eviction_cost_s(request, worker_id, now)
         return costs
 
     def _update_decode_work(self, worker: WorkerState) -> None:
@@ -290,7 +314,7 @@ class ClusterState:
         """M: recompute seconds that placing the request would cause, weighted by how often
         the evicted blocks were hit in the window (LRU blocks go first, as in the engine).
 
-        Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is cached per
+        Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is kept per
         worker until its LRU changes or the hit window moves on, except on workers that
         hold part of the prompt: the request pins those blocks, so they are skipped."""
         worker = self.workers[worker_id]
@@ -298,30 +322,25 @@ class ClusterState:
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
-        costs, sampled = self._cached_lru_costs(worker_id, now)
-        if held and not sampled.isdisjoint(request.path[:held]):
-            costs = self._lru_costs(worker_id, now, request.path[:held])[0]
-        return self._extrapolate(costs, to_evict)
-
-    @staticmethod
-    def _extrapolate(cumulative_costs: list[float], to_evict: int) -> float:
-        if not cumulative_costs:
-            return 0.0
-        sampled = min(to_evict, len(cumulative_costs))
-        return cumulative_costs[sampled - 1] * to_evict / sampled
-
-    def _cached_lru_costs(self, worker_id: str, now: float) -> tuple[list[float], frozenset[BlockNode]]:
-        """_lru_costs with nothing pinned, cached until the worker's LRU changes or the hit
-        window moves on; with the blocks it read."""
-        key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
-        sample = self.eviction_rates.get(worker_id)
-        if sample is None or sample[0] != key:
+        samples = self._current_samples(now)
+        sample = samples.get(worker_id)
+        if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        return sample[1], sample[2]
+        if held and not sample.read.isdisjoint(request.path[:held]):
+            sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
+        return sample.cost(to_evict)
 
-    def _sample_lru(self, worker_id: str, now: float) -> tuple:
-        key = (self.index.lru_version.get(worker_id, 0), int(now / self.index.half_window_s))
-        sample = self.eviction_rates[worker_id] = (key, *self._lru_costs(worker_id, now, []))
+    def _current_samples(self, now: float) -> dict[str, EvictionSample]:
+        """The kept samples, dropped whole when the hit window's half moves on."""
+        epoch = int(now / self.index.half_window_s)
+        if epoch != self.sample_epoch:
+            self.eviction_samples.clear()
+            self.sample_epoch = epoch
+        return self.eviction_samples
+
+    def _sample_lru(self, worker_id: str, now: float) -> EvictionSample:
+        self.index.changed.discard(worker_id)
+        sample = self.eviction_samples[worker_id] = EvictionSample(*self._lru_costs(worker_id, now, []))
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
@@ -330,14 +349,16 @@ class ClusterState:
         leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
         the blocks read."""
         cumulative, total, read = [], 0.0, []
+        base, slope = self.block_recompute
+        hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
                 break
             if 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
                 continue
-            hits = self.index.hits(node, now)
-            if hits:
-                total += hits * self.cost.recompute_s(self.block_size, max(node.depth, 0) * self.block_size)
+            node_hits = hits(node, now)
+            if node_hits:
+                total += node_hits * (base + slope * max(node.depth, 0))
             cumulative.append(total)
             read.append(node)
         return cumulative, frozenset(read)

@@ -27,7 +27,8 @@ NEVER = math.inf
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
-    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children", "hits")
+    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
+                 "hit_epoch", "hits_now", "hits_before")
 
     def __init__(self, block_hash: int):
         self.block_hash = block_hash
@@ -37,7 +38,9 @@ class BlockNode:
         self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
         self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
         self.children: dict[bytes, BlockNode] | None = None  # made when the first child is linked
-        self.hits: list[int] | None = None  # [half-window epoch, hits in it, hits in the one before]
+        self.hit_epoch = 0  # the half-window of the last hit; hits in it and in the one before
+        self.hits_now = 0
+        self.hits_before = 0
 
 
 class PrefixIndex:
@@ -51,7 +54,7 @@ class PrefixIndex:
         self.nodes: dict[int, BlockNode] = {}
         self.roots: dict[int, BlockNode] = {}
         self.lru: dict[str, OrderedDict[int, BlockNode]] = {}  # per worker, least recent first
-        self.lru_version: dict[str, int] = {}  # per worker, bumped whenever its LRU changes
+        self.changed: set[str] = set()  # workers whose LRU changed since the owner last looked
         self.worker_bits: dict[str, int] = {}
         self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
 
@@ -109,13 +112,10 @@ class PrefixIndex:
 
     def hits(self, node: BlockNode, now: float) -> int:
         """Hits of `node` over the last full window (two half-windows)."""
-        if node.hits is None:
-            return 0
-        epoch, hits_now, hits_before = node.hits
         current = int(now / self.half_window_s)
-        if epoch == current:
-            return hits_now + hits_before
-        return hits_now if epoch == current - 1 else 0
+        if node.hit_epoch == current:
+            return node.hits_now + node.hits_before
+        return node.hits_now if node.hit_epoch == current - 1 else 0
 
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
@@ -179,13 +179,11 @@ class PrefixIndex:
         self._touched(worker_id)
         touch = self.lru.setdefault(worker_id, OrderedDict()).move_to_end
         for node in path:
-            hits = node.hits
-            if hits is None:
-                node.hits = [epoch, 1, 0]
-            elif hits[0] == epoch:
-                hits[1] += 1
+            if node.hit_epoch == epoch:
+                node.hits_now += 1
             else:
-                node.hits = [epoch, 1, hits[1] if hits[0] == epoch - 1 else 0]
+                node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
+                node.hits_now, node.hit_epoch = 1, epoch
             try:
                 touch(node.block_hash)
             except KeyError:  # not the worker's: a caller passed more than the worker holds
@@ -231,7 +229,7 @@ class PrefixIndex:
         return bit
 
     def _touched(self, worker_id: str) -> None:
-        self.lru_version[worker_id] = self.lru_version.get(worker_id, 0) + 1
+        self.changed.add(worker_id)
 
     @staticmethod
     def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:

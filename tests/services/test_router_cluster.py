@@ -307,3 +307,34 @@ def test_eviction_cost_never_counts_the_prefix_the_request_itself_reuses():
     assert cluster.eviction_cost_s(reuse, "a", 1.0) == 0.0  # its own prefix is pinned, not evicted
     other = cluster.prepare("other", ROOT, tokens(3, 8 * BLOCK), 8, 1.0)
     assert cluster.eviction_cost_s(other, "a", 1.0) > 0.0
+
+
+def test_explore_costs_are_load_plus_prefill_plus_eviction_for_every_worker():
+    """The one-pass pricing E2 explores with agrees with the per-worker terms, also
+    after LRU changes (stale samples) and as the hit window moves on."""
+    cluster = cluster_of("a", "b", "c", "d", kv_blocks=60)
+    shared, other = tokens(1, 12 * BLOCK), tokens(2, 6 * BLOCK)
+    cache(cluster, "a", shared)
+    cache(cluster, "b", shared[:5 * BLOCK])
+    cache(cluster, "c", other)
+    for index in range(3):  # hits make evicting these blocks cost something
+        cluster.place(cluster.prepare(f"h{index}", ROOT, shared, 8, 0.0), "a", 0.0)
+        cluster.place(cluster.prepare(f"o{index}", ROOT, other, 8, 0.0), "c", 0.0)
+    cluster.report("a", running=1, waiting=0, kv_blocks_used=40, kv_blocks_cached=12)
+    cluster.report("b", running=0, waiting=0, kv_blocks_used=50, kv_blocks_cached=5)
+    cluster.report("c", running=2, waiting=0, kv_blocks_used=30, kv_blocks_cached=6)
+
+    def check(now: float) -> dict[str, float]:
+        """The eviction term of each worker, after checking the sum."""
+        request = cluster.prepare(f"q{now}", ROOT, np.concatenate([shared, tokens(3, 20 * BLOCK)]), 8, now)
+        costs = cluster.explore_costs(request, now)
+        evictions = {worker_id: cluster.eviction_cost_s(request, worker_id, now) for worker_id in cluster.workers}
+        expected = {worker_id: cluster.load_s(worker_id, now) + cluster.prefill_s(request, worker_id)
+                    + evictions[worker_id] for worker_id in cluster.workers}
+        assert costs == pytest.approx(expected)
+        return evictions
+
+    assert check(1.0)["c"] > 0  # c must evict its hit blocks; a holds the prompt, pinned
+    cache(cluster, "c", tokens(5, 4 * BLOCK), 2.0)  # c's LRU changes: its sample is stale
+    assert check(2.0)["c"] > 0
+    assert set(check(400.0).values()) == {0.0}  # the hits have left the window
