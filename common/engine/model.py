@@ -3,7 +3,8 @@
 A step's tokens from all sequences run as one [tokens, hidden] batch through the
 projections; only attention knows about sequences, through the backend's per-step
 metadata. Weights are loaded from Hugging Face names and fused (q/k/v into one
-projection, gate/up into one) so each layer runs few, large matmuls. Arithmetic follows
+projection, gate/up into one) so each layer runs few, large matmuls, each through a
+kernels.linear.Linear that holds its weight in the layout the device multiplies fastest. Arithmetic follows
 the reference implementation's order and dtypes so logits match it.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from common.engine.config import ModelConfig
 from common.engine.kv_cache import KVCache
 from common.engine.rope import RotaryEmbedding, apply_rotary
 from kernels.attention import AttentionBackend
+from kernels.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,21 +38,21 @@ class DecoderLayer(nn.Module):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
         self.input_norm = param(hidden)
-        self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
-        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.q_norm = param(head_dim) if config.qk_norm else None
         self.k_norm = param(head_dim) if config.qk_norm else None
-        self.o_weight = param(hidden, self.q_size)
         self.post_norm = param(hidden)
-        self.gate_up_weight = param(2 * config.intermediate_size, hidden)
-        self.down_weight = param(hidden, config.intermediate_size)
+        # Set by CausalLM.load_hf_weights.
+        self.qkv: Linear | None = None
+        self.o_proj: Linear | None = None
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, backend: AttentionBackend, metadata: object) -> torch.Tensor:
         config = self.config
         tokens = hidden.shape[0]
         normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
-        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(normed)
         query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         query_key = query_key.view(tokens, config.num_heads + config.num_kv_heads, config.head_dim)
         value = value.view(tokens, config.num_kv_heads, config.head_dim)
@@ -62,10 +64,10 @@ class DecoderLayer(nn.Module):
         query, key = apply_rotary(query_key, cos, sin).split(
             [config.num_heads, config.num_kv_heads], dim=1)
         attended = backend.forward(query, key, value, kv_layer, metadata)
-        hidden = hidden + F.linear(attended.reshape(tokens, self.q_size), self.o_weight)
+        hidden = hidden + self.o_proj(attended.reshape(tokens, self.q_size))
         normed = rms_norm(hidden, self.post_norm, config.rms_norm_eps)
-        gate, up = F.linear(normed, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(normed).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 class CausalLM(nn.Module):
@@ -79,9 +81,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
                                        requires_grad=False)
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-            requires_grad=False)
+        self.lm_head: Linear | None = None  # set by load_hf_weights; tied: a copy of embed
         self.rotary = RotaryEmbedding(config, max_positions, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
@@ -93,31 +93,36 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_cache.layers[index], backend, metadata)
         selected = rms_norm(hidden[logits_rows], self.final_norm, self.config.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(selected, head).float()
+        return self.lm_head(selected).float()
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy (and fuse) weights given under Hugging Face names."""
 
+        device = self.embed.device
+
         def get(name: str) -> torch.Tensor:
-            return state_dict[name].to(self.dtype)
+            return state_dict[name].to(device=device, dtype=self.dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([get(name) for name in names])
 
         self.embed.copy_(get("model.embed_tokens.weight"))
         self.final_norm.copy_(get("model.norm.weight"))
-        if self.lm_head is not None:
-            self.lm_head.copy_(get("lm_head.weight"))
+        self.lm_head = Linear(self.embed.clone() if self.config.tie_word_embeddings
+                              else get("lm_head.weight"))
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             layer.input_norm.copy_(get(prefix + "input_layernorm.weight"))
             layer.post_norm.copy_(get(prefix + "post_attention_layernorm.weight"))
-            layer.qkv_weight.copy_(torch.cat([get(attn + f"{p}_proj.weight") for p in "qkv"]))
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"]))
+            qkv_bias = None
+            if self.config.attention_bias:
+                qkv_bias = cat(*(attn + f"{p}_proj.bias" for p in "qkv"))
+            layer.qkv = Linear(cat(*(attn + f"{p}_proj.weight" for p in "qkv")), qkv_bias)
             if layer.q_norm is not None:
                 layer.q_norm.copy_(get(attn + "q_norm.weight"))
                 layer.k_norm.copy_(get(attn + "k_norm.weight"))
-            layer.o_weight.copy_(get(attn + "o_proj.weight"))
-            layer.gate_up_weight.copy_(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
-            layer.down_weight.copy_(get(mlp + "down_proj.weight"))
+            layer.o_proj = Linear(get(attn + "o_proj.weight"))
+            layer.gate_up = Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
+            layer.down = Linear(get(mlp + "down_proj.weight"))
