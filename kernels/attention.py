@@ -23,7 +23,8 @@ class AttentionInputs:
     query_starts/query_lens: each sequence's rows in the flat batch; context_lens: its
     KV length once this step's tokens are written; block_table: [seqs, max_blocks]
     block ids (padded with 0); slot_mapping: [tokens] the cache slot each new token's
-    K/V goes to.
+    K/V goes to; seq_keys: a key per sequence, unique among the engine's sequences (a
+    backend may keep per-sequence state across steps under it), or None.
     """
 
     query_starts: list[int]
@@ -33,6 +34,7 @@ class AttentionInputs:
     block_size: int
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    seq_keys: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -10,15 +10,25 @@ per layer:
     with a causal mask offset by each chunk's context.
 Padded batches gather whole KV blocks (one row per block, not per token) and mask the
 tail past each sequence's length.
+
+The decode group also keeps a mirror: its sequences' K/V, dense, per layer. While the
+same sequences decode step after step, each step appends one token per sequence to the
+mirror instead of gathering every sequence's whole context again; any change in the
+group (a sequence joins, ends or is preempted) rebuilds it with one gather. The paged
+pool stays the source of truth; the mirror is a per-engine cache of it, bounded by
+MIRROR_MAX_TOKENS.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionInputs
+
+MIRROR_MAX_TOKENS = 32768  # decode sequences × mirrored positions, per layer
+MIRROR_HEADROOM = 64  # positions a rebuilt mirror leaves for the steps after it
 
 
 @dataclass
@@ -46,19 +56,44 @@ class _Paged:
 
 
 @dataclass
+class _Mirror:
+    """The decode group's K/V, dense: layer cache storage -> [2, seqs, capacity, heads, dim]."""
+
+    seq_keys: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)  # positions held per row
+    capacity: int = 0
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _MirrorStep:
+    """What this step does to the mirror: append at `append_at` (flat row × capacity +
+    position), or rebuild it from the pool."""
+
+    rebuild: bool
+    append_at: torch.Tensor | None
+
+
+@dataclass
 class SdpaMetadata:
     slot_mapping: torch.Tensor
     groups: list[_Fresh | _Paged]
     covers_all_rows: bool  # one group whose output is the whole batch's, in order
+    mirror_step: _MirrorStep | None = None  # for the decode group (groups[0]), if mirrored
 
 
 class SdpaPagedBackend(AttentionBackend):
     name = "sdpa"
 
+    def __init__(self) -> None:
+        self.mirror = _Mirror()
+
     def prepare(self, inputs: AttentionInputs) -> SdpaMetadata:
         groups: list[_Fresh | _Paged] = []
+        mirror_step = None
         if inputs.num_single:
             groups.append(_single_token_group(inputs))
+            mirror_step = self._plan_mirror(inputs)
         first = inputs.num_single
         fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
         groups += [_Fresh(inputs.query_starts[i], inputs.query_lens[i]) for i in fresh]
@@ -66,16 +101,42 @@ class SdpaPagedBackend(AttentionBackend):
         if continuing:
             groups.append(_chunk_group(inputs, continuing))
         covers = len(groups) == 1 and (isinstance(groups[0], _Fresh) or groups[0].row_index is None)
-        return SdpaMetadata(inputs.slot_mapping, groups, covers)
+        return SdpaMetadata(inputs.slot_mapping, groups, covers, mirror_step)
+
+    def _plan_mirror(self, inputs: AttentionInputs) -> _MirrorStep | None:
+        """Append to the mirror if the decode group is the one it holds, one token further
+        on; rebuild it otherwise; None (no mirror) past MIRROR_MAX_TOKENS or without keys."""
+        mirror, count = self.mirror, inputs.num_single
+        if inputs.seq_keys is None:
+            mirror.layers.clear()
+            return None
+        keys, lens = inputs.seq_keys[:count], inputs.context_lens[:count]
+        max_len = max(lens)
+        steady = (keys == mirror.seq_keys and max_len <= mirror.capacity and mirror.layers
+                  and all(new == held + 1 for new, held in zip(lens, mirror.context_lens)))
+        mirror.seq_keys, mirror.context_lens = keys, lens
+        if steady:
+            positions = torch.tensor(lens, device=inputs.block_table.device) - 1
+            rows = torch.arange(count, device=positions.device)
+            return _MirrorStep(False, rows * mirror.capacity + positions)
+        mirror.layers.clear()
+        capacity = -(-(max_len + MIRROR_HEADROOM) // inputs.block_size) * inputs.block_size
+        if count * capacity > MIRROR_MAX_TOKENS:
+            mirror.seq_keys, mirror.capacity = [], 0
+            return None
+        mirror.capacity = capacity
+        return _MirrorStep(True, None)
 
     def forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
         kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
         kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
+        mirrored = self._mirrored_kv(metadata, key, value, kv_layer) if metadata.mirror_step else None
         if metadata.covers_all_rows:
-            return _attend(metadata.groups[0], query, key, value, kv_layer)
+            return _attend(metadata.groups[0], query, key, value, kv_layer, mirrored)
         output = torch.empty_like(query)
         for group in metadata.groups:
-            attended = _attend(group, query, key, value, kv_layer)
+            own_mirror = mirrored if group is metadata.groups[0] else None
+            attended = _attend(group, query, key, value, kv_layer, own_mirror)
             if isinstance(group, _Paged) and group.row_index is not None:
                 output.index_copy_(0, group.target_rows, attended[group.valid_rows])
             else:
@@ -83,10 +144,39 @@ class SdpaPagedBackend(AttentionBackend):
                 output[first:first + attended.shape[0]] = attended
         return output
 
+    def _mirrored_kv(self, metadata: SdpaMetadata, key, value, kv_layer) -> torch.Tensor:
+        """This layer's mirror, brought up to this step: [2, seqs, capacity, heads, dim]."""
+        group, step, mirror = metadata.groups[0], metadata.mirror_step, self.mirror
+        layer_key = kv_layer.data_ptr()
+        if step.rebuild:
+            layer = torch.empty(2, group.num_seqs, mirror.capacity, *kv_layer.shape[2:],
+                                dtype=kv_layer.dtype, device=kv_layer.device)
+            for half, gathered in zip(layer, _gather(group, kv_layer)):
+                held = min(gathered.shape[1], mirror.capacity)
+                half[:, :held] = gathered[:, :held]
+            mirror.layers[layer_key] = layer
+            return layer
+        layer = mirror.layers[layer_key]
+        rows = group.num_seqs
+        flat = layer.view(2, rows * mirror.capacity, *layer.shape[3:])
+        flat[0].index_copy_(0, step.append_at, key[:rows])
+        flat[1].index_copy_(0, step.append_at, value[:rows])
+        return layer
+
 
 # ---- per layer -----------------------------------------------------------------------
 
-def _attend(group: _Fresh | _Paged, query, key, value, kv_layer) -> torch.Tensor:
+def _gather(group: _Paged, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's context K and V as whole blocks, each one contiguous row (index_select's
+    fast path): [seqs, blocks × block_size, kv_heads, dim] each, past max_len included."""
+    heads, dim = kv_layer.shape[2:]
+    row = group.block_size * heads * dim
+    k, v = (cache.view(-1, row).index_select(0, group.blocks).view(group.num_seqs, -1, heads, dim)
+            for cache in kv_layer)
+    return k, v
+
+
+def _attend(group: _Fresh | _Paged, query, key, value, kv_layer, mirrored=None) -> torch.Tensor:
     if isinstance(group, _Fresh):
         rows = slice(group.first_row, group.first_row + group.num_rows)
         q, k, v = (x[rows].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
@@ -98,11 +188,8 @@ def _attend(group: _Fresh | _Paged, query, key, value, kv_layer) -> torch.Tensor
         q = q.view(group.num_seqs, group.query_len, *query.shape[1:])
     else:
         q = query[group.row_index]
-    # Whole blocks, each one contiguous row (index_select's fast path): [seqs, len, kv_heads, dim].
-    heads, dim = kv_layer.shape[2:]
-    row = group.block_size * heads * dim
-    k, v = (cache.view(-1, row).index_select(0, group.blocks).view(group.num_seqs, -1, heads, dim)
-            [:, :group.max_len] for cache in kv_layer)
+    k, v = mirrored if mirrored is not None else _gather(group, kv_layer)
+    k, v = k[:, :group.max_len], v[:, :group.max_len]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=group.mask, enable_gqa=True)
     out = out.transpose(1, 2)  # [seqs, q_len, heads, dim]

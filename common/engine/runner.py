@@ -91,6 +91,7 @@ class ModelRunner:
             block_size=size,
             block_table=torch.from_numpy(block_table).to(device),
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            seq_keys=[c.seq.arrival_index for c in chunks],
         )
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         return inputs, input_ids, torch.from_numpy(positions).to(device)

@@ -73,3 +73,53 @@ def test_auto_selects_sdpa_without_cuda():
     assert select_backend("auto", torch.device("cpu")).name == "sdpa"
     with pytest.raises(RuntimeError, match="flash-attn"):
         select_backend("flash", torch.device("cpu"))
+
+
+def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
+    """The SDPA backend's decode mirror (appends while the same sequences decode, rebuilds
+    when the group changes) attends exactly as a backend without one."""
+    generator = torch.Generator().manual_seed(1)
+    num_blocks = 64
+    kv_layer = torch.zeros(2, num_blocks * BLOCK, KV_HEADS, DIM)
+    free = list(range(num_blocks))
+    random.Random(1).shuffle(free)
+    tables: dict[int, list[int]] = {}
+    lengths: dict[int, int] = {}
+
+    def admit(key: int, context: int) -> None:
+        tables[key] = [free.pop() for _ in range(-(-(context + 16) // BLOCK))]
+        lengths[key] = context
+        for pos in range(context):
+            slot = tables[key][pos // BLOCK] * BLOCK + pos % BLOCK
+            kv_layer[0, slot] = torch.randn(KV_HEADS, DIM, generator=generator)
+            kv_layer[1, slot] = torch.randn(KV_HEADS, DIM, generator=generator)
+
+    def decode_inputs(keys: list[int]) -> AttentionInputs:
+        width = max(len(tables[k]) for k in keys)
+        slots = [tables[k][lengths[k] // BLOCK] * BLOCK + lengths[k] % BLOCK for k in keys]
+        return AttentionInputs(
+            query_starts=list(range(len(keys))), query_lens=[1] * len(keys),
+            context_lens=[lengths[k] + 1 for k in keys], num_single=len(keys), block_size=BLOCK,
+            block_table=torch.tensor([tables[k] + [0] * (width - len(tables[k])) for k in keys]),
+            slot_mapping=torch.tensor(slots), seq_keys=keys)
+
+    for key, context in [(10, 5), (11, 17), (12, 1)]:
+        admit(key, context)
+    kept = select_backend("sdpa", torch.device("cpu"))
+    groups = [[10, 11, 12]] * 3 + [[10, 12]] + [[10, 12, 13]] * 3
+    rebuilds = []
+    for step, keys in enumerate(groups):
+        if 13 in keys and 13 not in tables:
+            admit(13, 9)
+        inputs = decode_inputs(keys)
+        query = torch.randn(len(keys), HEADS, DIM, generator=generator)
+        key = torch.randn(len(keys), KV_HEADS, DIM, generator=generator)
+        value = torch.randn(len(keys), KV_HEADS, DIM, generator=generator)
+        fresh = select_backend("sdpa", torch.device("cpu"))
+        expected = fresh.forward(query, key, value, kv_layer, fresh.prepare(inputs))
+        metadata = kept.prepare(inputs)
+        rebuilds.append(metadata.mirror_step.rebuild)
+        assert torch.equal(kept.forward(query, key, value, kv_layer, metadata), expected), f"step {step}"
+        for k in keys:
+            lengths[k] += 1
+    assert rebuilds == [True, False, False, True, True, False, False]
