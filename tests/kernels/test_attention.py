@@ -123,3 +123,26 @@ def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
         for k in keys:
             lengths[k] += 1
     assert rebuilds == [True, False, False, True, True, False, False]
+
+
+def test_continued_chunks_give_sdpa_gqa_bits_in_bf16():
+    """Chunks over cached context fold grouped query heads into the query axis; that must
+    give exactly what SDPA's own GQA gives (bf16, where any reordering would show)."""
+    generator = torch.Generator().manual_seed(2)
+    context, new = 37, 6
+    blocks = list(range(-(-(context + new) // BLOCK)))
+    kv_layer = torch.randn(2, len(blocks) * BLOCK, KV_HEADS, DIM, generator=generator).to(torch.bfloat16)
+    query = torch.randn(new, HEADS, DIM, generator=generator).to(torch.bfloat16)
+    key = torch.randn(new, KV_HEADS, DIM, generator=generator).to(torch.bfloat16)
+    value = torch.randn(new, KV_HEADS, DIM, generator=generator).to(torch.bfloat16)
+    inputs = AttentionInputs(query_starts=[0], query_lens=[new], context_lens=[context + new], num_single=0,
+                             block_size=BLOCK, block_table=torch.tensor([blocks]),
+                             slot_mapping=torch.arange(context, context + new), seq_keys=[0])
+    backend = select_backend("sdpa", torch.device("cpu"))
+    output = backend.forward(query, key, value, kv_layer, backend.prepare(inputs))
+    total = context + new
+    causal = torch.arange(total)[None, :] <= torch.arange(context, total)[:, None]
+    k, v = (cache[:total].transpose(0, 1)[None] for cache in kv_layer)  # written by forward
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], k, v, attn_mask=causal[None, None], enable_gqa=True)
+    assert torch.equal(output, expected[0].transpose(0, 1))
