@@ -6,6 +6,7 @@ object from their loops.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections.abc import Sequence as Seq
@@ -29,6 +30,8 @@ from common.sampling_params import InvalidRequestError, SamplingParams, validate
 from kernels.attention import select_backend
 
 log = get_logger("engine")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+KEEP_FREED_BYTES = 1 << 30
 
 
 class EngineConfigError(ValueError):
@@ -80,6 +83,8 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.model_fingerprint, self.tokenizer_fingerprint = fingerprints(config.model_dir)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            _keep_freed_host_memory()
         self.max_model_len = _max_model_len(config, self.model_config.context_limit)
         layout = KVLayout.for_model(self.model_config, config.block_size, config.dtype)
         num_blocks = _num_kv_blocks(config, layout, self.max_model_len)
@@ -236,6 +241,21 @@ class Engine:
                 self.model_fingerprint, self.tokenizer_fingerprint, self.config.adapter_id,
                 self.config.dtype, self.config.block_size, tenant_salt)
         return self._root_hashes[tenant_salt]
+
+
+def _keep_freed_host_memory() -> bool:
+    """Make glibc keep freed blocks up to KEEP_FREED_BYTES for reuse instead of handing
+    them back to the OS. By default it serves large tensors with mmap and unmaps them on
+    free, so every step that allocates the same activations again faults their pages in
+    anew: on CPU that cost as much as the prefill itself. An engine allocates the same
+    sizes step after step, so it keeps them (as a GPU caching allocator does). Returns
+    whether the C library took the setting (False off glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
 
 
 def _check_config(config: EngineConfig) -> None:
