@@ -2,15 +2,18 @@
 """Drive a Baton cluster with concurrent requests and compare it with the in-process engine.
 
     scripts/bench_serving.py [--address tcp://…:7101 | --url http://…:8000] [--json]
-                             [--concurrency 32] [--requests 64] [--vllm-url http://…:8001]
+                             [--concurrency 32] [--requests 64] [--repeats 3]
+                             [--vllm-url http://…:8001]
 
 With neither --address nor --url it starts its own `svc up` cluster (one worker, the tiny
 default model) and stops it afterwards. Every request: a random prompt of --prompt-len
-tokens, --max-tokens new tokens, greedy, EOS ignored. Then, in this process, the engine
-alone runs the same requests all at once. Reported: generated tokens per second, TTFT and
-TPOT percentiles (as the clients saw them), `ratio_vs_inprocess` and `ttft_overhead_ms`
-(median TTFT through the services minus in-process, both with all requests admitted at
-once). With --vllm-url the same requests go to a vLLM OpenAI server too.
+tokens, --max-tokens new tokens, greedy, EOS ignored. In this process the engine alone
+runs the same requests, --concurrency at a time. The two alternate, --repeats rounds of
+each (the machine's noise then falls on both alike), and the medians are reported:
+generated tokens per second, TTFT and TPOT percentiles (as the clients saw them),
+`ratio_vs_inprocess` (of the medians) and `ttft_overhead_ms` (median TTFT through the
+services minus in-process). With --vllm-url the same requests go to a vLLM OpenAI server
+too (once, after the rounds).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -109,6 +113,33 @@ def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> tuple[fl
                    "tpot_s": (r.e2e_s - r.ttft_s) / max(len(r.token_ids) - 1, 1)} for r in results]
 
 
+def run_served(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    if args.url:
+        wall, records = asyncio.run(run_http(args.url, None, prompts, args.max_tokens, args.concurrency))
+        return summarise("baton-http", wall, records)
+    wall, records = asyncio.run(run_sdk(args.address, prompts, args.max_tokens, args.concurrency))
+    return summarise("baton-sdk", wall, records)
+
+
+def run_inprocess_batches(engine, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """The same requests, `concurrency` at a time, as the served run had them."""
+    batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    walls, records = 0.0, []
+    for batch in batches:
+        wall, batch_records = run_inprocess(engine, batch, args.max_tokens)
+        walls += wall
+        records += batch_records
+    return summarise("inprocess", walls, records)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the rounds (the name and counts of the first)."""
+    merged = dict(runs[0])
+    for key in ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        merged[key] = statistics.median(run[key] for run in runs)
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group()
@@ -121,9 +152,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of served then in-process runs")
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     from common.engine.default_model import default_model_dir
 
@@ -136,31 +170,24 @@ def main() -> None:
 
         cluster = start_cluster(model_dir, workers=1, extra=["--dtype", args.dtype])
         args.address = cluster.sdk
+    engine = make_engine(model_dir, args.dtype)
+    rounds: list[tuple[dict, dict]] = []
     try:
-        if args.url:
-            wall, records = asyncio.run(run_http(args.url, None, prompts, args.max_tokens, args.concurrency))
-            served = summarise("baton-http", wall, records)
-        else:
+        if not args.url:
             asyncio.run(run_sdk(args.address, prompts[:2], 4, 2))  # warm-up
-            wall, records = asyncio.run(run_sdk(args.address, prompts, args.max_tokens, args.concurrency))
-            served = summarise("baton-sdk", wall, records)
+        for _ in range(args.repeats):
+            rounds.append((run_served(args, prompts), run_inprocess_batches(engine, prompts, args)))
     finally:
         if cluster is not None:
             cluster.stop()
-    # In-process: the same requests, `concurrency` at a time, as the served run had them.
-    batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-    walls, in_records = 0.0, []
-    engine = make_engine(model_dir, args.dtype)
-    for batch in batches:
-        wall, records = run_inprocess(engine, batch, args.max_tokens)
-        walls += wall
-        in_records += records
-    inprocess = summarise("inprocess", walls, in_records)
+    served, inprocess = median_run([r[0] for r in rounds]), median_run([r[1] for r in rounds])
     report = {"tok_s": served["tok_s"], "inprocess_tok_s": inprocess["tok_s"],
               "ratio_vs_inprocess": served["tok_s"] / inprocess["tok_s"],
               "ttft_overhead_ms": served["ttft_p50_ms"] - inprocess["ttft_p50_ms"],
               "served": served, "inprocess": inprocess, "concurrency": args.concurrency,
-              "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+              "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "rounds": [{"served_tok_s": a["tok_s"], "inprocess_tok_s": b["tok_s"]}
+                                                  for a, b in rounds]}
     if args.vllm_url:
         wall, records = asyncio.run(run_http(args.vllm_url, None, prompts, args.max_tokens, args.concurrency))
         report["vllm_server"] = summarise("vllm-server", wall, records)

@@ -198,8 +198,8 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
         from common.engine.default_model import default_model_dir
 
         flags["model"] = str(default_model_dir())
-    if not config.threads:  # workers sharing this machine split its cores
-        flags["threads"] = max(1, (os.cpu_count() or 1) // workers)
+    if not config.threads:  # workers split the cores but one, left to the tokenizer and router
+        flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // workers)
     base = [sys.executable, "-m", "services.cli", "start"]
     passed = [arg for flag, _, _ in ROLE_FLAGS if flags.get(key := flag.lstrip("-").replace("-", "_")) is not None
               for arg in (flag, str(flags[key]))]
