@@ -38,9 +38,10 @@ class EngineConfigError(ValueError):
     """The engine cannot start with this configuration; the message names the setting."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request (one per running request per step, so a
+    plain slotted record: a frozen dataclass costs several times more to build)."""
 
     request_id: str
     new_token_ids: list[int]

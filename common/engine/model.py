@@ -82,14 +82,14 @@ class CausalLM(nn.Module):
         self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
                                        requires_grad=False)
         self.lm_head: Linear | None = None  # set by load_hf_weights; tied: a copy of embed
-        self.rotary = RotaryEmbedding(config, max_positions, device)
+        self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend, metadata: object) -> torch.Tensor:
         """Runs the flat batch, writing its K/V into the cache; returns fp32 logits of
         the rows in `logits_rows`."""
         hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.lookup(positions, self.dtype)
+        cos, sin = self.rotary.lookup(positions)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_cache.layers[index], backend, metadata)
         selected = rms_norm(hidden[logits_rows], self.final_norm, self.config.rms_norm_eps)

@@ -37,24 +37,27 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to `max_positions`, gathered per step."""
+    """cos/sin tables for every position up to `max_positions`, gathered per step.
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device):
+    Tables are kept in the model's dtype (rounded once, as the reference rounds them per
+    call) and sin with the rotation's sign folded in: rotate_half(x) · sin equals
+    swap_halves(x) · (−sin₁ ‖ sin₂) exactly, one negation fewer per layer."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         angles = positions[:, None] * inv_freq[None, :]
-        doubled = torch.cat([angles, angles], dim=-1)
-        self.cos = doubled.cos().to(device)
-        self.sin = doubled.sin().to(device)
+        self.cos = torch.cat([angles, angles], dim=-1).cos().to(dtype=dtype, device=device)
+        sin = angles.sin().to(dtype)
+        self.signed_sin = torch.cat([-sin, sin], dim=-1).to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin as [tokens, 1, head_dim] in `dtype` (broadcast over heads)."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin[positions].to(dtype).unsqueeze(1))
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin as [tokens, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated in half-split (GPT-NeoX) layout."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + swapped * signed_sin

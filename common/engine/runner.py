@@ -76,10 +76,11 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
             positions = np.arange(num_tokens) + (starts - query_starts)[seq_of_token]
 
-        max_blocks = max(len(c.seq.block_ids) for c in chunks)
-        block_table = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-        for row, c in enumerate(chunks):
-            block_table[row, :len(c.seq.block_ids)] = c.seq.block_ids
+        rows = [c.seq.block_ids for c in chunks]
+        width = max(map(len, rows))
+        padding = [0] * width
+        block_table = np.array([row if len(row) == width else row + padding[len(row):] for row in rows],
+                               dtype=np.int64)
         slot_mapping = block_table[seq_of_token, positions // size] * size + positions % size
 
         device = self.device
