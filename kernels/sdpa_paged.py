@@ -256,22 +256,25 @@ def _chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Paged:
     device = inputs.block_table.device
     q_lens = [inputs.query_lens[i] for i in seqs]
     ctx_lens = [inputs.context_lens[i] for i in seqs]
+    starts = [inputs.query_starts[i] for i in seqs]
     max_q, max_len = max(q_lens), max(ctx_lens)
+    blocks = _blocks(inputs, slice(seqs[0], seqs[-1] + 1) if seqs == list(range(seqs[0], seqs[-1] + 1))
+                     else torch.tensor(seqs, device=device), max_len)
+    query_pos = torch.arange(max_q, device=device)[None, :]
+    key_pos = torch.arange(max_len, device=device)
+    if len(seqs) == 1:  # a lone chunk: no padding; query j sits at ctx - q_len + j
+        mask = key_pos <= (query_pos + (max_len - max_q))[:, :, None]
+        return _Paged(blocks, 1, max_len, inputs.block_size, mask.unsqueeze(1), max_q, first_row=starts[0])
     q_lens_t = torch.tensor(q_lens, device=device)[:, None]
     ctx_lens_t = torch.tensor(ctx_lens, device=device)[:, None]
-    starts_t = torch.tensor([inputs.query_starts[i] for i in seqs], device=device)[:, None]
-    query_pos = torch.arange(max_q, device=device)[None, :]
-    row_index = starts_t + torch.minimum(query_pos, q_lens_t - 1)
-    valid_rows = query_pos < q_lens_t
-    key_pos = torch.arange(max_len, device=device)
     # Query j of a chunk sits at absolute position (ctx - q_len + j).
     absolute = (ctx_lens_t - q_lens_t + query_pos)[:, :, None]
-    mask = (key_pos <= absolute) & (key_pos < ctx_lens_t[:, :, None])
-    blocks = _blocks(inputs, torch.tensor(seqs, device=device), max_len)
-    starts = [inputs.query_starts[i] for i in seqs]
+    mask = ((key_pos <= absolute) & (key_pos < ctx_lens_t[:, :, None])).unsqueeze(1)
     if min(q_lens) == max_q and starts == list(range(starts[0], starts[0] + len(seqs) * max_q, max_q)):
-        # Equal chunks, back to back (a lone prefix hit, say): their rows need no padding.
-        return _Paged(blocks, len(seqs), max_len, inputs.block_size, mask.unsqueeze(1), max_q,
-                      first_row=starts[0])
-    return _Paged(blocks, len(seqs), max_len, inputs.block_size, mask.unsqueeze(1), max_q, first_row=-1,
+        # Equal chunks, back to back: their rows need no padding.
+        return _Paged(blocks, len(seqs), max_len, inputs.block_size, mask, max_q, first_row=starts[0])
+    starts_t = torch.tensor(starts, device=device)[:, None]
+    row_index = starts_t + torch.minimum(query_pos, q_lens_t - 1)
+    valid_rows = query_pos < q_lens_t
+    return _Paged(blocks, len(seqs), max_len, inputs.block_size, mask, max_q, first_row=-1,
                   row_index=row_index, valid_rows=valid_rows, target_rows=row_index[valid_rows])

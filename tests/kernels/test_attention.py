@@ -26,6 +26,9 @@ def reference(q, k, v):
     [(0, 11)],                           # one fresh prompt
     [(5, 1), (0, 7), (12, 6), (3, 9)],   # decode then chunks with and without context
     [(5, 1), (0, 7), (12, 6), (0, 4), (3, 9)],  # fresh chunks between continued ones
+    [(9, 5)],                            # one chunk over cached context (a prefix hit)
+    [(10, 4), (6, 4)],                   # equal continued chunks, back to back
+    [(2, 1), (10, 4), (6, 4)],           # the same after a decode token
 ])
 def test_sdpa_paged_matches_dense(shape):
     generator = torch.Generator().manual_seed(0)
