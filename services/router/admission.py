@@ -30,7 +30,7 @@ class AdmissionConfig:
     max_queued_tokens: int = 262144  # per worker
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Verdict:
     worker_id: str | None  # None: refused
     reason: str = ""

@@ -61,7 +61,7 @@ class Request:
         return -(-self.num_tokens // self.block_size) - self.matched.get(worker_id, 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     """A request the router placed and has not seen finish."""
 
@@ -190,7 +190,7 @@ class ClusterState:
         """Match the prompt against the index once; policies and admission read the result."""
         if self.approximate:
             self.index.expire(now)
-        keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4").tobytes())
+        keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4"))
         path = self.index.walk(root_hash, keys)
         return Request(request_id, root_hash, keys, len(token_ids), max_tokens, slo_class, path,
                        self.index.match(path), self.block_size)

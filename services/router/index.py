@@ -60,9 +60,11 @@ class PrefixIndex:
 
     # ---- reading ---------------------------------------------------------------------
 
-    def block_keys(self, prompt: bytes) -> list[bytes]:
-        """Each full block's token bytes, the keys a walk follows (one C call, not a slice each)."""
-        return np.frombuffer(prompt, dtype=f"V{self.block_bytes}", count=len(prompt) // self.block_bytes).tolist()
+    def block_keys(self, prompt: bytes | np.ndarray) -> list[bytes]:
+        """Each full block's token bytes (little-endian uint32 ids), the keys a walk
+        follows: one C call over the buffer, no copy of it and no slice per block."""
+        buffer = memoryview(prompt)
+        return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=buffer.nbytes // self.block_bytes).tolist()
 
     def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names."""

@@ -80,7 +80,10 @@ class E2:
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
             loads = cluster.loads(now)
             first = self._exploit(request, cluster, loads, now)
-            return [first] + [w for w in ranked(cluster, loads.__getitem__) if w != first]
+            order = ranked(cluster, loads.__getitem__)
+            order.remove(first)
+            order.insert(0, first)
+            return order
         costs = cluster.explore_costs(request, now)
         return ranked(cluster, costs.__getitem__)
 
