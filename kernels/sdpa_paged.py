@@ -172,6 +172,9 @@ class SdpaPagedBackend(AttentionBackend):
             for half, gathered in zip(layer, _gather(group, kv_layer)):
                 held = min(gathered.shape[1], mirror.capacity)
                 half[:, :held] = gathered[:, :held]
+                # Masked keys still meet their values (weight 0 × value): whatever SDPA may
+                # read must be finite, so the headroom starts at zero, not as reused memory.
+                half[:, held:].zero_()
             mirror.layers[layer_key] = layer
             return layer
         layer = mirror.layers[layer_key]

@@ -120,9 +120,11 @@ def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
         value = torch.randn(len(keys), KV_HEADS, DIM, generator=generator)
         fresh = select_backend("sdpa", torch.device("cpu"))
         expected = fresh.forward(query, key, value, kv_layer, fresh.prepare(inputs))
+        torch.full((2 * len(keys) * 160 * KV_HEADS * DIM,), float("nan"))  # freed at once: reuse finds NaN
         metadata = kept.prepare(inputs)
         rebuilds.append(metadata.mirror_step.rebuild)
         assert torch.equal(kept.forward(query, key, value, kv_layer, metadata), expected), f"step {step}"
+        assert all(torch.isfinite(layer).all() for layer in kept.mirror.layers.values())
         for k in keys:
             lengths[k] += 1
     assert rebuilds == [True, False, False, True, True, False, False]
