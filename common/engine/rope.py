@@ -58,6 +58,5 @@ class RotaryEmbedding:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated in half-split (GPT-NeoX) layout."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # the halves swapped
     return x * cos + swapped * signed_sin

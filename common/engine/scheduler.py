@@ -8,6 +8,7 @@ and is prefilled again, prompt plus output so far, when it is readmitted.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
@@ -22,7 +23,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """`seq` computes tokens [start, start + num_new) this step."""
 
@@ -110,24 +111,25 @@ class Scheduler:
     def _schedule_running(self, plan: SchedulePlan, budget: int) -> int:
         """Advance running sequences in admission order, preempting from the back when
         blocks run out. Returns the budget left."""
-        queue = list(self.running)
+        queue = deque(self.running)
         kept: list[Sequence] = []
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             if budget == 0:
                 kept.append(seq)
                 continue
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             needed = self._blocks_needed(seq, seq.num_computed + num_new)
-            while needed > self.block_manager.num_available and queue:
-                victim = queue.pop()
-                self._preempt(victim)
-                plan.preempted.append(victim)
-            if needed > self.block_manager.num_available:
-                self._preempt(seq)
-                plan.preempted.append(seq)
-                continue
-            seq.block_ids.extend(self.block_manager.allocate(needed))
+            if needed > 0:  # most decode steps stay inside the last block
+                while needed > self.block_manager.num_available and queue:
+                    victim = queue.pop()
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                if needed > self.block_manager.num_available:
+                    self._preempt(seq)
+                    plan.preempted.append(seq)
+                    continue
+                seq.block_ids.extend(self.block_manager.allocate(needed))
             plan.chunks.append(ScheduledChunk(seq, seq.num_computed, num_new))
             kept.append(seq)
             budget -= num_new
