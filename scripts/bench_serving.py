@@ -2,7 +2,7 @@
 """Drive a Baton cluster with concurrent requests and compare it with the in-process engine.
 
     scripts/bench_serving.py [--address tcp://…:7101 | --url http://…:8000] [--json]
-                             [--concurrency 32] [--requests 64] [--repeats 3]
+                             [--concurrency 32] [--requests 64] [--repeats 5]
                              [--vllm-url http://…:8001]
 
 With neither --address nor --url it starts its own `svc up` cluster (one worker, the tiny
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of served then in-process runs")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of served then in-process runs")
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
