@@ -110,7 +110,8 @@ class E2:
             replica = self._replicate(key, holders, loads, now)
         if replica is not None and replica not in holders:
             holders.append(replica)
-        return min(holders, key=lambda w: (loads[w], w))
+        holders.sort()  # ties go to the smallest id: min keeps the first of equal keys
+        return min(holders, key=loads.__getitem__)
 
     def _overloads_holder(self, key: int, now: float) -> bool:
         stats = self.ttfts.get(key)
