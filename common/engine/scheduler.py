@@ -23,7 +23,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """`seq` computes tokens [start, start + num_new) this step."""
 
