@@ -15,8 +15,8 @@ The decode group also keeps a mirror: its sequences' K/V, dense, per layer. Whil
 same sequences decode step after step, each step appends one token per sequence to the
 mirror instead of gathering every sequence's whole context again; any change in the
 group (a sequence joins, ends or is preempted) rebuilds it with one gather. The paged
-pool stays the source of truth; the mirror is a per-engine cache of it, bounded by
-MIRROR_MAX_TOKENS.
+pool stays the source of truth; the mirror is a per-engine cache of it, kept on CPU only
+(where gathers were measured to cost) and to at most 1/MIRROR_POOL_SHARE of the pool.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionInputs
 
-MIRROR_MAX_TOKENS = 32768  # decode sequences × mirrored positions, per layer
+MIRROR_POOL_SHARE = 8  # the mirror holds at most this fraction (1/8) of the pool's tokens
 MIRROR_HEADROOM = 64  # positions a rebuilt mirror leaves for the steps after it
 
 
@@ -105,6 +105,7 @@ class SdpaPagedBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.mirror = _Mirror()
+        self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
 
     def prepare(self, inputs: AttentionInputs) -> SdpaMetadata:
         groups: list[_Fresh | _Paged] = []
@@ -123,9 +124,10 @@ class SdpaPagedBackend(AttentionBackend):
 
     def _plan_mirror(self, inputs: AttentionInputs) -> _MirrorStep | None:
         """Append to the mirror if the decode group is the one it holds, one token further
-        on; rebuild it otherwise; None (no mirror) past MIRROR_MAX_TOKENS or without keys."""
+        on; rebuild it otherwise; None (no mirror) off CPU, without keys, before the pool's
+        size is known, or when it would exceed its share of the pool."""
         mirror, count = self.mirror, inputs.num_single
-        if inputs.seq_keys is None:
+        if inputs.seq_keys is None or self.pool_tokens is None or inputs.block_table.device.type != "cpu":
             mirror.layers.clear()
             return None
         keys, lens = inputs.seq_keys[:count], inputs.context_lens[:count]
@@ -139,13 +141,14 @@ class SdpaPagedBackend(AttentionBackend):
             return _MirrorStep(False, rows * mirror.capacity + positions)
         mirror.layers.clear()
         capacity = -(-(max_len + MIRROR_HEADROOM) // inputs.block_size) * inputs.block_size
-        if count * capacity > MIRROR_MAX_TOKENS:
+        if count * capacity > self.pool_tokens // MIRROR_POOL_SHARE:
             mirror.seq_keys, mirror.capacity = [], 0
             return None
         mirror.capacity = capacity
         return _MirrorStep(True, None)
 
     def forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
+        self.pool_tokens = kv_layer.shape[1]
         kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
         kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
         mirrored = self._mirrored_kv(metadata, key, value, kv_layer) if metadata.mirror_step else None
