@@ -22,6 +22,7 @@ import xxhash
 
 _hash = xxhash.xxh3_64_intdigest
 NEVER = math.inf
+EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
 
 
 class BlockNode:
@@ -57,6 +58,13 @@ class PrefixIndex:
         self.changed: set[str] = set()  # workers whose LRU changed since the owner last looked
         self.worker_bits: dict[str, int] = {}
         self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
+        # Hits not yet counted on the nodes: the deepest block of each reused prefix -> how
+        # many placements reused it, in half-window `pending_epoch`. A node's ancestors are
+        # its prefix, so one entry stands for the whole path; hits() counts them first.
+        self.pending_hits: dict[BlockNode, int] = {}
+        self.pending_epoch = 0
+        self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
+        self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -114,6 +122,8 @@ class PrefixIndex:
 
     def hits(self, node: BlockNode, now: float) -> int:
         """Hits of `node` over the last full window (two half-windows)."""
+        if self.pending_hits:
+            self.flush_hits()
         current = int(now / self.half_window_s)
         if node.hit_epoch == current:
             return node.hits_now + node.hits_before
@@ -138,6 +148,7 @@ class PrefixIndex:
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
         nodes = self.nodes
+        moved = 0
         for block_hash in block_hashes:
             node = nodes.get(block_hash)
             if node is None:
@@ -149,8 +160,10 @@ class PrefixIndex:
                 node.signature ^= bit
                 lru[block_hash] = node
             holders[worker_id] = expiry
+            moved += 1
             if self.ttl_s is not None:
                 self.expiries.append((expiry, worker_id, block_hash))
+        self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + moved
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
         lru = self.lru.get(worker_id)
@@ -168,6 +181,8 @@ class PrefixIndex:
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything a worker held (it left or restarted with an empty cache)."""
         bit = self._worker_bit(worker_id)
+        self.lru_clock.pop(worker_id, None)
+        self.last_touch.pop(worker_id, None)
         for node in (self.lru.pop(worker_id, None) or {}).values():
             if node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
@@ -176,20 +191,50 @@ class PrefixIndex:
 
     def record_hits(self, path: list[BlockNode], worker_id: str, now: float) -> None:
         """A request placed on `worker_id` reuses these blocks (a prefix of a path it
-        holds, as match() reports): count the hits and make them its most recently used."""
-        epoch = int(now / self.half_window_s)
+        holds, as match() reports): count the hits and make them its most recently used.
+
+        Both stay off the per-block path where they can: the hits wait in pending_hits
+        under the path's deepest block (repeats of a prefix merge there), and a worker
+        with more than EXACT_LRU_BLOCKS blocks that reuses the same prefix again, before
+        half its LRU has turned over, keeps the order it has: the prefix is still in the
+        recent half, away from the old end where evictions (and eviction samples) come from."""
         self._touched(worker_id)
-        touch = self.lru.setdefault(worker_id, OrderedDict()).move_to_end
+        if not path:
+            return
+        epoch = int(now / self.half_window_s)
+        if epoch != self.pending_epoch:
+            self.flush_hits()
+            self.pending_epoch = epoch
+        tail = path[-1]
+        self.pending_hits[tail] = self.pending_hits.get(tail, 0) + 1
+        lru = self.lru.setdefault(worker_id, OrderedDict())
+        clock = self.lru_clock.get(worker_id, 0)
+        last = self.last_touch.get(worker_id)
+        if (last is not None and last[0] is tail and len(lru) > EXACT_LRU_BLOCKS
+                and clock - last[1] < len(lru) // 2):
+            return
+        touch = lru.move_to_end
         for node in path:
-            if node.hit_epoch == epoch:
-                node.hits_now += 1
-            else:
-                node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
-                node.hits_now, node.hit_epoch = 1, epoch
             try:
                 touch(node.block_hash)
             except KeyError:  # not the worker's: a caller passed more than the worker holds
                 pass
+        self.lru_clock[worker_id] = clock = clock + len(path)
+        self.last_touch[worker_id] = (tail, clock)
+
+    def flush_hits(self) -> None:
+        """Count the pending hits on every block of each pending prefix."""
+        epoch = self.pending_epoch
+        for tail, count in self.pending_hits.items():
+            node = tail
+            while node is not None and node.depth >= 0:
+                if node.hit_epoch == epoch:
+                    node.hits_now += count
+                else:
+                    node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
+                    node.hits_now, node.hit_epoch = count, epoch
+                node = node.parent
+        self.pending_hits.clear()
 
     def placed(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
                now: float) -> None:

@@ -238,6 +238,33 @@ def test_lru_blocks_come_least_recent_first_and_hits_refresh_them():
     assert list(index.lru_blocks("nobody")) == []
 
 
+def test_a_large_lru_keeps_a_recently_touched_prefix_in_place_until_half_of_it_turns_over():
+    """On a big LRU (more than EXACT_LRU_BLOCKS), reusing the same prefix again soon only
+    counts the hit: the prefix is still in the recent half. Once half the LRU has turned
+    over, the next reuse moves it to the recent end again."""
+    index = PrefixIndex(BLOCK)
+    prefix = tokens(1, 4 * BLOCK)
+    index.stored("A", hashes(prefix), 0.0)
+    index.stored("A", hashes(tokens(2, 400 * BLOCK)), 0.0)
+    path = index.walk(ROOT, as_bytes(prefix))
+    prefix_hashes = [node.block_hash for node in path]
+
+    def order() -> list[int]:
+        return [node.block_hash for node in index.lru_blocks("A")]
+
+    index.record_hits(path, "A", 1.0)
+    assert order()[-4:] == prefix_hashes  # first reuse: moved to the recent end
+    newer = hashes(tokens(3, 10 * BLOCK))
+    index.stored("A", newer, 1.0)
+    index.record_hits(path, "A", 2.0)
+    assert order()[-14:] == prefix_hashes + newer  # again soon: left where it is
+    assert [index.hits(node, 2.0) for node in path] == [2, 2, 2, 2]  # but counted
+    index.stored("A", hashes(tokens(4, 400 * BLOCK)), 2.0)  # more than half turns over
+    index.record_hits(path, "A", 3.0)
+    assert order()[-4:] == prefix_hashes
+    assert [index.hits(node, 3.0) for node in path] == [3, 3, 3, 3]
+
+
 # ---- approximate mode -------------------------------------------------------------------
 
 
