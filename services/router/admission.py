@@ -11,11 +11,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from services.router.cluster import ClusterState, Request
 
 MIN_RETRY_AFTER_S = 0.1
+_num_tokens = attrgetter("num_tokens")
 
 
 class Slo(Protocol):
@@ -77,5 +79,4 @@ class AdmissionControl:
         if queued >= self.config.max_queued_requests:
             return False
         waiting = itertools.islice(reversed(worker.in_flight.values()), queued)
-        return sum(placement.num_tokens for placement in waiting) + request.num_tokens \
-            <= self.config.max_queued_tokens
+        return sum(map(_num_tokens, waiting)) + request.num_tokens <= self.config.max_queued_tokens
