@@ -234,7 +234,8 @@ def _attend_folded(group: _Paged, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     folded = q.view(seqs, q_len, kv_heads, per_kv, dim).permute(0, 2, 3, 1, 4).reshape(
         seqs, kv_heads, per_kv * q_len, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.folded_mask(q.dtype, per_kv))
-    return out.view(seqs, kv_heads, per_kv, q_len, dim).permute(0, 3, 1, 2, 4).reshape(seqs, q_len, heads, dim)
+    out = out.view(seqs, kv_heads, per_kv, q_len, dim).permute(0, 3, 1, 2, 4)  # [seqs, q_len, kv, g, dim]
+    return out.reshape(seqs, q_len, heads, dim)
 
 
 # ---- per step ------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A step's tokens from all sequences run as one [tokens, hidden] batch through the
 projections; only attention knows about sequences, through the backend's per-step
 metadata. Weights are loaded from Hugging Face names and fused (q/k/v into one
 projection, gate/up into one) so each layer runs few, large matmuls, each through a
-kernels.linear.Linear that holds its weight in the layout the device multiplies fastest. Arithmetic follows
-the reference implementation's order and dtypes so logits match it.
+kernels.linear.Linear that holds its weight in the layout the device multiplies
+fastest. Arithmetic follows the reference implementation's order and dtypes so logits
+match it.
 """
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ class PrefixIndex:
         """Each full block's token bytes (little-endian uint32 ids), the keys a walk
         follows: one C call over the buffer, no copy of it and no slice per block."""
         buffer = memoryview(prompt)
-        return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=buffer.nbytes // self.block_bytes).tolist()
+        count = buffer.nbytes // self.block_bytes
+        return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=count).tolist()
 
     def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names."""
