@@ -53,23 +53,15 @@ class _Paged:
     row_index: torch.Tensor | None = None  # [seqs, q_len] flat rows of padded queries, else None
     valid_rows: torch.Tensor | None = None  # [seqs, q_len] which padded queries are real
     target_rows: torch.Tensor | None = None  # flat rows of the real queries, in valid_rows order
-    additive_mask: torch.Tensor | None = None  # the chunk mask as 0 / -inf, made by the first layer
-    folded: torch.Tensor | None = None  # additive_mask repeated for folded query heads
-
-    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask SDPA gets. For chunks, an additive one made once per step: given a
-        boolean mask, SDPA converts it to this in every layer (same bits either way)."""
-        if self.mask is None or self.query_len == 1:
-            return self.mask
-        if self.additive_mask is None:
-            self.additive_mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self.additive_mask.masked_fill_(~self.mask, float("-inf"))
-        return self.additive_mask
+    folded: torch.Tensor | None = None  # the mask for folded queries, made by the first layer
 
     def folded_mask(self, dtype: torch.dtype, per_kv: int) -> torch.Tensor:
-        """attn_mask for queries folded per_kv times along the query axis."""
+        """The chunk mask for queries folded per_kv times along the query axis, as 0 / -inf
+        (SDPA would convert a boolean one in every layer; same bits), made once per step."""
         if self.folded is None:
-            self.folded = self.attn_mask(dtype).repeat(1, 1, per_kv, 1)
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            additive.masked_fill_(~self.mask, float("-inf"))
+            self.folded = additive.repeat(1, 1, per_kv, 1)
         return self.folded
 
 
@@ -217,7 +209,7 @@ def _attend(group: _Fresh | _Paged, query, key, value, kv_layer, mirrored=None) 
     if group.query_len > 1 and group.mask is not None:
         out = _attend_folded(group, q, k, v)
     else:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=group.attn_mask(q.dtype),
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=group.mask,
                                              enable_gqa=True).transpose(1, 2)  # [seqs, q_len, heads, dim]
     if group.row_index is None:
         return out.reshape(-1, *out.shape[2:])
