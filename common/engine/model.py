@@ -22,9 +22,13 @@ from kernels.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm normalised with fp32 accumulation, then scaled in the input dtype, as the
-    reference does (torch's kernel accumulates in fp32 for half types; tests pin it)."""
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    """RMSNorm normalised in fp32, rounded to the input dtype, then scaled, as the
+    reference does. Spelled out rather than F.rms_norm: the same bits (tested), and on
+    CPU about four times faster on prefill-sized inputs, where torch's composite kernel
+    makes more passes over the tensor."""
+    as_float = x.float()
+    inverse_rms = torch.rsqrt(as_float.square().mean(-1, keepdim=True) + eps)
+    return weight * (as_float * inverse_rms).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -118,3 +118,19 @@ def test_architecture_variants_match_hf(variant, variant_dirs, make_engine, rand
                                atol=1e-4, rtol=1e-4)
     [result] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     assert result.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 32, 2080])
+def test_rms_norm_matches_the_reference_bit_for_bit(dtype, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from common.engine.model import rms_norm
+
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 256, generator=generator) * 3).to(dtype)
+    reference = LlamaRMSNorm(256, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(1 + 0.1 * torch.randn(256, generator=generator))
+        expected = reference(x)
+    assert torch.equal(rms_norm(x, reference.weight.detach(), 1e-5), expected)
