@@ -33,10 +33,16 @@ MIRROR_HEADROOM = 64  # positions a rebuilt mirror leaves for the steps after it
 
 @dataclass
 class _Fresh:
-    """One chunk with no earlier context, at rows [first_row, first_row + num_rows)."""
+    """`num_seqs` chunks of `query_len` tokens each with no earlier context, back to back
+    from `first_row` (equal fresh prompts batch into one causal SDPA call)."""
 
     first_row: int
-    num_rows: int
+    query_len: int
+    num_seqs: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.query_len * self.num_seqs
 
 
 @dataclass
@@ -107,7 +113,7 @@ class SdpaPagedBackend(AttentionBackend):
             mirror_step = self._plan_mirror(inputs)
         first = inputs.num_single
         fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
-        groups += [_Fresh(inputs.query_starts[i], inputs.query_lens[i]) for i in fresh]
+        groups += _fresh_groups(inputs, fresh)
         continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
         if continuing:
             groups.append(_chunk_group(inputs, continuing))
@@ -195,9 +201,10 @@ def _gather(group: _Paged, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _attend(group: _Fresh | _Paged, query, key, value, kv_layer, mirrored=None) -> torch.Tensor:
     if isinstance(group, _Fresh):
         rows = slice(group.first_row, group.first_row + group.num_rows)
-        q, k, v = (x[rows].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        q, k, v = (x[rows].view(group.num_seqs, group.query_len, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+        return out.transpose(1, 2).reshape(group.num_rows, *query.shape[1:])
     if group.row_index is None:
         start = group.first_row
         q = query[start:start + group.num_seqs * group.query_len]
@@ -249,6 +256,20 @@ def _single_token_group(inputs: AttentionInputs) -> _Paged:
         mask = (positions < lens_tensor[:, None]).view(count, 1, 1, max_len)
     return _Paged(_blocks(inputs, slice(0, count), max_len), count, max_len, inputs.block_size, mask,
                   query_len=1, first_row=0)
+
+
+def _fresh_groups(inputs: AttentionInputs, fresh: list[int]) -> list[_Fresh]:
+    """The fresh chunks as groups: a run of equal-length chunks, back to back in the
+    batch, is one group (one SDPA call over a batch of them, same bits as one by one)."""
+    groups: list[_Fresh] = []
+    for i in fresh:
+        start, length = inputs.query_starts[i], inputs.query_lens[i]
+        last = groups[-1] if groups else None
+        if last is not None and last.query_len == length and last.first_row + last.num_rows == start:
+            last.num_seqs += 1
+        else:
+            groups.append(_Fresh(start, length))
+    return groups
 
 
 def _chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Paged:

@@ -29,6 +29,8 @@ def reference(q, k, v):
     [(9, 5)],                            # one chunk over cached context (a prefix hit)
     [(10, 4), (6, 4)],                   # equal continued chunks, back to back
     [(2, 1), (10, 4), (6, 4)],           # the same after a decode token
+    [(0, 5), (0, 5), (0, 5)],            # equal fresh prompts: one batched group
+    [(3, 1), (0, 5), (0, 5), (0, 2), (0, 5), (8, 3)],  # runs of equal fresh prompts, split
 ])
 def test_sdpa_paged_matches_dense(shape):
     generator = torch.Generator().manual_seed(0)
@@ -152,3 +154,31 @@ def test_continued_chunks_give_sdpa_gqa_bits_in_bf16():
     expected = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1)[None], k, v, attn_mask=causal[None, None], enable_gqa=True)
     assert torch.equal(output, expected[0].transpose(0, 1))
+
+
+def test_batched_fresh_prompts_give_each_prompts_own_bits_in_bf16():
+    """Equal fresh prompts run as one SDPA call over a batch; each must get exactly what
+    it gets alone (bf16, where any reordering would show)."""
+    generator = torch.Generator().manual_seed(3)
+    count, length = 5, 7
+    query, key, value = (torch.randn(count * length, heads, DIM, generator=generator).to(torch.bfloat16)
+                         for heads in (HEADS, KV_HEADS, KV_HEADS))
+    backend = select_backend("sdpa", torch.device("cpu"))
+
+    def attend(rows: slice, seqs: int) -> torch.Tensor:
+        blocks = -(-length // BLOCK)
+        kv_layer = torch.zeros(2, seqs * blocks * BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)
+        table = torch.arange(seqs * blocks).view(seqs, blocks)
+        slots = torch.cat([table[i, :].repeat_interleave(BLOCK)[:length] * BLOCK
+                           + torch.arange(length) % BLOCK for i in range(seqs)])
+        inputs = AttentionInputs(query_starts=[i * length for i in range(seqs)], query_lens=[length] * seqs,
+                                 context_lens=[length] * seqs, num_single=0, block_size=BLOCK,
+                                 block_table=table, slot_mapping=slots)
+        metadata = backend.prepare(inputs)
+        assert len(metadata.groups) == 1  # one call for the whole batch
+        return backend.forward(query[rows], key[rows], value[rows], kv_layer, metadata)
+
+    together = attend(slice(None), count)
+    for i in range(count):
+        rows = slice(i * length, (i + 1) * length)
+        assert torch.equal(together[rows], attend(rows, 1))
