@@ -7,8 +7,11 @@ whatever else shares the batch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from common.engine.sequence import Sequence
+
+ARGMAX_BLOCK = 128  # vocabulary columns per block in argmax_rows
 
 
 class Sampler:
@@ -17,7 +20,7 @@ class Sampler:
         row, a logprobs record or None."""
         params = [seq.params for seq in seqs]
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample_random(logits, seqs)
         token_list = tokens.tolist()
@@ -42,8 +45,8 @@ class Sampler:
             if seq.generator is not None:
                 noise[row].exponential_(generator=seq.generator)
         # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race).
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax_rows(probs / noise)
+        return torch.where(greedy, argmax_rows(logits), sampled)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict | None]:
@@ -80,3 +83,20 @@ def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """values.argmax(dim=-1) of a [rows, vocab] tensor, the first index on ties, as torch
+    gives it. On CPU torch's argmax is a scalar loop (~1 ms for 32 rows of a 32k
+    vocabulary), while amax is vectorised: so each row's best block of ARGMAX_BLOCK
+    columns is found by amax, and only that block is argmaxed (~7x faster at 32k)."""
+    rows, vocab = values.shape
+    if values.device.type != "cpu" or vocab < 16 * ARGMAX_BLOCK:
+        return values.argmax(dim=-1)
+    padding = -vocab % ARGMAX_BLOCK
+    if padding:
+        values = F.pad(values, (0, padding), value=float("-inf"))
+    blocks = values.view(rows, -1, ARGMAX_BLOCK)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)
+    within = blocks[torch.arange(rows, device=values.device), best_block].argmax(dim=-1)
+    return best_block * ARGMAX_BLOCK + within

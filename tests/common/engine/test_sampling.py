@@ -1,4 +1,5 @@
 """Sampling parameters: seeds, top-k/top-p, stop conditions, logprobs."""
+import pytest
 import torch
 
 from common.sampling_params import SamplingParams
@@ -94,3 +95,19 @@ def test_stop_strings_end_and_truncate_text(make_engine):
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[:text.index(stop)]
     assert len(stopped.token_ids) < len(free.token_ids)
+
+
+@pytest.mark.parametrize("vocab", [512, 2048, 32000, 32003])
+def test_argmax_rows_is_torch_argmax_ties_included(vocab):
+    from common.engine.sampler import argmax_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    values = torch.randn(9, vocab, generator=generator)
+    values[1, 5] = values[1, vocab - 1] = 100.0  # a tie across blocks: the first wins
+    values[2, 130] = values[2, 131] = 100.0  # a tie inside one block
+    values[3, vocab - 1] = 100.0  # the best in the padded last block
+    values[4] = float("-inf")  # nothing finite: index 0, as torch gives
+    values[4, vocab // 2] = float("-inf")
+    values[5, :] = 7.0  # all equal
+    assert torch.equal(argmax_rows(values), values.argmax(dim=-1))
+    assert torch.equal(argmax_rows(values.bfloat16()), values.bfloat16().argmax(dim=-1))
