@@ -10,6 +10,8 @@ router's index, transfer handles and store keys all take their names from here.
 """
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import msgpack
@@ -40,13 +42,20 @@ def block_hash(parent: int, block_tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def token_id_bytes(tokens: Sequence[int]) -> bytes:
+    """The token ids as little-endian uint32, the encoding every block hash reads."""
+    if isinstance(tokens, list) and sys.byteorder == "little" and array("I").itemsize == 4:
+        return array("I", tokens).tobytes()  # from a list, about twice numpy's speed
+    return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+
+
 def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
     """Hashes of every full block of `tokens`, chained from `parent`.
 
     A trailing partial block is not named. Pass the last hash of an earlier call as
     `parent` to extend a chain (tokens must then start on a block boundary).
     """
-    token_bytes = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    token_bytes = token_id_bytes(tokens)
     # One C call cuts every full block's bytes; the loop only chains the hashes.
     blocks = np.frombuffer(token_bytes, dtype=f"V{4 * block_size}", count=len(token_bytes) // (4 * block_size))
     hashes: list[int] = []

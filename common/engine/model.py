@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
         tokens = hidden.shape[0]
         normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         qkv = self.qkv(normed)
-        query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        query_key, value = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
         query_key = query_key.view(tokens, config.num_heads + config.num_kv_heads, config.head_dim)
         value = value.view(tokens, config.num_kv_heads, config.head_dim)
         if self.q_norm is not None:
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
                 rms_norm(query_key[:, :config.num_heads], self.q_norm, config.rms_norm_eps),
                 rms_norm(query_key[:, config.num_heads:], self.k_norm, config.rms_norm_eps)], dim=1)
         # q and k rotate together: one op for both.
-        query, key = apply_rotary(query_key, cos, sin).split(
+        query, key = apply_rotary(query_key, cos, sin).split_with_sizes(
             [config.num_heads, config.num_kv_heads], dim=1)
         attended = backend.forward(query, key, value, kv_layer, metadata)
         hidden = hidden + self.o_proj(attended.reshape(tokens, self.q_size))

@@ -47,3 +47,14 @@ def test_hash_is_stable_across_processes():
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345"}, cwd=Path(__file__).parents[2])
     assert other.stdout.strip() == str(here)
+
+
+def test_a_list_an_array_and_a_tuple_of_the_same_ids_get_the_same_names():
+    import numpy as np
+
+    root = root_hash(*ROOT_ARGS)
+    tokens = [0, 1, 2**32 - 1, 70_000] * 12
+    from_list = chain_hashes(root, tokens, 16)
+    assert from_list == chain_hashes(root, np.array(tokens, dtype=np.int64), 16)
+    assert from_list == chain_hashes(root, tuple(tokens), 16)
+    assert from_list[0] == block_hash(root, tokens[:16])
