@@ -53,21 +53,28 @@ class _Paged:
     num_seqs: int
     max_len: int  # longest context; keys past it are sliced off
     block_size: int
-    mask: torch.Tensor | None  # [seqs, 1, q_len, max_len] True = attend; None = all valid
+    mask: torch.Tensor | None  # [seqs, 1, q_len, max_len] True = attend; None = all valid or lone_chunk
     query_len: int
     first_row: int  # contiguous queries (decode): rows first_row..first_row + num_seqs * query_len
     row_index: torch.Tensor | None = None  # [seqs, q_len] flat rows of padded queries, else None
     valid_rows: torch.Tensor | None = None  # [seqs, q_len] which padded queries are real
     target_rows: torch.Tensor | None = None  # flat rows of the real queries, in valid_rows order
     folded: torch.Tensor | None = None  # the mask for folded queries, made by the first layer
+    lone_chunk: bool = False  # one chunk, no padding: `mask` is None, the causal offset implied
 
     def folded_mask(self, dtype: torch.dtype, per_kv: int) -> torch.Tensor:
         """The chunk mask for queries folded per_kv times along the query axis, as 0 / -inf
         (SDPA would convert a boolean one in every layer; same bits), made once per step."""
         if self.folded is None:
-            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            additive.masked_fill_(~self.mask, float("-inf"))
-            self.folded = additive.repeat(1, 1, per_kv, 1)
+            if self.lone_chunk:  # query j sees keys up to max_len - query_len + j
+                additive = torch.full((self.query_len, self.max_len), float("-inf"), dtype=dtype,
+                                      device=self.blocks.device)
+                additive.triu_(self.max_len - self.query_len + 1)
+                self.folded = additive.repeat(per_kv, 1).view(1, 1, per_kv * self.query_len, self.max_len)
+            else:
+                additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+                additive.masked_fill_(~self.mask, float("-inf"))
+                self.folded = additive.repeat(1, 1, per_kv, 1)
         return self.folded
 
 
@@ -213,7 +220,7 @@ def _attend(group: _Fresh | _Paged, query, key, value, kv_layer, mirrored=None) 
         q = query[group.row_index]
     k, v = mirrored if mirrored is not None else _gather(group, kv_layer)
     k, v = k[:, :group.max_len].transpose(1, 2), v[:, :group.max_len].transpose(1, 2)
-    if group.query_len > 1 and group.mask is not None:
+    if group.query_len > 1:  # chunks: a decode token's query length is 1
         out = _attend_folded(group, q, k, v)
     else:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=group.mask,
@@ -280,11 +287,10 @@ def _chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Paged:
     max_q, max_len = max(q_lens), max(ctx_lens)
     blocks = _blocks(inputs, slice(seqs[0], seqs[-1] + 1) if seqs == list(range(seqs[0], seqs[-1] + 1))
                      else torch.tensor(seqs, device=device), max_len)
+    if len(seqs) == 1:  # a lone chunk: no padding; query j sits at ctx - q_len + j
+        return _Paged(blocks, 1, max_len, inputs.block_size, None, max_q, first_row=starts[0], lone_chunk=True)
     query_pos = torch.arange(max_q, device=device)[None, :]
     key_pos = torch.arange(max_len, device=device)
-    if len(seqs) == 1:  # a lone chunk: no padding; query j sits at ctx - q_len + j
-        mask = key_pos <= (query_pos + (max_len - max_q))[:, :, None]
-        return _Paged(blocks, 1, max_len, inputs.block_size, mask.unsqueeze(1), max_q, first_row=starts[0])
     q_lens_t = torch.tensor(q_lens, device=device)[:, None]
     ctx_lens_t = torch.tensor(ctx_lens, device=device)[:, None]
     # Query j of a chunk sits at absolute position (ctx - q_len + j).
