@@ -14,6 +14,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence as Seq
 from typing import Protocol
 
+from common.hashing import token_id_bytes
+
 
 class KVEventSink(Protocol):
     """Receives the names of blocks entering and leaving the prefix cache."""
@@ -35,7 +37,7 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_tokens: list[bytes | None] = [None] * num_blocks  # as common.hashing encodes them
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -63,12 +65,15 @@ class BlockManager:
         Takes no references.
         """
         matched: list[int] = []
-        size = self.block_size
+        width = 4 * self.block_size
+        token_bytes = b""
         for index, block_name in enumerate(block_hashes[:max_blocks]):
             block_id = self.hash_to_block.get(block_name)
             if block_id is None:
                 break
-            if self.block_tokens[block_id] != tuple(token_ids[index * size:(index + 1) * size]):
+            if not token_bytes:  # encoded once, on the first named block
+                token_bytes = token_id_bytes(token_ids[:max_blocks * self.block_size])
+            if self.block_tokens[block_id] != token_bytes[index * width:(index + 1) * width]:
                 break
             matched.append(block_id)
         return matched
@@ -139,13 +144,15 @@ class BlockManager:
         at once) leaves this block unnamed; it is freed normally later.
         """
         stored: list[int] = []
-        size = self.block_size
+        width = 4 * self.block_size
+        token_bytes = token_id_bytes(token_ids[first * self.block_size:last * self.block_size])
         for index in range(first, last):
             block_id, block_name = block_ids[index], block_hashes[index]
             if self.block_hash[block_id] is not None or block_name in self.hash_to_block:
                 continue
             self.block_hash[block_id] = block_name
-            self.block_tokens[block_id] = tuple(token_ids[index * size:(index + 1) * size])
+            offset = (index - first) * width
+            self.block_tokens[block_id] = token_bytes[offset:offset + width]
             self.hash_to_block[block_name] = block_id
             stored.append(block_name)
         if stored and self.events is not None:

@@ -72,6 +72,17 @@ def test_hash_collision_is_a_miss_not_wrong_kv():
     assert manager.match_prefix(hashes, [9, 9, 9, 9], 10) == []
 
 
+def test_a_collision_deeper_in_the_prefix_ends_the_match_there():
+    manager = BlockManager(8, SIZE)
+    tokens = list(range(1, 3 * SIZE + 1))
+    blocks, hashes = fill(manager, tokens)
+    manager.release(blocks)
+    assert manager.match_prefix(hashes, tokens, 10) == blocks
+    forged = tokens[:SIZE] + [0] + tokens[SIZE + 1:]  # block 1's tokens differ, its name does not
+    assert manager.match_prefix(hashes, forged, 10) == blocks[:1]
+    assert manager.match_prefix(hashes, tokens, 2) == blocks[:2]
+
+
 def test_duplicate_computation_keeps_one_name():
     manager = BlockManager(4, SIZE)
     first, hashes = fill(manager, [1, 2, 3, 4])
@@ -129,3 +140,14 @@ def test_random_workloads_keep_integrity(ops):
             manager.release(live.pop(a % len(live)))
         manager.check_integrity(live)
         assert manager.num_used == len({b for table in live for b in table})
+
+
+def test_blocks_named_over_several_commits_match_as_one_prefix():
+    manager = BlockManager(8, SIZE)
+    tokens = list(range(1, 3 * SIZE + 1))
+    hashes = chain_hashes(7, tokens, SIZE)
+    blocks = manager.allocate(3)
+    manager.commit(blocks, hashes, tokens, 0, 1)  # a first chunk fills block 0
+    manager.commit(blocks, hashes, tokens, 1, 3)  # the next fills blocks 1 and 2
+    manager.release(blocks)
+    assert manager.match_prefix(hashes, tokens, 10) == blocks
