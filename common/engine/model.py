@@ -24,8 +24,7 @@ from kernels.linear import Linear
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm normalised in fp32, rounded to the input dtype, then scaled, as the
     reference does. Spelled out rather than F.rms_norm: the same bits (tested), and on
-    CPU about four times faster on prefill-sized inputs, where torch's composite kernel
-    makes more passes over the tensor."""
+    CPU ~1.3x faster on a 2,080-token prefill (torch's composite makes more passes)."""
     as_float = x.float()
     inverse_rms = torch.rsqrt(as_float.square().mean(-1, keepdim=True) + eps)
     return weight * (as_float * inverse_rms).to(x.dtype)
