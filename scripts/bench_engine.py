@@ -10,6 +10,8 @@ Measured (bf16, greedy, eos ignored, prompts = seeded random ids avoiding 0..3):
               time of `generate`. HF: cold full forward vs forward of the suffix over a
               deep copy of the prefix's DynamicCache.
 Every measurement is warmed up once, then the median of --repeats runs is reported.
+Ratios are medians over medians; the `_paired` figures are the median of each round's
+own ratio, steadier when the machine's speed drifts between rounds.
 
 With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter after the
 in-process runs (runs cannot alternate across processes), on the same token ids.
@@ -277,18 +279,27 @@ def summarize(run: dict) -> dict:
         "ttft_cold_ms": med["baton_ttft_cold_s"] * 1e3,
         "ttft_prefix_hit_ms": med["baton_ttft_hit_s"] * 1e3,
         "prefix_hit_speedup": med["baton_ttft_cold_s"] / med["baton_ttft_hit_s"],
+        "prefix_hit_speedup_paired": paired_median(raw["baton_ttft_cold_s"], raw["baton_ttft_hit_s"]),
         "prefix_hit_cached_tokens": int(statistics.median(raw["baton_hit_cached_tokens"])),
         "baton_decode_computed_tokens": run["baton_decode_computed_tokens"],
     }
     if "hf_decode_s" in med:
         out["hf_decode_tok_s"] = decode_tokens / med["hf_decode_s"]
         out["ratio_vs_hf"] = out["baton_decode_tok_s"] / out["hf_decode_tok_s"]
+        out["ratio_vs_hf_paired"] = paired_median(raw["hf_decode_s"], raw["baton_decode_s"])
         out["hf_ttft_cold_ms"] = med["hf_prefix_cold_s"] * 1e3
         out["hf_ttft_prefix_hit_ms"] = med["hf_prefix_hit_s"] * 1e3
         out["hf_prefix_hit_speedup"] = med["hf_prefix_cold_s"] / med["hf_prefix_hit_s"]
         out["baton_hf_greedy_match"] = token_agreement(run["tokens"]["baton"],
                                                        run["tokens"]["hf"])
     return out
+
+
+def paired_median(numerators: list[float], denominators: list[float]) -> float:
+    """The median over rounds of each round's own ratio. Its two timings ran moments
+    apart, so a machine whose speed drifts between rounds moves both alike; the ratio of
+    the medians (the headline figures) takes each median from whichever rounds it likes."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -381,12 +392,14 @@ def print_table(result: dict) -> None:
         ("Baton decode tok/s", "baton_decode_tok_s", "baton_decode_s"),
         ("HF decode tok/s", "hf_decode_tok_s", "hf_decode_s"),
         ("Baton / HF decode", "ratio_vs_hf", None),
+        ("  same, paired per round", "ratio_vs_hf_paired", None),
         ("vLLM decode tok/s", "vllm_decode_tok_s", "vllm_decode_s"),
         ("Baton / vLLM decode", "ratio_vs_vllm", None),
         ("Baton prefill tok/s", "baton_prefill_tok_s", "baton_prefill_s"),
         ("Baton TTFT cold ms", "ttft_cold_ms", "baton_ttft_cold_s"),
         ("Baton TTFT prefix hit ms", "ttft_prefix_hit_ms", "baton_ttft_hit_s"),
         ("Baton prefix-hit speedup", "prefix_hit_speedup", None),
+        ("  same, paired per round", "prefix_hit_speedup_paired", None),
         ("HF prefix-hit speedup", "hf_prefix_hit_speedup", None),
         ("vLLM prefix-hit speedup", "vllm_prefix_hit_speedup", None),
     ]
