@@ -96,7 +96,7 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     padding = -vocab % ARGMAX_BLOCK
     if padding:
         values = F.pad(values, (0, padding), value=float("-inf"))
-    blocks = values.view(rows, -1, ARGMAX_BLOCK)
+    blocks = values.reshape(rows, -1, ARGMAX_BLOCK)  # a view when values is contiguous
     best_block = blocks.amax(dim=-1).argmax(dim=-1)
     within = blocks[torch.arange(rows, device=values.device), best_block].argmax(dim=-1)
     return best_block * ARGMAX_BLOCK + within

@@ -111,3 +111,5 @@ def test_argmax_rows_is_torch_argmax_ties_included(vocab):
     values[5, :] = 7.0  # all equal
     assert torch.equal(argmax_rows(values), values.argmax(dim=-1))
     assert torch.equal(argmax_rows(values.bfloat16()), values.bfloat16().argmax(dim=-1))
+    strided = values.t().contiguous().t()  # the same values, column-major
+    assert torch.equal(argmax_rows(strided), values.argmax(dim=-1))
