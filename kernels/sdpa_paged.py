@@ -66,11 +66,12 @@ class _Paged:
         """The chunk mask for queries folded per_kv times along the query axis, as 0 / -inf
         (SDPA would convert a boolean one in every layer; same bits), made once per step."""
         if self.folded is None:
-            if self.lone_chunk:  # query j sees keys up to max_len - query_len + j
-                additive = torch.full((self.query_len, self.max_len), float("-inf"), dtype=dtype,
-                                      device=self.blocks.device)
-                additive.triu_(self.max_len - self.query_len + 1)
-                self.folded = additive.repeat(per_kv, 1).view(1, 1, per_kv * self.query_len, self.max_len)
+            if self.lone_chunk:  # query j sees all earlier context and its chunk up to j
+                q_len, device = self.query_len, self.blocks.device
+                additive = torch.zeros(per_kv, q_len, self.max_len, dtype=dtype, device=device)
+                additive[:, :, self.max_len - q_len:] = torch.full(
+                    (q_len, q_len), float("-inf"), dtype=dtype, device=device).triu_(1)
+                self.folded = additive.view(1, 1, per_kv * q_len, self.max_len)
             else:
                 additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
                 additive.masked_fill_(~self.mask, float("-inf"))
