@@ -19,6 +19,17 @@ from kernels.attention import AttentionBackend, AttentionInputs
 
 
 @dataclass
+class _DecodeStep:
+    """What the last all-decode step's inputs were built from, so that the next one can
+    be derived from them when the same sequences advance one token within their blocks."""
+
+    seq_keys: list[int]
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_table: torch.Tensor
+
+
+@dataclass
 class StepResult:
     """Tokens sampled this step, for the sequences whose chunk reached their end."""
 
@@ -37,6 +48,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
+        self._last_decode: _DecodeStep | None = None
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepResult:
@@ -57,6 +69,9 @@ class ModelRunner:
         return StepResult(seqs, token_ids, logprobs, len(input_ids))
 
     def _build_inputs(self, chunks: list[ScheduledChunk]):
+        if all(chunk.num_new == 1 for chunk in chunks):
+            return self._build_decode_inputs(chunks)
+        self._last_decode = None
         size = self.block_size
         query_lens = np.fromiter((c.num_new for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -64,23 +79,12 @@ class ModelRunner:
         np.cumsum(query_lens[:-1], out=query_starts[1:])
         num_tokens = int(query_lens.sum())
         num_single = int((query_lens == 1).sum())
-
-        if num_single == len(chunks):  # pure decode: one token per sequence
-            flat_ids = [c.seq.token_ids[c.start] for c in chunks]
-            positions = starts
-            seq_of_token = np.arange(len(chunks))
-        else:
-            flat_ids = []
-            for c in chunks:
-                flat_ids.extend(c.seq.token_ids[c.start:c.start + c.num_new])
-            seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
-            positions = np.arange(num_tokens) + (starts - query_starts)[seq_of_token]
-
-        rows = [c.seq.block_ids for c in chunks]
-        width = max(map(len, rows))
-        padding = [0] * width
-        block_table = np.array([row if len(row) == width else row + padding[len(row):] for row in rows],
-                               dtype=np.int64)
+        flat_ids = []
+        for c in chunks:
+            flat_ids.extend(c.seq.token_ids[c.start:c.start + c.num_new])
+        seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+        positions = np.arange(num_tokens) + (starts - query_starts)[seq_of_token]
+        block_table = _padded_block_table(chunks)
         slot_mapping = block_table[seq_of_token, positions // size] * size + positions % size
 
         device = self.device
@@ -96,3 +100,36 @@ class ModelRunner:
         )
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         return inputs, input_ids, torch.from_numpy(positions).to(device)
+
+    def _build_decode_inputs(self, chunks: list[ScheduledChunk]):
+        """_build_inputs for a step where every sequence decodes one token. While the same
+        sequences advance by one token and none enters a new block, the block table is
+        the last step's and every slot is the next one: only the new token ids are read."""
+        size, device, count = self.block_size, self.device, len(chunks)
+        seq_keys = [chunk.seq.arrival_index for chunk in chunks]
+        positions = np.fromiter((chunk.start for chunk in chunks), dtype=np.int64, count=count)
+        last = self._last_decode
+        if (last is not None and last.seq_keys == seq_keys and np.array_equal(positions, last.positions + 1)
+                and (positions % size).all()):
+            slot_mapping, block_table = last.slot_mapping + 1, last.block_table
+        else:
+            table = _padded_block_table(chunks)
+            slot_mapping = table[np.arange(count), positions // size] * size + positions % size
+            block_table = torch.from_numpy(table).to(device)
+        self._last_decode = _DecodeStep(seq_keys, positions, slot_mapping, block_table)
+        inputs = AttentionInputs(
+            query_starts=list(range(count)), query_lens=[1] * count,
+            context_lens=(positions + 1).tolist(), num_single=count, block_size=size,
+            block_table=block_table, slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            seq_keys=seq_keys)
+        input_ids = torch.tensor([chunk.seq.token_ids[chunk.start] for chunk in chunks],
+                                 dtype=torch.long, device=device)
+        return inputs, input_ids, torch.from_numpy(positions).to(device)
+
+
+def _padded_block_table(chunks: list[ScheduledChunk]) -> np.ndarray:
+    """[seqs, longest block list] block ids, padded with 0."""
+    rows = [chunk.seq.block_ids for chunk in chunks]
+    width = max(map(len, rows))
+    padding = [0] * width
+    return np.array([row if len(row) == width else row + padding[len(row):] for row in rows], dtype=np.int64)
