@@ -88,10 +88,10 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None  # set by load_hf_weights; tied: a copy of embed
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor | slice,
                 kv_cache: KVCache, backend: AttentionBackend, metadata: object) -> torch.Tensor:
         """Runs the flat batch, writing its K/V into the cache; returns fp32 logits of
-        the rows in `logits_rows`."""
+        the rows in `logits_rows` (row indices, or a slice such as every row)."""
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.lookup(positions)
         for index, layer in enumerate(self.layers):

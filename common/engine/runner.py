@@ -56,7 +56,10 @@ class ModelRunner:
         inputs, input_ids, positions = self._build_inputs(chunks)
         sampling = [index for index, chunk in enumerate(chunks) if chunk.samples]
         seqs = [chunks[index].seq for index in sampling]
-        if not sampling:
+        logits_rows: torch.Tensor | slice
+        if len(sampling) == len(input_ids):  # one token per sequence, each sampled: every row
+            logits_rows = slice(None)
+        elif not sampling:
             logits_rows = torch.zeros(0, dtype=torch.long, device=self.device)
         else:
             ends = np.asarray(inputs.query_starts) + np.asarray(inputs.query_lens) - 1
