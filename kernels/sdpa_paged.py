@@ -87,6 +87,7 @@ class _Mirror:
     context_lens: list[int] = field(default_factory=list)  # positions held per row
     capacity: int = 0
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    appended_at: torch.Tensor | None = None  # the last append's flat positions
 
 
 @dataclass
@@ -142,10 +143,14 @@ class SdpaPagedBackend(AttentionBackend):
                   and all(new == held + 1 for new, held in zip(lens, mirror.context_lens)))
         mirror.seq_keys, mirror.context_lens = keys, lens
         if steady:
-            positions = torch.tensor(lens, device=inputs.block_table.device) - 1
-            rows = torch.arange(count, device=positions.device)
-            return _MirrorStep(False, rows * mirror.capacity + positions)
+            if mirror.appended_at is None:  # the first append after a rebuild
+                positions = torch.tensor(lens, device=inputs.block_table.device) - 1
+                mirror.appended_at = torch.arange(count, device=positions.device) * mirror.capacity + positions
+            else:  # every sequence is one token further on
+                mirror.appended_at = mirror.appended_at + 1
+            return _MirrorStep(False, mirror.appended_at)
         mirror.layers.clear()
+        mirror.appended_at = None
         capacity = -(-(max_len + MIRROR_HEADROOM) // inputs.block_size) * inputs.block_size
         if count * capacity > self.pool_tokens // MIRROR_POOL_SHARE:
             mirror.seq_keys, mirror.capacity = [], 0
