@@ -91,12 +91,14 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     vocabulary), while amax is vectorised: so each row's best block of ARGMAX_BLOCK
     columns is found by amax, and only that block is argmaxed (~7x faster at 32k)."""
     rows, vocab = values.shape
-    if values.device.type != "cpu" or vocab < 16 * ARGMAX_BLOCK:
+    if values.device.type != "cpu":
         return values.argmax(dim=-1)
+    if vocab < 16 * ARGMAX_BLOCK:  # max's indices are argmax's (the first on ties), sooner
+        return values.max(dim=-1).indices
     padding = -vocab % ARGMAX_BLOCK
     if padding:
         values = F.pad(values, (0, padding), value=float("-inf"))
     blocks = values.reshape(rows, -1, ARGMAX_BLOCK)  # a view when values is contiguous
-    best_block = blocks.amax(dim=-1).argmax(dim=-1)
-    within = blocks[torch.arange(rows, device=values.device), best_block].argmax(dim=-1)
+    best_block = blocks.amax(dim=-1).max(dim=-1).indices
+    within = blocks[torch.arange(rows, device=values.device), best_block].max(dim=-1).indices
     return best_block * ARGMAX_BLOCK + within
