@@ -6,6 +6,7 @@ sequences (and their block lists) once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -75,27 +76,29 @@ class ModelRunner:
         if all(chunk.num_new == 1 for chunk in chunks):
             return self._build_decode_inputs(chunks)
         self._last_decode = None
-        size = self.block_size
-        query_lens = np.fromiter((c.num_new for c in chunks), dtype=np.int64, count=len(chunks))
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        query_starts = np.zeros(len(chunks), dtype=np.int64)
-        np.cumsum(query_lens[:-1], out=query_starts[1:])
-        num_tokens = int(query_lens.sum())
-        num_single = int((query_lens == 1).sum())
+        size, device = self.block_size, self.device
+        # Per-sequence metadata as plain lists (few entries); arrays only per token.
+        query_lens = [c.num_new for c in chunks]
+        starts = [c.start for c in chunks]
+        query_starts = list(accumulate(query_lens, initial=0))
+        num_tokens = query_starts.pop()
         flat_ids = []
         for c in chunks:
             flat_ids.extend(c.seq.token_ids[c.start:c.start + c.num_new])
-        seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
-        positions = np.arange(num_tokens) + (starts - query_starts)[seq_of_token]
         block_table = _padded_block_table(chunks)
-        slot_mapping = block_table[seq_of_token, positions // size] * size + positions % size
-
-        device = self.device
+        if len(chunks) == 1:
+            positions = np.arange(starts[0], starts[0] + num_tokens)
+            block_ids = block_table[0, positions // size]
+        else:
+            seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+            positions = np.arange(num_tokens) + np.subtract(starts, query_starts)[seq_of_token]
+            block_ids = block_table[seq_of_token, positions // size]
+        slot_mapping = block_ids * size + positions % size
         inputs = AttentionInputs(
-            query_starts=query_starts.tolist(),
-            query_lens=query_lens.tolist(),
-            context_lens=(starts + query_lens).tolist(),
-            num_single=num_single,
+            query_starts=query_starts,
+            query_lens=query_lens,
+            context_lens=[start + length for start, length in zip(starts, query_lens)],
+            num_single=query_lens.count(1),
             block_size=size,
             block_table=torch.from_numpy(block_table).to(device),
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
