@@ -62,9 +62,9 @@ class ModelRunner:
             logits_rows = slice(None)
         elif not sampling:
             logits_rows = torch.zeros(0, dtype=torch.long, device=self.device)
-        else:
-            ends = np.asarray(inputs.query_starts) + np.asarray(inputs.query_lens) - 1
-            logits_rows = torch.from_numpy(ends[sampling]).to(self.device)
+        else:  # each sampling chunk's last row
+            logits_rows = torch.tensor([inputs.query_starts[i] + inputs.query_lens[i] - 1 for i in sampling],
+                                       dtype=torch.long, device=self.device)
         metadata = self.backend.prepare(inputs)
         logits = self.model(input_ids, positions, logits_rows, self.kv_cache, self.backend, metadata)
         if not sampling:
