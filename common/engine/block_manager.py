@@ -143,6 +143,8 @@ class BlockManager:
         A name already held by another block (two requests computed the same prefix
         at once) leaves this block unnamed; it is freed normally later.
         """
+        if last <= first:  # most decode steps fill no block
+            return
         stored: list[int] = []
         width = 4 * self.block_size
         token_bytes = token_id_bytes(token_ids[first * self.block_size:last * self.block_size])

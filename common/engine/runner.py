@@ -86,14 +86,9 @@ class ModelRunner:
         for c in chunks:
             flat_ids.extend(c.seq.token_ids[c.start:c.start + c.num_new])
         block_table = _padded_block_table(chunks)
-        if len(chunks) == 1:
-            positions = np.arange(starts[0], starts[0] + num_tokens)
-            block_ids = block_table[0, positions // size]
-        else:
-            seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
-            positions = np.arange(num_tokens) + np.subtract(starts, query_starts)[seq_of_token]
-            block_ids = block_table[seq_of_token, positions // size]
-        slot_mapping = block_ids * size + positions % size
+        seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+        positions = np.arange(num_tokens) + np.subtract(starts, query_starts)[seq_of_token]
+        slot_mapping = _slots(block_table, seq_of_token, positions, size)
         inputs = AttentionInputs(
             query_starts=query_starts,
             query_lens=query_lens,
@@ -120,7 +115,7 @@ class ModelRunner:
             slot_mapping, block_table = last.slot_mapping + 1, last.block_table
         else:
             table = _padded_block_table(chunks)
-            slot_mapping = table[np.arange(count), positions // size] * size + positions % size
+            slot_mapping = _slots(table, np.arange(count), positions, size)
             block_table = torch.from_numpy(table).to(device)
         self._last_decode = _DecodeStep(seq_keys, positions, slot_mapping, block_table)
         inputs = AttentionInputs(
@@ -139,3 +134,8 @@ def _padded_block_table(chunks: list[ScheduledChunk]) -> np.ndarray:
     width = max(map(len, rows))
     padding = [0] * width
     return np.array([row if len(row) == width else row + padding[len(row):] for row in rows], dtype=np.int64)
+
+
+def _slots(block_table: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray, size: int) -> np.ndarray:
+    """The cache slot of each token: its sequence's block at its position, and the offset in it."""
+    return block_table[seq_of_token, positions // size] * size + positions % size
