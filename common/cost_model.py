@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+REWEIGHTS = 3  # fit_latency's passes relative to its own predictions (it converges in 1-2)
+
 
 class ProfileError(ValueError):
     """A profile file or object that is not a valid cost model; the text says why."""
@@ -135,10 +137,12 @@ def fit_latency(points: Iterable[tuple[float, float, float]]) -> LatencyFit:
     (n, ctx, seconds) points in least squares of the relative error.
 
     Relative, because step times span orders of magnitude and the router needs short steps
-    as right as long ones. Non-negative least squares over four unknowns is solved exactly:
-    the optimum is the unconstrained fit on some subset of the coefficients, so every
-    subset is fitted and the best feasible one kept. Raises ProfileError on no points or a
-    time that is not > 0.
+    as right as long ones. Relative to the fit's own prediction, not to each measured time:
+    dividing by the measurement weighs a step that happened to run slow less than one that
+    ran fast, and on a noisy machine that pulled the fit ~13 % under the mean step time
+    (a simulator on it then ran that much fast). So the first pass divides by the measured
+    times and REWEIGHTS passes divide by the previous pass's predictions.
+    Raises ProfileError on no points or a time that is not > 0.
     """
     data = np.asarray(list(points), dtype=float).reshape(-1, 3)
     if not len(data):
@@ -146,24 +150,38 @@ def fit_latency(points: Iterable[tuple[float, float, float]]) -> LatencyFit:
     if not np.all(np.isfinite(data)) or np.any(data[:, 2] <= 0):
         raise ProfileError("every point needs finite n and ctx and a time > 0")
     n, ctx, seconds = data.T
-    design = np.column_stack([np.ones_like(n), n, ctx, n * ctx]) / seconds[:, None]
+    features = np.column_stack([np.ones_like(n), n, ctx, n * ctx])
+    relative_to = seconds
+    for _ in range(REWEIGHTS + 1):
+        coefficients = _nonnegative_least_squares(features / relative_to[:, None], seconds / relative_to)
+        predicted = features @ coefficients
+        if not np.all(predicted > 0):  # a zero fit of some point: keep this pass's
+            break
+        relative_to = predicted
+    return LatencyFit(*(float(value) for value in coefficients))
+
+
+def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ‖design·x − target‖ over x >= 0, for few columns, exactly: the optimum is
+    the unconstrained fit on some subset of the columns, so every subset is fitted and
+    the best feasible one kept."""
     scale = np.abs(design).max(axis=0)
     scale[scale == 0] = 1.0  # a term no point exercises (ctx always 0) stays at 0
-    design /= scale
-    target = np.ones_like(seconds)
-    best_residual, best = math.inf, np.zeros(4)
-    for size in range(1, 5):
-        for support in itertools.combinations(range(4), size):
+    design = design / scale
+    columns_count = design.shape[1]
+    best_residual, best = math.inf, np.zeros(columns_count)
+    for size in range(1, columns_count + 1):
+        for support in itertools.combinations(range(columns_count), size):
             columns = list(support)
             solution, *_ = np.linalg.lstsq(design[:, columns], target, rcond=None)
             if np.any(solution < 0):
                 continue
-            coefficients = np.zeros(4)
+            coefficients = np.zeros(columns_count)
             coefficients[columns] = solution
             residual = float(np.sum((design @ coefficients - target) ** 2))
             if residual < best_residual * (1 - 1e-9):  # a larger support must really help
                 best_residual, best = residual, coefficients
-    return LatencyFit(*(float(value) for value in best / scale))
+    return best / scale
 
 
 def fit_error(fit: LatencyFit, points: Iterable[tuple[float, float, float]]) -> dict:
