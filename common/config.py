@@ -63,6 +63,7 @@ class ClusterConfig:
     max_model_len: int = 0  # 0 = the model's own limit
     queue_policy: str = "fcfs"
     threads: int = 0  # torch threads per worker; 0 = torch's default (svc up splits the cores)
+    step_log_dir: str = ""  # each worker appends its engine steps to DIR/worker-N.steps.jsonl; "" = off
 
     policy: str = "round_robin"
     heartbeat_interval_s: float = 0.5
@@ -191,6 +192,8 @@ def _validate(config: ClusterConfig) -> None:
         raise ConfigError(f"log_level: unknown {config.log_level!r}")
     if config.index_mode not in INDEX_MODES:
         raise ConfigError(f"index_mode: unknown {config.index_mode!r}; choose {' or '.join(INDEX_MODES)}")
+    if config.step_log_dir and Path(config.step_log_dir).exists() and not Path(config.step_log_dir).is_dir():
+        raise ConfigError(f"step_log_dir: {config.step_log_dir!r} exists and is not a directory")
     if config.profile and not Path(config.profile).is_file():
         _validate_profile_name(config.profile)
     _validate_slo_classes(config)

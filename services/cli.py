@@ -110,6 +110,7 @@ ROLE_FLAGS = [
     ("--max-model-len", int, "context limit (0 = the model's)"),
     ("--queue-policy", str, "worker waiting queue: fcfs, lpm or priority (Preble's quotas)"),
     ("--threads", int, "torch threads per worker (0 = torch's default)"),
+    ("--step-log-dir", str, "each worker appends its engine steps (sizes, seconds) to DIR/worker-N.steps.jsonl"),
     ("--policy", str, "placement: round_robin, least_load, lpm, cache_aware, dynamo or e2"),
     ("--admission", bool, "refuse early what would miss its SLO class (true/false)"),
     ("--index-mode", str, "prefix index from KV events, or approximate (from placements)"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,7 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
 from common.engine.runner import ModelRunner
-from common.engine.scheduler import Scheduler, SchedulerConfig
+from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence
 from common.hashing import root_hash
 from common.logs import get_logger
@@ -102,6 +102,9 @@ class Engine:
             self.block_manager, make_queue_policy(config.queue_policy))
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         self.stats = EngineStats()
+        # Called after each step that ran the model with its plan and its seconds (see
+        # common.engine.step_log); None: no one is watching.
+        self.step_observer: Callable[[SchedulePlan, float], None] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
@@ -159,6 +162,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration; outputs for requests that got a token."""
+        called = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         if plan.is_empty:
@@ -174,8 +178,11 @@ class Engine:
         self.stats.num_computed_tokens += result.num_computed_tokens
         self.stats.num_generated_tokens += len(result.token_ids)
         now = time.perf_counter()
-        return [self._advance(seq, token, logprob, now)
-                for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs)]
+        outputs = [self._advance(seq, token, logprob, now)
+                   for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs)]
+        if self.step_observer is not None:
+            self.step_observer(plan, time.perf_counter() - called)
+        return outputs
 
     def _advance(self, seq: Sequence, token_id: int, logprob: dict | None, now: float) -> RequestOutput:
         seq.append_token(token_id)

@@ -9,6 +9,7 @@ from common.config import ClusterConfig
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import Engine
+from common.engine.step_log import StepLogWriter
 from services.worker.service import KvEventBuffer, WorkerService
 
 
@@ -31,4 +32,11 @@ def run(config: ClusterConfig, index: int) -> None:
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
     engine = Engine(engine_config(config), kv_events=events)
-    WorkerService(config, index, engine, events).run(stop)
+    step_log = None
+    if config.step_log_dir:
+        step_log = engine.step_observer = StepLogWriter(Path(config.step_log_dir) / f"worker-{index}.steps.jsonl")
+    try:
+        WorkerService(config, index, engine, events).run(stop)
+    finally:
+        if step_log is not None:
+            step_log.close()

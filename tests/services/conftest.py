@@ -32,9 +32,13 @@ tpot_s = 1.0
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster, tmp_path_factory):
-    """Two float32 workers (exact comparisons with an in-process engine), one SLO class."""
-    config = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    """Two float32 workers (exact comparisons with an in-process engine), one SLO class,
+    step logs in `running.step_log_dir`."""
+    scratch = tmp_path_factory.mktemp("cluster")
+    config = scratch / "cluster.toml"
     config.write_text(CLUSTER_TOML, encoding="utf-8")
-    running = make_cluster(workers=2, extra=["--dtype", "float32", "--config", str(config)])
+    running = make_cluster(workers=2, extra=["--dtype", "float32", "--config", str(config),
+                                             "--step-log-dir", str(scratch / "steps")])
+    running.step_log_dir = scratch / "steps"
     yield running
     running.stop()

@@ -9,6 +9,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.step_log import read_step_log
 from common.sampling_params import SamplingParams
 from services.client import AsyncClient, Client, InvalidRequest, RequestTimeout
 from services.local_cluster import REPO
@@ -25,6 +26,18 @@ def test_sdk_generate_matches_the_engine(cluster, tiny_model_dir):
     assert result.text == expected.text
     assert result.finish_reason == "length" and result.num_prompt_tokens == len(expected.prompt_token_ids)
     assert result.ttft_s > 0 and result.e2e_s >= result.ttft_s
+
+
+def test_workers_log_the_steps_they_run(cluster, random_prompts):
+    prompt = random_prompts([40], seed=77)[0]  # fresh: its whole prompt is one prefill chunk
+    started = time.time()
+    with Client(cluster.sdk, timeout_s=60) as client:
+        client.generate(token_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    logs = sorted(cluster.step_log_dir.glob("worker-*.steps.jsonl"))
+    assert {path.name for path in logs} <= {"worker-0.steps.jsonl", "worker-1.steps.jsonl"} and logs
+    steps = [step for path in logs for step in read_step_log(path) if step["t"] >= started]
+    assert [40, 0] in [chunk for step in steps for chunk in step["prefill"]]
+    assert sum(step["decode_seqs"] for step in steps) >= 2  # the 2nd and 3rd tokens
 
 
 def test_stream_chunks_add_up_to_the_result(cluster):
