@@ -3,7 +3,7 @@
 
     scripts/check_sim_fidelity.py [--json] [--workload toolbench] [--rate 8] [--duration 60]
                                   [--workers 1] [--policy round_robin] [--dtype bfloat16]
-                                  [--profile FILE | --profile-source replay|svc [--quick-profile]]
+                                  [--profile FILE | --profile-source live|replay|svc [--quick-profile]]
                                   [--no-overheads]
 
 Live: `svc up` on the tiny default model (--dtype, --workers workers with the machine's
@@ -16,12 +16,21 @@ p95 end-to-end latency (target ≤ 15 % each), a table of both runs, and with --
 JSON line with the errors, both runs' values, the overheads and the profile used. The
 default run takes about 2 minutes.
 
-The profile: --profile, else by default one fitted to an engine-only replay of the same
-workload shape with another seed (see replay), else (--profile-source svc) `svc profile`
-with the workers' dtype and threads. `svc profile` times each point back to back after
-a warm-up step of the same size; on a CPU, a step after an idle gap, or of a size the
-process has not run lately (bfloat16's per-shape kernel setup), costs up to 2× that, and
-an open-loop run at moderate load is full of both: its sim then comes out ~50 % fast.
+The profile (the simulator's step times): --profile, else one of
+  * live (the default): fitted to the live run's own engine steps, which its workers log
+    (`--step-log-dir`, common.engine.step_log). The machine's speed drifts by tens of
+    percent within a minute under its neighbours' load, so a profile measured before the
+    run can be off by that much for reasons no simulator can know; fitting to the run's
+    own steps leaves the simulator's mechanics (batching, chunking, queueing, delays) as
+    what is checked. The run still measures the replay profile first (the router needs
+    one), and reports the simulation with it as `sim_replay`, with its errors.
+  * replay: fitted to an engine-only replay of the same workload shape with another seed
+    (see replay), measured just before the live run.
+  * svc: `svc profile` with the workers' dtype and threads. It times each point back to
+    back after a warm-up step of the same size; on a CPU, a step after an idle gap, or of
+    a size the process has not run lately (bfloat16's per-shape kernel setup), costs up
+    to 2× that, and an open-loop run at moderate load is full of both: its sim then comes
+    out ~50 % fast.
 
 The overheads (see calibrate), measured by the same paced requests on the engine alone
 and through the idle cluster, in pairs: the one-way delay client → worker → client (the
@@ -46,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cost_model import CostModel, fit_latency, load_cost_model  # noqa: E402
+from common.engine.step_log import profile_points, read_step_log, step_record  # noqa: E402
 from services.eval.loadgen import Target, WorkloadSpec, bench, plan_requests  # noqa: E402
 from services.eval.report import print_table, summarize  # noqa: E402
 from services.eval.simulator import SimConfig, simulate  # noqa: E402
@@ -80,8 +90,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=0.2, help="workload length scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="cost profile file (default: measure one, see --profile-source)")
-    parser.add_argument("--profile-source", choices=("replay", "svc"), default="replay",
-                        help="fit the profile to an engine-only replay of the workload, or run svc profile")
+    parser.add_argument("--profile-source", choices=("live", "replay", "svc"), default="live",
+                        help="fit the profile to the live run's steps, to an engine-only replay of the "
+                             "workload, or run svc profile")
     parser.add_argument("--quick-profile", action="store_true", help="with --profile-source svc: its quick grid")
     parser.add_argument("--no-overheads", action="store_true",
                         help="simulate without the services' measured overheads (see calibrate)")
@@ -141,29 +152,19 @@ def replay_profile(engine, args) -> CostModel:
     requests = plan_requests(WorkloadSpec(args.workload, rate=args.rate / args.workers,
                                           duration_s=min(args.duration, REPLAY_S),
                                           scale=args.scale, vocab_size=512, seed=args.seed + 1))
-    points = replay(engine, requests)
-    if min(len(phase) for phase in points.values()) < 4:
-        raise SystemExit(f"the replay gave too few steps to fit: {({k: len(v) for k, v in points.items()})}")
-    return CostModel("replay", fit_latency(points["prefill"]), fit_latency(points["decode"]))
+    return fitted("replay", replay(engine, requests))
 
 
 def replay(engine, requests) -> dict[str, list[tuple[float, float, float]]]:
     """Feed `requests` to `engine` open loop at their arrival times, as a worker would,
-    and time each engine.step(): (n, ctx, seconds) points per phase (see classify).
+    and time each step: the cost model's fitting points (common.engine.step_log).
     Unlike `svc profile`, which times each point back to back after a warm-up step of the
     same size, these steps have the live run's variety of sizes and its idle gaps, both
     of which cost time on a CPU."""
     from common.sampling_params import SamplingParams
 
-    points: dict[str, list] = {"prefill": [], "decode": []}
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recorded():  # what each step runs, seen where the engine plans it
-        plans.append(schedule())
-        return plans[-1]
-
-    engine.scheduler.schedule = recorded
+    records = []
+    engine.step_observer = lambda plan, seconds: records.append(step_record(plan, seconds, time.time()))
     try:
         start, pending = time.perf_counter(), list(requests)
         while pending or engine.has_unfinished():
@@ -175,25 +176,10 @@ def replay(engine, requests) -> dict[str, list[tuple[float, float, float]]]:
             if not engine.has_unfinished():
                 time.sleep(max(0.0, pending[0].arrival_s - now))
                 continue
-            started = time.perf_counter()
             engine.step()
-            classify(plans[-1], time.perf_counter() - started, points)
     finally:
-        del engine.scheduler.schedule  # back to the class's method
-    return points
-
-
-def classify(plan, seconds: float, points: dict) -> None:
-    """A step of decode tokens only is a decode point (batch, mean context); a step of
-    one prompt chunk a prefill point (new tokens, the context before them); steps that
-    mix them are left out (the cost model prices them from the two phases)."""
-    if plan.is_empty:
-        return
-    decode = [chunk for chunk in plan.chunks if chunk.start >= chunk.seq.prompt_len]
-    if len(decode) == len(plan.chunks):
-        points["decode"].append((len(decode), statistics.mean(chunk.start for chunk in decode), seconds))
-    elif len(plan.chunks) == 1:
-        points["prefill"].append((plan.chunks[0].num_new, plan.chunks[0].start, seconds))
+        engine.step_observer = None
+    return profile_points(records)
 
 
 def alone(engine, prompt: list[int]) -> Timing:
@@ -242,12 +228,12 @@ async def calibrate(address: str, engine, gap_s: float) -> tuple[object, Timing,
             Timing.median([engine_only for engine_only, _ in pairs[CALIBRATION_WARMUP:]]))
 
 
-def run_live(args, requests, profile: Path, engine, threads: int) -> tuple[dict, int, Timing, Timing]:
+def run_live(args, requests, profile: Path, engine, threads: int, step_log_dir: Path) -> tuple[dict, int, Timing, Timing, dict]:
     """The live run's summary, the KV blocks per worker the router reports, the
-    services' overheads (see calibrate, which uses `engine`) and the engine's drift:
-    how much slower (> 0) or faster the engine alone is after the run than before it,
-    relative, in TTFT and TPOT. The machine's speed changing under other load during
-    the run shows there, and no simulation can follow it."""
+    services' overheads (see calibrate, which uses `engine`), the engine's drift (how
+    much slower (> 0) or faster the engine alone is after the run than before it,
+    relative, in TTFT and TPOT: the machine's speed changing under other load during
+    the run shows there), and the fitting points of the workers' steps during the run."""
     from common.engine.default_model import default_model_dir
     from services.local_cluster import start_cluster
 
@@ -255,15 +241,25 @@ def run_live(args, requests, profile: Path, engine, threads: int) -> tuple[dict,
     cluster = start_cluster(default_model_dir(), workers=args.workers, extra=[
         "--dtype", args.dtype, "--threads", str(threads), "--policy", args.policy, "--profile", str(profile),
         "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--heartbeat-interval-s",
-        str(HEARTBEAT_INTERVAL_S)])
+        str(HEARTBEAT_INTERVAL_S), "--step-log-dir", str(step_log_dir)])
     try:
         status, overheads, before = asyncio.run(calibrate(cluster.sdk, engine, gap_s))
+        bench_started = time.time()
         result = asyncio.run(bench(Target(address=cluster.sdk), requests, drain_timeout_s=120.0))
         after = engine_speed(engine, gap_s, seed=1)  # with the cluster up and idle, as before
     finally:
         cluster.stop()
     drift = Timing(after.ttft_s / before.ttft_s - 1, after.tpot_s / before.tpot_s - 1)
-    return result.summary, min(worker.kv_blocks_total for worker in status.workers), overheads, drift
+    steps = [record for path in sorted(step_log_dir.glob("worker-*.steps.jsonl"))
+             for record in read_step_log(path) if record["t"] >= bench_started]
+    return (result.summary, min(worker.kv_blocks_total for worker in status.workers), overheads, drift,
+            profile_points(steps))
+
+
+def fitted(name: str, points: dict) -> CostModel:
+    if min(len(phase) for phase in points.values()) < 4:
+        raise SystemExit(f"too few {name} steps to fit a profile: {({k: len(v) for k, v in points.items()})}")
+    return CostModel(name, fit_latency(points["prefill"]), fit_latency(points["decode"]))
 
 
 def run_sim(args, requests, cost: CostModel, kv_blocks: int, overheads: Timing) -> dict:
@@ -284,20 +280,25 @@ def relative_errors(live: dict, sim: dict) -> dict[str, float]:
             for metric in METRICS}
 
 
-def report(args, live: dict, sim: dict, extra: dict) -> None:
-    errors = relative_errors(live["overall"], sim["overall"])
-    print_table({"live": live, "sim": sim})
-    for metric, error in errors.items():
-        verdict = "ok" if error <= TARGET else f"over {TARGET:.0%}"
-        print(f"{metric:<12} live {live['overall'][metric] * 1000:8.2f} ms  sim {sim['overall'][metric] * 1000:8.2f} ms"
-              f"  error {error:6.1%}  {verdict}")
+def report(args, live: dict, sims: dict[str, dict], extra: dict) -> None:
+    """The table of every run, then each simulation's errors; the first simulation's
+    are the check's."""
+    errors = {name: relative_errors(live["overall"], sim["overall"]) for name, sim in sims.items()}
+    print_table({"live": live, **sims})
+    for name, sim in sims.items():
+        for metric, error in errors[name].items():
+            verdict = "ok" if error <= TARGET else f"over {TARGET:.0%}"
+            print(f"{name:<10} {metric:<12} live {live['overall'][metric] * 1000:8.2f} ms  "
+                  f"sim {sim['overall'][metric] * 1000:8.2f} ms  error {error:6.1%}  {verdict}")
     drift = extra["engine_drift"]
     print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, per step {extra['step_overhead_s'] * 1000:.2f} ms; "
           f"engine alone after the run vs before: TTFT {drift['ttft']:+.1%}, TPOT {drift['tpot']:+.1%}")
     if args.json:
-        print(json.dumps({"rel_error": errors, "ok": all(error <= TARGET for error in errors.values()),
-                          "live": {metric: live["overall"][metric] for metric in METRICS},
-                          "sim": {metric: sim["overall"][metric] for metric in METRICS},
+        first = next(iter(sims))
+        others = {f"rel_error_{name}": errors[name] for name in sims if name != first}
+        print(json.dumps({"rel_error": errors[first], "ok": all(error <= TARGET for error in errors[first].values()),
+                          **others, "live": {metric: live["overall"][metric] for metric in METRICS},
+                          **{name: {metric: sim["overall"][metric] for metric in METRICS} for name, sim in sims.items()},
                           "workload": args.workload, "rate": args.rate, "duration_s": args.duration,
                           "scale": args.scale, "workers": args.workers, "policy": args.policy,
                           "dtype": args.dtype, **extra}))
@@ -311,23 +312,25 @@ def main() -> None:
     source = "file" if args.profile else args.profile_source
     engine = build_engine(args, threads)
     with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
         if source == "file":
             profile = Path(args.profile)
         elif source == "svc":
-            profile = measure_profile(threads, args.dtype, args.quick_profile, Path(scratch) / "profile.json")
-        else:
-            profile = Path(scratch) / "replay.json"
+            profile = measure_profile(threads, args.dtype, args.quick_profile, scratch / "profile.json")
+        else:  # replay, and live: the router needs a profile before the run
+            profile = scratch / "replay.json"
             profile.write_text(json.dumps(replay_profile(engine, args).to_json()), encoding="utf-8")
         cost = load_cost_model(profile)
-        live, kv_blocks, measured, drift = run_live(args, requests, profile, engine, threads)
+        live, kv_blocks, measured, drift, steps = run_live(args, requests, profile, engine, threads, scratch / "steps")
     overheads = Timing(0.0, 0.0) if args.no_overheads else measured
-    sim = run_sim(args, requests, cost, kv_blocks, overheads)
-    report(args, live, sim, {"profile_source": source, "requests": len(requests), "threads": threads,
-                             "kv_blocks": kv_blocks, "network_s": overheads.ttft_s,
-                             "step_overhead_s": overheads.tpot_s, "measured_network_s": measured.ttft_s,
-                             "measured_step_overhead_s": measured.tpot_s,
-                             "engine_drift": {"ttft": drift.ttft_s, "tpot": drift.tpot_s},
-                             "profile": cost.to_json()})
+    costs = {"sim": fitted("live", steps), "sim_replay": cost} if source == "live" else {"sim": cost}
+    sims = {name: run_sim(args, requests, model, kv_blocks, overheads) for name, model in costs.items()}
+    report(args, live, sims, {"profile_source": source, "requests": len(requests), "threads": threads,
+                              "kv_blocks": kv_blocks, "network_s": overheads.ttft_s,
+                              "step_overhead_s": overheads.tpot_s, "measured_network_s": measured.ttft_s,
+                              "measured_step_overhead_s": measured.tpot_s,
+                              "engine_drift": {"ttft": drift.ttft_s, "tpot": drift.tpot_s},
+                              "profile": costs["sim"].to_json()})
 
 
 if __name__ == "__main__":
