@@ -34,7 +34,11 @@ def run(config: ClusterConfig, index: int) -> None:
     engine = Engine(engine_config(config), kv_events=events)
     step_log = None
     if config.step_log_dir:
-        step_log = engine.step_observer = StepLogWriter(Path(config.step_log_dir) / f"worker-{index}.steps.jsonl")
+        path = Path(config.step_log_dir) / f"worker-{index}.steps.jsonl"
+        try:
+            step_log = engine.step_observer = StepLogWriter(path)
+        except OSError as error:
+            raise SystemExit(f"step_log_dir: cannot write {path}: {error.strerror or error}") from None
     try:
         WorkerService(config, index, engine, events).run(stop)
     finally:

@@ -128,6 +128,14 @@ def test_model_directory_that_exists_is_accepted(tmp_path):
     assert load_config(env={}, overrides={"model": str(tmp_path)}).model == str(tmp_path)
 
 
+def test_step_log_dir_may_be_new_but_not_a_file(tmp_path):
+    new_dir = tmp_path / "steps"
+    assert load_config(env={}, overrides={"step_log_dir": str(new_dir)}).step_log_dir == str(new_dir)
+    a_file = write(tmp_path, "")
+    with pytest.raises(ConfigError, match="^step_log_dir: .* is not a directory"):
+        load_config(env={}, overrides={"step_log_dir": str(a_file)})
+
+
 @pytest.mark.parametrize("env, key", [
     ({"BATON_PORT_BASE": "seventy"}, "port_base"),
     ({"BATON_MAX_NUM_SEQS": "1.5"}, "max_num_seqs"),
