@@ -330,6 +330,7 @@ def main() -> None:
                               "step_overhead_s": overheads.tpot_s, "measured_network_s": measured.ttft_s,
                               "measured_step_overhead_s": measured.tpot_s,
                               "engine_drift": {"ttft": drift.ttft_s, "tpot": drift.tpot_s},
+                              "live_steps_fitted": {phase: len(points) for phase, points in steps.items()},
                               "profile": costs["sim"].to_json()})
 
 
