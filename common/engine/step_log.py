@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common.engine.scheduler import SchedulePlan
 
+
 class StepLogError(ValueError):
     """A step log line is malformed; the message names the file and line."""
 
