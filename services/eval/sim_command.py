@@ -92,7 +92,7 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
     with Progress(runner.total_requests(points), "sim") as progress:
         results = runner.run_points(points, progress.advance)
     variable = sweep.variable if sweep is not None else None
-    runner.print_results(results, variable)
+    runner.print_results(points, results, variable)
     if plot_dir is not None:
         for path in runner.write_plots(points, results, variable, plot_dir):
             click.echo(f"wrote {path}", err=True)

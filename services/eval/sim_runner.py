@@ -33,7 +33,7 @@ from common.config import INDEX_MODES, ClusterConfig
 from common.cost_model import CostModel
 from common.engine.config import QUEUE_POLICIES
 from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
-from services.eval.report import Slo, json_line, plot_sweep, print_table, summarize
+from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, summarize
 from services.eval.simulator import SimConfig, Simulator
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
@@ -383,14 +383,26 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | 
 # ---- output ----------------------------------------------------------------------------
 
 
-def print_results(results: Mapping[str, dict], variable: str | None) -> None:
-    """The metrics table; with a sweep, one per value under a `VAR=value` heading."""
-    if variable is None:
-        print_table(results[""])
-        return
-    for label, by_policy in results.items():
-        print(f"{variable}={label}")
-        print_table(by_policy)
+def e2e_floor(point: Point) -> tuple[float, float]:
+    """Mean and p99 end-to-end latency if every request decoded alone from its first
+    token: (output tokens − 1) decode steps of a batch of one at its prompt's context,
+    with no queueing, no prefill and no network. Step costs only grow with batch and
+    context, so no placement policy goes below it: it bounds what any policy can gain."""
+    decode_s = point.spec.cost.decode_step_s
+    floors = [max(request.output_tokens - 1, 0) * decode_s(1, len(request.token_ids)) for request in point.requests]
+    return mean(floors), percentile(floors, 99)
+
+
+def print_results(points: Sequence[Point], results: Mapping[str, dict], variable: str | None) -> None:
+    """The metrics table, then the e2e floor; with a sweep, one of each per value under
+    a `VAR=value` heading."""
+    for point in points:
+        if variable is not None:
+            print(f"{variable}={point.label}")
+        print_table(results[point.label])
+        floor_mean, floor_p99 = e2e_floor(point)
+        print(f"floor: e2e mean {floor_mean * 1000:.1f} ms, p99 {floor_p99 * 1000:.1f} ms "
+              "(each request decoding alone: no queue, no prefill; no policy goes below it)")
 
 
 def results_json(results: Mapping[str, dict], variable: str | None) -> str:

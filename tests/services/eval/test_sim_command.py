@@ -3,6 +3,7 @@ and clear errors for bad input."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -39,15 +40,25 @@ def test_a_run_prints_the_table_and_ends_with_the_json_line():
     result = run_sim(*SMALL, "--policy", "round_robin,e2", "--ttft-slo", "10", "--json")
     lines = result.stdout.strip().splitlines()
     assert lines[0].split()[:3] == ["policy", "reqs", "ttft_ms"]
-    assert [line.split()[0] for line in lines[1:-1]] == ["round_robin", "toolbench", "e2", "toolbench"]
+    assert [line.split()[0] for line in lines[1:-1]] == ["round_robin", "toolbench", "e2", "toolbench", "floor:"]
     results = last_json(result)
     check_policies(results, ["round_robin", "e2"], "toolbench", 60)
     assert results["e2"]["overall"]["slo_attainment"] == 1.0
 
 
+def test_the_floor_is_below_every_policy_and_tight_at_light_load():
+    light = run_sim(*SMALL, "--policy", "round_robin,lpm,e2", "--load", "0.05", "--json")
+    floor = re.search(r"^floor: e2e mean ([\d.]+) ms, p99 ([\d.]+) ms", light.stdout, re.MULTILINE)
+    floor_mean, floor_p99 = (float(value) / 1000 for value in floor.groups())
+    for policy in last_json(light).values():
+        overall = policy["overall"]
+        assert floor_mean < overall["e2e_mean_s"] < 1.5 * floor_mean  # alone but for a prefill
+        assert floor_p99 < overall["e2e_p99_s"]
+
+
 def test_without_json_the_output_is_only_the_table():
     lines = run_sim(*SMALL, "--policy", "lpm").stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["policy", "lpm", "toolbench"]
+    assert [line.split()[0] for line in lines] == ["policy", "lpm", "toolbench", "floor:"]
 
 
 def test_a_sweep_prints_a_table_per_value_writes_plots_and_one_json_object(tmp_path):
