@@ -13,8 +13,10 @@ Every measurement is warmed up once, then the median of --repeats runs is report
 Ratios are medians over medians; the `_paired` figures are the median of each round's
 own ratio, steadier when the machine's speed drifts between rounds.
 
-With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter after the
-in-process runs (runs cannot alternate across processes), on the same token ids.
+With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter on the same
+token ids, as a server of rounds: each round's vLLM decode runs right after Baton's and
+HF's, and its prefix pair right after theirs, so `ratio_vs_vllm_paired` compares runs
+moments apart.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --size small \
@@ -26,11 +28,13 @@ import argparse
 import copy
 import json
 import os
+import queue
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "count as Baton); "
                              "'auto': vLLM's own default (reserves a CPU for its scheduler); "
                              "else passed as VLLM_CPU_OMP_THREADS_BIND")
-    parser.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds")
+    parser.add_argument("--vllm-timeout", type=float, default=600.0,
+                        help="seconds the vLLM worker may take to start, or to answer one round")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -231,40 +236,45 @@ def cache_kwarg(model, cache) -> dict:
 # ---------------------------------------------------------------------- in-process runs
 
 
-def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int) -> dict:
+def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm: VllmWorker | None = None) -> dict:
     """Warm up each measurement once, then `repeats` rounds, each running every
-    measurement once in the same order (Baton decode, HF decode, Baton prefill, Baton
-    prefix pair, HF prefix pair) so machine noise falls on all of them alike."""
+    measurement once in the same order (Baton decode, HF decode, vLLM decode, Baton
+    prefill, Baton prefix pair, HF prefix pair, vLLM prefix pair) so machine noise falls
+    on all of them alike."""
     raw: dict[str, list] = {k: [] for k in (
         "baton_decode_s", "hf_decode_s", "baton_prefill_s", "baton_ttft_cold_s",
         "baton_ttft_hit_s", "baton_hit_cached_tokens", "baton_cold_cached_tokens",
-        "hf_prefix_cold_s", "hf_prefix_hit_s")}
+        "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_ttft_cold_s",
+        "vllm_ttft_prefix_hit_s", "vllm_prefix_hit_cached_tokens")}
     prefix_cache = hf_prefix_cache(hf_model, work) if hf_model is not None else None
     tokens: dict[str, list] = {}
     computed = None
+
+    def keep(warm: bool, **measured) -> None:
+        if not warm:
+            for key, value in measured.items():
+                raw[key].append(value)
+
     for round_index in range(repeats + 1):  # round 0 is the warm-up
         warm = round_index == 0
         elapsed, tokens["baton"], computed = baton_decode(engine, work)
-        if not warm:
-            raw["baton_decode_s"].append(elapsed)
+        keep(warm, baton_decode_s=elapsed)
         if hf_model is not None:
             elapsed, tokens["hf"] = hf_decode(hf_model, work)
-            if not warm:
-                raw["hf_decode_s"].append(elapsed)
-        elapsed = baton_prefill(engine, work)
-        if not warm:
-            raw["baton_prefill_s"].append(elapsed)
+            keep(warm, hf_decode_s=elapsed)
+        if vllm is not None:
+            answer = vllm.round("decode")
+            tokens["vllm"] = answer.pop("vllm_decode_token_ids")
+            keep(warm, **answer)
+        keep(warm, baton_prefill_s=baton_prefill(engine, work))
         cold, hit, cold_cached, hit_cached = baton_prefix_pair(engine, work)
-        if not warm:
-            raw["baton_ttft_cold_s"].append(cold)
-            raw["baton_ttft_hit_s"].append(hit)
-            raw["baton_cold_cached_tokens"].append(cold_cached)
-            raw["baton_hit_cached_tokens"].append(hit_cached)
+        keep(warm, baton_ttft_cold_s=cold, baton_ttft_hit_s=hit, baton_cold_cached_tokens=cold_cached,
+             baton_hit_cached_tokens=hit_cached)
         if hf_model is not None:
             cold, hit = hf_prefix_pair(hf_model, work, prefix_cache)
-            if not warm:
-                raw["hf_prefix_cold_s"].append(cold)
-                raw["hf_prefix_hit_s"].append(hit)
+            keep(warm, hf_prefix_cold_s=cold, hf_prefix_hit_s=hit)
+        if vllm is not None:
+            keep(warm, **vllm.round("prefix"))
     return {"raw": {k: v for k, v in raw.items() if v}, "tokens": tokens,
             "baton_decode_computed_tokens": computed}
 
@@ -292,6 +302,18 @@ def summarize(run: dict) -> dict:
         out["hf_prefix_hit_speedup"] = med["hf_prefix_cold_s"] / med["hf_prefix_hit_s"]
         out["baton_hf_greedy_match"] = token_agreement(run["tokens"]["baton"],
                                                        run["tokens"]["hf"])
+    if "vllm_decode_s" in med:
+        out["vllm_decode_tok_s"] = decode_tokens / med["vllm_decode_s"]
+        out["ratio_vs_vllm"] = out["baton_decode_tok_s"] / out["vllm_decode_tok_s"]
+        out["ratio_vs_vllm_paired"] = paired_median(raw["vllm_decode_s"], raw["baton_decode_s"])
+        out["vllm_ttft_cold_ms"] = med["vllm_ttft_cold_s"] * 1e3
+        out["vllm_ttft_prefix_hit_ms"] = med["vllm_ttft_prefix_hit_s"] * 1e3
+        out["vllm_prefix_hit_speedup"] = med["vllm_ttft_cold_s"] / med["vllm_ttft_prefix_hit_s"]
+        out["vllm_prefix_hit_speedup_paired"] = paired_median(raw["vllm_ttft_cold_s"], raw["vllm_ttft_prefix_hit_s"])
+        out["vllm_prefix_hit_cached_tokens"] = int(statistics.median(raw["vllm_prefix_hit_cached_tokens"]))
+        out["baton_vllm_greedy_match"] = token_agreement(run["tokens"]["baton"], run["tokens"]["vllm"])
+        if "hf" in run["tokens"]:
+            out["hf_vllm_greedy_match"] = token_agreement(run["tokens"]["hf"], run["tokens"]["vllm"])
     return out
 
 
@@ -330,57 +352,82 @@ def vllm_env(bind: str, threads: int) -> dict[str, str]:
     return env
 
 
-def run_vllm(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
-    """Run the worker under --vllm-python; its JSON fields, or {'vllm_error': ...}."""
-    with tempfile.TemporaryDirectory(prefix="baton-vllm-bench-") as tmp:
-        prompts_file = Path(tmp) / "prompts.json"
+class VllmError(RuntimeError):
+    """The vLLM worker failed, timed out or answered nonsense."""
+
+
+class VllmWorker:
+    """scripts/vllm_bench_worker.py under --vllm-python, serving rounds on command."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, work: Workload, scratch: Path):
+        prompts_file = scratch / "prompts.json"
         prompts_file.write_text(json.dumps({
             "decode_prompts": work.decode_prompts, "decode_max_tokens": DECODE_NEW_TOKENS,
             "prefix": work.prefix, "suffix_a": work.suffix_a, "suffix_b": work.suffix_b}))
-        cmd = [args.vllm_python, str(WORKER), "--model", str(model_dir), "--prompts",
-               str(prompts_file), "--repeats", str(args.repeats),
+        self.timeout_s = args.vllm_timeout
+        self.env = vllm_env(args.vllm_bind, torch.get_num_threads())
+        self.stderr_path = scratch / "vllm.stderr"
+        cmd = [args.vllm_python, str(WORKER), "--model", str(model_dir), "--prompts", str(prompts_file),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        env = vllm_env(args.vllm_bind, torch.get_num_threads())
+        with self.stderr_path.open("w") as stderr:  # a file: a full pipe would stall vLLM
+            self.process = subprocess.Popen(cmd, env=self.env, cwd=scratch, text=True, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=stderr)
+        # A thread reads the lines: waiting on the pipe with a deadline would miss lines
+        # already read ahead into the file object's buffer.
+        self.lines: queue.Queue[str] = queue.Queue(maxsize=10_000)
+        threading.Thread(target=self._read_lines, name="vllm-stdout", daemon=True).start()
+        self.info: dict = {}
+
+    def wait_ready(self) -> dict:
+        """vLLM's version and start-up figures, once it has built and warmed up."""
+        self.info = self._answer()
+        if not self.info.pop("ready", False):
+            raise VllmError(f"expected the ready line, got {self.info}")
+        return self.info
+
+    def round(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        answer = self._answer()
+        if "error" in answer:
+            raise VllmError(answer["error"])
+        return answer
+
+    def close(self) -> None:
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=args.vllm_timeout, cwd=tmp)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return {"vllm_error": f"{type(exc).__name__}: {exc}"}
-    parsed = last_json_line(proc.stdout)
-    if proc.returncode != 0 or parsed is None:
-        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-40:])
-        print(f"vLLM worker failed (rc={proc.returncode}); stderr tail:\n{tail}", file=sys.stderr)
-        return {"vllm_error": f"rc={proc.returncode}: {tail[-2000:]}"}
-    parsed["vllm_omp_threads_bind"] = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    return parsed
+            if self.process.poll() is None:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.flush()
+            self.process.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
 
+    def _read_lines(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # end of output
 
-def last_json_line(stdout: str) -> dict | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("{"):
+    def _answer(self) -> dict:
+        """The next JSON object line on the worker's stdout (vLLM logs there too),
+        within the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
             try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise VllmError(f"no answer within {self.timeout_s:.0f} s; {self._stderr_tail()}") from None
+            if not line:
+                raise VllmError(f"the worker exited (rc={self.process.wait()}); {self._stderr_tail()}")
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
 
-
-def merge_vllm(result: dict, vllm: dict, tokens: dict[str, list[list[int]]]) -> None:
-    """Fold the worker's figures into `result` (raw lists under result['raw'])."""
-    if "vllm_error" in vllm:
-        result["vllm_error"] = vllm["vllm_error"]
-        return
-    vllm_tokens = vllm.pop("vllm_decode_token_ids")
-    for key in ("vllm_decode_s", "vllm_ttft_cold_s", "vllm_ttft_prefix_hit_s"):
-        if key in vllm:
-            result["raw"][key] = vllm.pop(key)
-    result.update(vllm)
-    result["ratio_vs_vllm"] = result["baton_decode_tok_s"] / vllm["vllm_decode_tok_s"]
-    result["baton_vllm_greedy_match"] = token_agreement(tokens["baton"], vllm_tokens)
-    if "hf" in tokens:
-        result["hf_vllm_greedy_match"] = token_agreement(tokens["hf"], vllm_tokens)
-    result["vllm_note"] = ("vLLM ran in its own process after the Baton/HF runs (no "
-                           "alternation possible)")
+    def _stderr_tail(self) -> str:
+        lines = self.stderr_path.read_text(errors="replace").splitlines()[-40:]
+        return "stderr tail:\n" + "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- output
@@ -395,6 +442,7 @@ def print_table(result: dict) -> None:
         ("  same, paired per round", "ratio_vs_hf_paired", None),
         ("vLLM decode tok/s", "vllm_decode_tok_s", "vllm_decode_s"),
         ("Baton / vLLM decode", "ratio_vs_vllm", None),
+        ("  same, paired per round", "ratio_vs_vllm_paired", None),
         ("Baton prefill tok/s", "baton_prefill_tok_s", "baton_prefill_s"),
         ("Baton TTFT cold ms", "ttft_cold_ms", "baton_ttft_cold_s"),
         ("Baton TTFT prefix hit ms", "ttft_prefix_hit_ms", "baton_ttft_hit_s"),
@@ -402,6 +450,7 @@ def print_table(result: dict) -> None:
         ("  same, paired per round", "prefix_hit_speedup_paired", None),
         ("HF prefix-hit speedup", "hf_prefix_hit_speedup", None),
         ("vLLM prefix-hit speedup", "vllm_prefix_hit_speedup", None),
+        ("  same, paired per round", "vllm_prefix_hit_speedup_paired", None),
     ]
     print(f"model={result['model']} size={result['size']} threads={result['threads']} "
           f"repeats={result['repeats']}")
@@ -423,23 +472,44 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_model_dir(size=args.size)
     work = make_workload(vocab_size_of(model_dir), args.seed)
-    engine = build_engine(model_dir, args.max_num_batched_tokens)
-    hf_model = None if args.skip_hf else load_hf(model_dir)
-    started, load_start = time.perf_counter(), os.getloadavg()[0]
-    run = run_in_process(engine, hf_model, work, args.repeats)
-    result = {"model": str(model_dir), "size": args.size if args.model is None else "custom",
-              "threads": torch.get_num_threads(), "repeats": args.repeats,
-              "max_num_batched_tokens": args.max_num_batched_tokens,
-              "torch": torch.__version__, "git_rev": git_revision(), **summarize(run), "raw": run["raw"],
-              "in_process_s": time.perf_counter() - started,
-              "loadavg_1m": [load_start, os.getloadavg()[0]]}
-    if args.vllm_python:
-        result["vllm_bind"] = args.vllm_bind
-        merge_vllm(result, run_vllm(args, model_dir, work), run["tokens"])
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as scratch:
+        vllm = VllmWorker(args, model_dir, work, Path(scratch)) if args.vllm_python else None
+        try:
+            result = measure(args, model_dir, work, vllm)
+        finally:
+            if vllm is not None:
+                vllm.close()
     print_table(result)
     if args.json:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def measure(args: argparse.Namespace, model_dir: Path, work: Workload, vllm: VllmWorker | None) -> dict:
+    """Every measurement, with vLLM's rounds among Baton's when it is given and ready;
+    a vLLM failure is reported under `vllm_error` and the rounds go on without it."""
+    engine = build_engine(model_dir, args.max_num_batched_tokens)
+    hf_model = None if args.skip_hf else load_hf(model_dir)
+    vllm_facts: dict = {}
+    if vllm is not None:
+        try:
+            vllm_facts = {**vllm.wait_ready(), "vllm_bind": args.vllm_bind,
+                          "vllm_omp_threads_bind": vllm.env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+        except VllmError as error:
+            vllm_facts, vllm = {"vllm_error": str(error)}, None
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    try:
+        run = run_in_process(engine, hf_model, work, args.repeats, vllm)
+    except VllmError as error:
+        print(f"vLLM failed mid-run ({error}); measuring without it", file=sys.stderr)
+        vllm_facts = {"vllm_error": str(error)}
+        run = run_in_process(engine, hf_model, work, args.repeats)
+    return {"model": str(model_dir), "size": args.size if args.model is None else "custom",
+            "threads": torch.get_num_threads(), "repeats": args.repeats,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "torch": torch.__version__, "git_rev": git_revision(), **summarize(run), **vllm_facts,
+            "raw": run["raw"], "in_process_s": time.perf_counter() - started,
+            "loadavg_1m": [load_start, os.getloadavg()[0]]}
 
 
 if __name__ == "__main__":

@@ -6,21 +6,24 @@ prompts (token ids) to a JSON file so both engines see exactly the same inputs:
     {"decode_prompts": [[...], ...], "decode_max_tokens": 128,
      "prefix": [...], "suffix_a": [...], "suffix_b": [...]}
 
-It measures
-  * decode: all decode prompts in one `generate` call (greedy, eos ignored), prefix
-    cache reset before each run; one warm-up, then the median of `--repeats` runs;
-  * prefix hit (unless --skip-prefix): prefix+suffix_a cold (cache reset first), then
-    prefix+suffix_b with the prefix cached, max_tokens=1, wall time of `generate`;
+It builds the LLM, warms up one decode run and one prefix pair, prints a JSON line
+{"ready": true, ...}, then serves the parent's rounds: one command per stdin line, each
+answered by one JSON line on stdout (vLLM's own log lines may come in between):
+  * `decode`: all decode prompts in one `generate` call (greedy, eos ignored) from a
+    reset prefix cache -> {"vllm_decode_s", "vllm_decode_token_ids"};
+  * `prefix`: prefix+suffix_a cold (cache reset first), then prefix+suffix_b with the
+    prefix cached, max_tokens=1, wall times of `generate` -> {"vllm_ttft_cold_s",
+    "vllm_ttft_prefix_hit_s", "vllm_prefix_hit_cached_tokens"};
+  * `quit`: stop vLLM and exit.
+The parent runs its own measurements between the commands, so each round of Baton and
+vLLM runs moments apart and the machine's drift falls on both alike.
 
-and prints ONE JSON line, last, on stdout.
-
-    python vllm_bench_worker.py --model DIR --prompts prompts.json --repeats 5
+    python vllm_bench_worker.py --model DIR --prompts prompts.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -29,10 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     parser.add_argument("--prompts", required=True, help="JSON file written by bench_engine.py")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--skip-prefix", action="store_true", help="skip the prefix-hit pair")
     return parser.parse_args(argv)
 
 
@@ -57,44 +58,44 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[floa
     return time.perf_counter() - start, outputs
 
 
-def bench_decode(llm, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    """Warm-up once, then `repeats` cold-cache runs of the whole decode batch."""
+def decode_round(llm, spec: dict) -> dict:
+    """The whole decode batch once, from a cold cache."""
     llm.reset_prefix_cache()
-    _, outputs = timed_generate(llm, prompts, max_tokens)
+    max_tokens = spec["decode_max_tokens"]
+    elapsed, outputs = timed_generate(llm, spec["decode_prompts"], max_tokens)
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    times = []
-    for _ in range(repeats):
-        llm.reset_prefix_cache()
-        elapsed, outputs = timed_generate(llm, prompts, max_tokens)
-        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
-        times.append(elapsed)
-    total = len(prompts) * max_tokens
-    return {"vllm_decode_tok_s": total / statistics.median(times),
-            "vllm_decode_s": times, "vllm_decode_token_ids": token_ids}
+    assert all(len(ids) == max_tokens for ids in token_ids)
+    return {"vllm_decode_s": elapsed, "vllm_decode_token_ids": token_ids}
 
 
-def bench_prefix_hit(llm, prefix: list[int], suffix_a: list[int], suffix_b: list[int],
-                     repeats: int) -> dict:
-    """Cold prefix+suffix_a then hit prefix+suffix_b, each max_tokens=1; one warm-up pair."""
-    cold_times, hit_times, hit_cached = [], [], []
-    for index in range(repeats + 1):
-        llm.reset_prefix_cache()
-        cold, _ = timed_generate(llm, [prefix + suffix_a], 1)
-        hit, outputs = timed_generate(llm, [prefix + suffix_b], 1)
-        if index == 0:
-            continue  # warm-up
-        cold_times.append(cold)
-        hit_times.append(hit)
-        hit_cached.append(outputs[0].num_cached_tokens)
-    cold_med, hit_med = statistics.median(cold_times), statistics.median(hit_times)
-    return {"vllm_ttft_cold_ms": cold_med * 1e3, "vllm_ttft_prefix_hit_ms": hit_med * 1e3,
-            "vllm_prefix_hit_speedup": cold_med / hit_med, "vllm_ttft_cold_s": cold_times,
-            "vllm_ttft_prefix_hit_s": hit_times, "vllm_prefix_hit_cached_tokens": hit_cached}
+def prefix_round(llm, spec: dict) -> dict:
+    """Cold prefix+suffix_a, then the hit prefix+suffix_b, each max_tokens=1."""
+    llm.reset_prefix_cache()
+    cold, _ = timed_generate(llm, [spec["prefix"] + spec["suffix_a"]], 1)
+    hit, outputs = timed_generate(llm, [spec["prefix"] + spec["suffix_b"]], 1)
+    return {"vllm_ttft_cold_s": cold, "vllm_ttft_prefix_hit_s": hit,
+            "vllm_prefix_hit_cached_tokens": outputs[0].num_cached_tokens}
+
+
+ROUNDS = {"decode": decode_round, "prefix": prefix_round}
+
+
+def serve(llm, spec: dict) -> None:
+    """Answer the parent's commands (module docstring) until `quit` or end of input."""
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            return
+        if command not in ROUNDS:
+            answer = {"error": f"unknown command {command!r}; expected one of {sorted(ROUNDS)} or quit"}
+        else:
+            answer = ROUNDS[command](llm, spec)
+        print(json.dumps(answer), flush=True)
 
 
 def shutdown(llm) -> None:
-    """Stop vLLM's engine processes now, so their shutdown chatter (which vLLM logs to
-    stdout) comes before our JSON line rather than after it."""
+    """Stop vLLM's engine processes now rather than at interpreter exit, which the
+    parent, waiting for this process to end, would otherwise sit through."""
     import gc
 
     engine = getattr(llm, "llm_engine", None)
@@ -116,15 +117,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     llm = build_llm(args.model, args.max_num_batched_tokens, args.max_model_len)
-    result = {"vllm_version": vllm.__version__, "vllm_startup_s": time.perf_counter() - started,
-              "vllm_parent_threads": torch.get_num_threads(), "vllm_repeats": args.repeats}
-    result.update(bench_decode(llm, spec["decode_prompts"], spec["decode_max_tokens"],
-                               args.repeats))
-    if not args.skip_prefix:
-        result.update(bench_prefix_hit(llm, spec["prefix"], spec["suffix_a"], spec["suffix_b"],
-                                       args.repeats))
-    shutdown(llm)
-    print(json.dumps(result), flush=True)
+    for warm_up in ROUNDS.values():
+        warm_up(llm, spec)
+    print(json.dumps({"ready": True, "vllm_version": vllm.__version__,
+                      "vllm_startup_s": time.perf_counter() - started,
+                      "vllm_parent_threads": torch.get_num_threads()}), flush=True)
+    try:
+        serve(llm, spec)
+    finally:
+        shutdown(llm)
     return 0
 
 
