@@ -244,8 +244,8 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
     raw: dict[str, list] = {k: [] for k in (
         "baton_decode_s", "hf_decode_s", "baton_prefill_s", "baton_ttft_cold_s",
         "baton_ttft_hit_s", "baton_hit_cached_tokens", "baton_cold_cached_tokens",
-        "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_ttft_cold_s",
-        "vllm_ttft_prefix_hit_s", "vllm_prefix_hit_cached_tokens")}
+        "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_prefix_cold_s",
+        "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens")}
     prefix_cache = hf_prefix_cache(hf_model, work) if hf_model is not None else None
     tokens: dict[str, list] = {}
     computed = None
@@ -293,28 +293,31 @@ def summarize(run: dict) -> dict:
         "prefix_hit_cached_tokens": int(statistics.median(raw["baton_hit_cached_tokens"])),
         "baton_decode_computed_tokens": run["baton_decode_computed_tokens"],
     }
-    if "hf_decode_s" in med:
-        out["hf_decode_tok_s"] = decode_tokens / med["hf_decode_s"]
-        out["ratio_vs_hf"] = out["baton_decode_tok_s"] / out["hf_decode_tok_s"]
-        out["ratio_vs_hf_paired"] = paired_median(raw["hf_decode_s"], raw["baton_decode_s"])
-        out["hf_ttft_cold_ms"] = med["hf_prefix_cold_s"] * 1e3
-        out["hf_ttft_prefix_hit_ms"] = med["hf_prefix_hit_s"] * 1e3
-        out["hf_prefix_hit_speedup"] = med["hf_prefix_cold_s"] / med["hf_prefix_hit_s"]
-        out["baton_hf_greedy_match"] = token_agreement(run["tokens"]["baton"],
-                                                       run["tokens"]["hf"])
+    for peer in ("hf", "vllm"):
+        if f"{peer}_decode_s" in med:
+            out.update(peer_figures(peer, run, med, out["baton_decode_tok_s"]))
     if "vllm_decode_s" in med:
-        out["vllm_decode_tok_s"] = decode_tokens / med["vllm_decode_s"]
-        out["ratio_vs_vllm"] = out["baton_decode_tok_s"] / out["vllm_decode_tok_s"]
-        out["ratio_vs_vllm_paired"] = paired_median(raw["vllm_decode_s"], raw["baton_decode_s"])
-        out["vllm_ttft_cold_ms"] = med["vllm_ttft_cold_s"] * 1e3
-        out["vllm_ttft_prefix_hit_ms"] = med["vllm_ttft_prefix_hit_s"] * 1e3
-        out["vllm_prefix_hit_speedup"] = med["vllm_ttft_cold_s"] / med["vllm_ttft_prefix_hit_s"]
-        out["vllm_prefix_hit_speedup_paired"] = paired_median(raw["vllm_ttft_cold_s"], raw["vllm_ttft_prefix_hit_s"])
         out["vllm_prefix_hit_cached_tokens"] = int(statistics.median(raw["vllm_prefix_hit_cached_tokens"]))
-        out["baton_vllm_greedy_match"] = token_agreement(run["tokens"]["baton"], run["tokens"]["vllm"])
         if "hf" in run["tokens"]:
             out["hf_vllm_greedy_match"] = token_agreement(run["tokens"]["hf"], run["tokens"]["vllm"])
     return out
+
+
+def peer_figures(peer: str, run: dict, med: dict, baton_decode_tok_s: float) -> dict:
+    """A peer engine's figures (`peer` is hf or vllm) and its ratios against Baton."""
+    raw, tokens = run["raw"], run["tokens"]
+    decode_tok_s = DECODE_SEQS * DECODE_NEW_TOKENS / med[f"{peer}_decode_s"]
+    cold_key, hit_key = f"{peer}_prefix_cold_s", f"{peer}_prefix_hit_s"
+    return {
+        f"{peer}_decode_tok_s": decode_tok_s,
+        f"ratio_vs_{peer}": baton_decode_tok_s / decode_tok_s,
+        f"ratio_vs_{peer}_paired": paired_median(raw[f"{peer}_decode_s"], raw["baton_decode_s"]),
+        f"{peer}_ttft_cold_ms": med[cold_key] * 1e3,
+        f"{peer}_ttft_prefix_hit_ms": med[hit_key] * 1e3,
+        f"{peer}_prefix_hit_speedup": med[cold_key] / med[hit_key],
+        f"{peer}_prefix_hit_speedup_paired": paired_median(raw[cold_key], raw[hit_key]),
+        f"baton_{peer}_greedy_match": token_agreement(tokens["baton"], tokens[peer]),
+    }
 
 
 def paired_median(numerators: list[float], denominators: list[float]) -> float:
@@ -449,6 +452,7 @@ def print_table(result: dict) -> None:
         ("Baton prefix-hit speedup", "prefix_hit_speedup", None),
         ("  same, paired per round", "prefix_hit_speedup_paired", None),
         ("HF prefix-hit speedup", "hf_prefix_hit_speedup", None),
+        ("  same, paired per round", "hf_prefix_hit_speedup_paired", None),
         ("vLLM prefix-hit speedup", "vllm_prefix_hit_speedup", None),
         ("  same, paired per round", "vllm_prefix_hit_speedup_paired", None),
     ]

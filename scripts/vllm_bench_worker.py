@@ -12,8 +12,8 @@ answered by one JSON line on stdout (vLLM's own log lines may come in between):
   * `decode`: all decode prompts in one `generate` call (greedy, eos ignored) from a
     reset prefix cache -> {"vllm_decode_s", "vllm_decode_token_ids"};
   * `prefix`: prefix+suffix_a cold (cache reset first), then prefix+suffix_b with the
-    prefix cached, max_tokens=1, wall times of `generate` -> {"vllm_ttft_cold_s",
-    "vllm_ttft_prefix_hit_s", "vllm_prefix_hit_cached_tokens"};
+    prefix cached, max_tokens=1, wall times of `generate` -> {"vllm_prefix_cold_s",
+    "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens"};
   * `quit`: stop vLLM and exit.
 The parent runs its own measurements between the commands, so each round of Baton and
 vLLM runs moments apart and the machine's drift falls on both alike.
@@ -73,7 +73,7 @@ def prefix_round(llm, spec: dict) -> dict:
     llm.reset_prefix_cache()
     cold, _ = timed_generate(llm, [spec["prefix"] + spec["suffix_a"]], 1)
     hit, outputs = timed_generate(llm, [spec["prefix"] + spec["suffix_b"]], 1)
-    return {"vllm_ttft_cold_s": cold, "vllm_ttft_prefix_hit_s": hit,
+    return {"vllm_prefix_cold_s": cold, "vllm_prefix_hit_s": hit,
             "vllm_prefix_hit_cached_tokens": outputs[0].num_cached_tokens}
 
 
