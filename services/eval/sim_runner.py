@@ -34,7 +34,7 @@ from common.cost_model import CostModel
 from common.engine.config import QUEUE_POLICIES
 from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
 from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, summarize
-from services.eval.simulator import SimConfig, Simulator
+from services.eval.simulator import SimConfig, Simulator, decode_alone_s
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
 from services.router.policies import POLICIES
@@ -388,8 +388,7 @@ def e2e_floor(point: Point) -> tuple[float, float]:
     token: (output tokens − 1) decode steps of a batch of one at its prompt's context,
     with no queueing, no prefill and no network. Step costs only grow with batch and
     context, so no placement policy goes below it: it bounds what any policy can gain."""
-    decode_s = point.spec.cost.decode_step_s
-    floors = [max(request.output_tokens - 1, 0) * decode_s(1, len(request.token_ids)) for request in point.requests]
+    floors = [decode_alone_s(request, point.spec.cost) for request in point.requests]
     return mean(floors), percentile(floors, 99)
 
 

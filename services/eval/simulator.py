@@ -227,9 +227,7 @@ class Simulator:
 
     def _ideal_s(self, request: WorkloadRequest) -> float:
         """The request alone on an idle worker: its prefill, then its decode steps."""
-        cost = self.config.cost
-        prompt = len(request.token_ids)
-        return cost.prefill_s(prompt) + max(request.output_tokens - 1, 0) * cost.decode_step_s(1, prompt)
+        return self.config.cost.prefill_s(len(request.token_ids)) + decode_alone_s(request, self.config.cost)
 
     # ---- the workers ---------------------------------------------------------------------
 
@@ -290,3 +288,10 @@ def _rare_gc():
 
 def simulate(requests: list[WorkloadRequest], config: SimConfig, progress=None) -> SimResult:
     return Simulator(config).run(requests, progress)
+
+
+def decode_alone_s(request: WorkloadRequest, cost: CostModel) -> float:
+    """The request's decode steps after its first token, in a batch of one at its
+    prompt's context: no batch or context makes a step cheaper, so its decode takes at
+    least this long."""
+    return max(request.output_tokens - 1, 0) * cost.decode_step_s(1, len(request.token_ids))
