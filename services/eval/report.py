@@ -283,9 +283,11 @@ def print_table(results: Mapping[str, dict], file: TextIO | None = None) -> None
 
 
 def json_line(results: Mapping[str, dict]) -> str:
-    """One line of JSON keyed by policy name, each value {"overall": ..., "classes": ...}."""
+    """One line of JSON keyed by policy name, each value {"overall": ..., "classes": ...}
+    and, for a simulated run, "simulation" (the simulator's own speed)."""
     return json.dumps(
-        {name: {"overall": r["overall"], "classes": r["classes"]} for name, r in results.items()},
+        {name: {key: r[key] for key in ("overall", "classes", "simulation") if key in r}
+         for name, r in results.items()},
         separators=(",", ":"),
     )
 

@@ -62,9 +62,10 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
 
     \b
     With --json the last line of output is one JSON object:
-      {POLICY: {"overall": {...}, "classes": {CLASS: {...}}}, ...}
+      {POLICY: {"overall": {...}, "classes": {CLASS: {...}}, "simulation": {...}}, ...}
     and with --sweep VAR=a,b,c
-      {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ...}}}}
+      {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ..., "simulation": ...}}}}
+    where "simulation" is the simulator's own speed: requests, wall_s, requests_per_wall_s.
     with each VALUE as written in --sweep. A swept load or rate replaces --load and
     --rate; workers, zipf and scale replace --workers, --zipf and --scale.
     """

@@ -25,6 +25,7 @@ import json
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,7 +365,9 @@ def run_points(points: Sequence[Point], advance: Callable[[int], None] | None = 
 
 
 def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | None = None) -> dict:
-    """One simulation of the point's requests under `policy`, summarised."""
+    """One simulation of the point's requests under `policy`, summarised, with the
+    simulator's own speed under "simulation": requests, wall_s, requests_per_wall_s."""
+    started = time.perf_counter()
     simulator = Simulator(sim_config(point.spec, policy, point.slos))
     reported = 0
 
@@ -377,7 +380,11 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | 
             reported = done
 
     result = simulator.run(point.requests, on_event if advance is not None else None)
-    return summarize(result.records, point.slos, result.totals)
+    summary = summarize(result.records, point.slos, result.totals)
+    wall_s = time.perf_counter() - started
+    summary["simulation"] = {"requests": len(point.requests), "wall_s": wall_s,
+                             "requests_per_wall_s": len(point.requests) / wall_s}
+    return summary
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -393,8 +400,8 @@ def e2e_floor(point: Point) -> tuple[float, float]:
 
 
 def print_results(points: Sequence[Point], results: Mapping[str, dict], variable: str | None) -> None:
-    """The metrics table, then the e2e floor; with a sweep, one of each per value under
-    a `VAR=value` heading."""
+    """The metrics table, then the e2e floor and the simulator's speed; with a sweep, one
+    of each per value under a `VAR=value` heading."""
     for point in points:
         if variable is not None:
             print(f"{variable}={point.label}")
@@ -402,14 +409,19 @@ def print_results(points: Sequence[Point], results: Mapping[str, dict], variable
         floor_mean, floor_p99 = e2e_floor(point)
         print(f"floor: e2e mean {floor_mean * 1000:.1f} ms, p99 {floor_p99 * 1000:.1f} ms "
               "(each request decoding alone: no queue, no prefill; no policy goes below it)")
+        speeds = ", ".join(f"{policy} {r['simulation']['wall_s']:.2f} s "
+                           f"({r['simulation']['requests_per_wall_s']:,.0f} req/s)"
+                           for policy, r in results[point.label].items())
+        print(f"simulated {len(point.requests):,} requests on {point.spec.workers:,} workers in: {speeds}")
 
 
 def results_json(results: Mapping[str, dict], variable: str | None) -> str:
     """One line of JSON: json_line of the policies' results, or with a sweep
-    {"sweep": VAR, "values": {value as written: {policy: {"overall", "classes"}}}}."""
+    {"sweep": VAR, "values": {value as written: {policy: {"overall", "classes", "simulation"}}}}."""
     if variable is None:
         return json_line(results[""])
-    values = {label: {policy: {"overall": r["overall"], "classes": r["classes"]} for policy, r in by_policy.items()}
+    values = {label: {policy: {key: r[key] for key in ("overall", "classes", "simulation")}
+                      for policy, r in by_policy.items()}
               for label, by_policy in results.items()}
     return json.dumps({"sweep": variable, "values": values}, separators=(",", ":"))
 

@@ -34,14 +34,22 @@ def check_policies(results: dict, policies: list[str], workload_class: str, requ
             assert all(isinstance(summary[key], (int, float)) for key in REQUIRED_KEYS)
         assert overall["requests"] == overall["completed"] == requests
         assert overall["ttft_mean_s"] > 0 and overall["e2e_p99_s"] >= overall["e2e_mean_s"] > 0
+        speed = results[policy]["simulation"]
+        assert speed["requests"] == requests and speed["wall_s"] > 0
+        assert speed["requests_per_wall_s"] == pytest.approx(requests / speed["wall_s"])
 
 
 def test_a_run_prints_the_table_and_ends_with_the_json_line():
     result = run_sim(*SMALL, "--policy", "round_robin,e2", "--ttft-slo", "10", "--json")
     lines = result.stdout.strip().splitlines()
     assert lines[0].split()[:3] == ["policy", "reqs", "ttft_ms"]
-    assert [line.split()[0] for line in lines[1:-1]] == ["round_robin", "toolbench", "e2", "toolbench", "floor:"]
+    assert [line.split()[0] for line in lines[1:-1]] == ["round_robin", "toolbench", "e2", "toolbench", "floor:",
+                                                         "simulated"]
     results = last_json(result)
+    speeds = re.search(r"^simulated 60 requests on 2 workers in: round_robin ([\d.]+) s \(([\d,]+) req/s\), "
+                       r"e2 ([\d.]+) s", result.stdout, re.MULTILINE)
+    assert speeds is not None, result.stdout
+    assert float(speeds.group(3)) == pytest.approx(results["e2"]["simulation"]["wall_s"], abs=0.006)
     check_policies(results, ["round_robin", "e2"], "toolbench", 60)
     assert results["e2"]["overall"]["slo_attainment"] == 1.0
 
@@ -58,7 +66,7 @@ def test_the_floor_is_below_every_policy_and_tight_at_light_load():
 
 def test_without_json_the_output_is_only_the_table():
     lines = run_sim(*SMALL, "--policy", "lpm").stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["policy", "lpm", "toolbench", "floor:"]
+    assert [line.split()[0] for line in lines] == ["policy", "lpm", "toolbench", "floor:", "simulated"]
 
 
 def test_a_sweep_prints_a_table_per_value_writes_plots_and_one_json_object(tmp_path):
