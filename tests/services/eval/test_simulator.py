@@ -1,4 +1,6 @@
 """The simulator: the live scheduler, block manager and router objects on virtual time."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,21 @@ def test_the_simulator_is_deterministic_for_a_seed_and_runs_every_policy():
             [(r.request_id, r.first_token_s, r.finish_s, r.worker_id) for r in second.records]
         summary = summarize(first.records, {}, first.totals)["overall"]
         assert summary["completed"] == 120 and summary["ttft_mean_s"] > 0
+
+
+@pytest.mark.parametrize("policy, changes", [
+    ("e2", {}),
+    ("lpm", {"kv_blocks": 600, "queue_policy": "priority"}),  # evictions and preemptions
+    ("round_robin", {"max_num_batched_tokens": 8, "max_num_seqs": 6}),  # budget and seat limits
+    ("cache_aware", {"index_ttl_s": 30.0, "admission": True, "slos": {"toolbench": Slo(ttft_s=1.0, tpot_s=0.05)}}),
+])
+def test_quiet_runs_as_one_event_give_the_same_results_as_stepping_one_by_one(policy, changes):
+    requests = poisson(make_workload("toolbench", 150, seed=5), rate=12.0, seed=5)
+    # Two arrivals at one instant: a quiet run must stop before it, not at it.
+    requests[5] = dataclasses.replace(requests[5], arrival_s=requests[4].arrival_s)
+    config = SimConfig(workers=3, policy=policy, cost=load_cost_model("a6000/mistral-7b"), **changes)
+    stepped = simulate(requests, dataclasses.replace(config, fuse_quiet_steps=False))
+    fused = simulate(requests, config)
+    assert fused.records == stepped.records
+    assert fused.steps == stepped.steps and fused.totals == stepped.totals
+    assert any(record.output_tokens > 16 for record in fused.records)  # runs long enough to fuse
