@@ -65,8 +65,8 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
       {POLICY: {"overall": {...}, "classes": {CLASS: {...}}, "simulation": {...}}, ...}
     and with --sweep VAR=a,b,c
       {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ..., "simulation": ...}}}}
-    where "simulation" is the simulator's own speed: requests, wall_s, requests_per_wall_s.
-    with each VALUE as written in --sweep. A swept load or rate replaces --load and
+    with each VALUE as written in --sweep. "simulation" is the simulator's own speed:
+    requests, wall_s, requests_per_wall_s. A swept load or rate replaces --load and
     --rate; workers, zipf and scale replace --workers, --zipf and --scale.
     """
     from common.cost_model import ProfileError, load_cost_model
