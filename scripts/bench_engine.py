@@ -379,14 +379,13 @@ class VllmWorker:
         # already read ahead into the file object's buffer.
         self.lines: queue.Queue[str] = queue.Queue(maxsize=10_000)
         threading.Thread(target=self._read_lines, name="vllm-stdout", daemon=True).start()
-        self.info: dict = {}
 
     def wait_ready(self) -> dict:
         """vLLM's version and start-up figures, once it has built and warmed up."""
-        self.info = self._answer()
-        if not self.info.pop("ready", False):
-            raise VllmError(f"expected the ready line, got {self.info}")
-        return self.info
+        info = self._answer()
+        if not info.pop("ready", False):
+            raise VllmError(f"expected the ready line, got {info}")
+        return info
 
     def round(self, command: str) -> dict:
         self.process.stdin.write(command + "\n")

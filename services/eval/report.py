@@ -282,14 +282,16 @@ def print_table(results: Mapping[str, dict], file: TextIO | None = None) -> None
         print("  ".join(cells), file=out)
 
 
+def reported(results: Mapping[str, dict]) -> dict:
+    """Each policy's result as reported in JSON: {"overall": ..., "classes": ...} and, for
+    a simulated run, "simulation" (the simulator's own speed)."""
+    return {name: {key: r[key] for key in ("overall", "classes", "simulation") if key in r}
+            for name, r in results.items()}
+
+
 def json_line(results: Mapping[str, dict]) -> str:
-    """One line of JSON keyed by policy name, each value {"overall": ..., "classes": ...}
-    and, for a simulated run, "simulation" (the simulator's own speed)."""
-    return json.dumps(
-        {name: {key: r[key] for key in ("overall", "classes", "simulation") if key in r}
-         for name, r in results.items()},
-        separators=(",", ":"),
-    )
+    """One line of JSON keyed by policy name, each value as `reported` gives it."""
+    return json.dumps(reported(results), separators=(",", ":"))
 
 
 def _file_stem(text: str) -> str:

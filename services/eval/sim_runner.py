@@ -34,7 +34,7 @@ from common.config import INDEX_MODES, ClusterConfig
 from common.cost_model import CostModel
 from common.engine.config import QUEUE_POLICIES
 from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
-from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, summarize
+from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, reported, summarize
 from services.eval.simulator import SimConfig, Simulator, decode_alone_s
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
@@ -420,9 +420,7 @@ def results_json(results: Mapping[str, dict], variable: str | None) -> str:
     {"sweep": VAR, "values": {value as written: {policy: {"overall", "classes", "simulation"}}}}."""
     if variable is None:
         return json_line(results[""])
-    values = {label: {policy: {key: r[key] for key in ("overall", "classes", "simulation")}
-                      for policy, r in by_policy.items()}
-              for label, by_policy in results.items()}
+    values = {label: reported(by_policy) for label, by_policy in results.items()}
     return json.dumps({"sweep": variable, "values": values}, separators=(",", ":"))
 
 
