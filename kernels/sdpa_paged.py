@@ -24,9 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.attention import AttentionBackend, AttentionInputs
 
+# On CUDA, SDPA may pick cuDNN's fused attention, which builds an execution plan for every
+# new shape: ~40 ms per step on an H200 when, as in decode, each step brings a new context
+# length. Flash and memory-efficient kernels need no per-shape plan.
+CUDA_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MIRROR_POOL_SHARE = 8  # the mirror holds at most this fraction (1/8) of the pool's tokens
 MIRROR_HEADROOM = 64  # positions a rebuilt mirror leaves for the steps after it
 
@@ -159,6 +164,12 @@ class SdpaPagedBackend(AttentionBackend):
         return _MirrorStep(True, None)
 
     def forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
+        if kv_layer.is_cuda:
+            with sdpa_kernel(CUDA_SDPA_KERNELS):
+                return self._forward(query, key, value, kv_layer, metadata)
+        return self._forward(query, key, value, kv_layer, metadata)
+
+    def _forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
         self.pool_tokens = kv_layer.shape[1]
         kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
         kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
