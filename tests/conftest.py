@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def make_engine(tiny_model_dir):
-    """Build an fp32 engine on the tiny model (exact comparisons), with overrides."""
+def test_device() -> str:
+    """The device engine tests run on: $BATON_TEST_DEVICE, default cpu (scripts/check_cuda.sh
+    runs the engine tests again with cuda)."""
+    device = os.environ.get("BATON_TEST_DEVICE", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.fail(f"BATON_TEST_DEVICE={device!r} but torch sees no CUDA device")
+    return device
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_model_dir, test_device):
+    """Build an fp32 engine on the tiny model (exact comparisons) on the test device,
+    with overrides."""
     from common.engine.engine import Engine
 
     def build(model_dir: Path | None = None, **overrides):
         config = EngineConfig(model_dir=model_dir or tiny_model_dir, dtype="float32",
-                              kv_cache_gb=0.05, max_model_len=1024)
+                              kv_cache_gb=0.05, max_model_len=1024, device=test_device)
         return Engine(dataclasses.replace(config, **overrides))
 
     return build

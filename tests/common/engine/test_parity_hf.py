@@ -12,13 +12,13 @@ from common.sampling_params import SamplingParams  # noqa: E402
 NEW_TOKENS = 64
 
 
-def hf_model(model_dir, dtype):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def hf_model(model_dir, dtype, device):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        output = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+        output = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)
     return output[0, len(prompt):].tolist()
@@ -26,7 +26,7 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([prompt])).logits[0, -1].float()
+        return model(torch.tensor([prompt], device=model.device)).logits[0, -1].float().cpu()
 
 
 def baton_last_logits(engine, prompt: list[int]) -> torch.Tensor:
@@ -43,7 +43,7 @@ def baton_last_logits(engine, prompt: list[int]) -> torch.Tensor:
         engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
     finally:
         engine.runner.sampler.sample = original
-    return captured["logits"][0]
+    return captured["logits"][0].float().cpu()
 
 
 def write_hf_checkpoint(model_class, config, directory, tokenizer_dir):
@@ -86,9 +86,9 @@ def variant_dirs(tmp_path_factory, tiny_model_dir):
     }
 
 
-def test_tiny_default_matches_hf_fp32(make_engine, tiny_model_dir, random_prompts):
+def test_tiny_default_matches_hf_fp32(make_engine, tiny_model_dir, random_prompts, test_device):
     engine = make_engine()
-    reference = hf_model(tiny_model_dir, torch.float32)
+    reference = hf_model(tiny_model_dir, torch.float32, test_device)
     prompt = random_prompts([40], seed=1)[0]
     torch.testing.assert_close(baton_last_logits(engine, prompt), hf_last_logits(reference, prompt),
                                atol=1e-4, rtol=1e-4)
@@ -96,9 +96,9 @@ def test_tiny_default_matches_hf_fp32(make_engine, tiny_model_dir, random_prompt
     assert result.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
 
 
-def test_tiny_default_matches_hf_bf16(make_engine, tiny_model_dir, random_prompts):
+def test_tiny_default_matches_hf_bf16(make_engine, tiny_model_dir, random_prompts, test_device):
     engine = make_engine(dtype="bfloat16")
-    reference = hf_model(tiny_model_dir, torch.bfloat16)
+    reference = hf_model(tiny_model_dir, torch.bfloat16, test_device)
     for prompt in random_prompts([12, 70], seed=2):
         baton, hf = baton_last_logits(engine, prompt), hf_last_logits(reference, prompt)
         # bf16 keeps 8 bits of mantissa; logits of this scale agree to a few bf16 ulps.
@@ -108,10 +108,10 @@ def test_tiny_default_matches_hf_bf16(make_engine, tiny_model_dir, random_prompt
 
 @pytest.mark.parametrize("variant", ["llama3-gqa-rope-scaling", "llama-linear-rope",
                                      "qwen2-bias-tied", "qwen3-qk-norm"])
-def test_architecture_variants_match_hf(variant, variant_dirs, make_engine, random_prompts):
+def test_architecture_variants_match_hf(variant, variant_dirs, make_engine, random_prompts, test_device):
     model_dir = variant_dirs[variant]
     engine = make_engine(model_dir=model_dir)
-    reference = hf_model(model_dir, torch.float32)
+    reference = hf_model(model_dir, torch.float32, test_device)
     # Long enough (> 256) that llama3 scaling's low-frequency band matters.
     prompt = random_prompts([300], seed=3)[0]
     torch.testing.assert_close(baton_last_logits(engine, prompt), hf_last_logits(reference, prompt),

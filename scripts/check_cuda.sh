@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU checks CI cannot run (it has no GPU). Run on a machine with an NVIDIA GPU and a
+# CUDA build of torch, from the repository root:
+#
+#   scripts/check_cuda.sh [OUT_DIR]          (PYTHON=... picks the interpreter; default python3)
+#
+# The interpreter needs the project's dependencies (pip install -e '.[engine,test]', or the
+# wheels on PYTHONPATH). Each stage writes OUT_DIR/<stage>.log; the script goes on past a
+# failed stage and exits 1 if any failed. DEVICE=cpu runs the same stages on the CPU (a dry
+# run of this script on a machine without a GPU); REPEATS sets the benchmarks' rounds (5). Stages:
+#   facts        torch, CUDA, the GPU, whether flash-attn is importable, the auto backend
+#   engine-tests the engine, kernel and profiler tests again with every engine on the GPU
+#                (BATON_TEST_DEVICE): HF parity, batching, chunking, prefix hits,
+#                preemption, sampling, block integrity
+#   new-shapes   scripts/check_new_shapes.py: a decode step at a context length not met
+#                before costs what one at a met length does (no per-shape kernel plans)
+#   generate     `svc generate` fp32 on the CPU and on the GPU give the same greedy ids
+#   bench-tiny, bench-small   scripts/bench_engine.py --device (Baton vs HF on the GPU)
+#   profile      `svc profile --quick` on the small model, on the GPU
+set -u
+out=${1:-${OUT:-/tmp/baton-cuda-check}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+device=${DEVICE:-cuda}
+repeats=${REPEATS:-5}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export BATON_CACHE_DIR=${BATON_CACHE_DIR:-/tmp/baton-cuda-check-cache}  # models, outside OUT_DIR
+failed=()
+
+stage() {  # stage NAME SECONDS COMMAND...: run it, log to $out/NAME.log, show its tail
+    local name=$1 limit=$2 started=$SECONDS rc=0
+    shift 2
+    echo "== $name"
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+    tail -n 15 "$out/$name.log"
+    if [ "$rc" -ne 0 ]; then
+        failed+=("$name")
+        echo "== $name FAILED (exit $rc) after $((SECONDS - started)) s"
+    else
+        echo "== $name ok in $((SECONDS - started)) s"
+    fi
+}
+
+facts() {
+    "$py" - "$device" <<'PY'
+import importlib.util, sys, torch
+device = torch.device(sys.argv[1])
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if device.type == "cuda":
+    assert torch.cuda.is_available(), "torch sees no CUDA device"
+    print("gpu", torch.cuda.get_device_name(device), "capability", torch.cuda.get_device_capability(device))
+print("flash_attn importable", importlib.util.find_spec("flash_attn") is not None)
+from kernels.attention import select_backend
+print(f"auto backend on {device}:", select_backend("auto", device).name)
+PY
+}
+
+compare_generate() {
+    local prompt="Baton serves long shared prompts." cpu other
+    cpu=$("$py" -m services.cli generate --prompt "$prompt" --max-tokens 64 --ignore-eos \
+        --dtype float32 --device cpu --json | tail -n 1) || return 1
+    other=$("$py" -m services.cli generate --prompt "$prompt" --max-tokens 64 --ignore-eos \
+        --dtype float32 --device "$device" --json | tail -n 1) || return 1
+    "$py" - "$cpu" "$other" <<'PY'
+import json, sys
+cpu, other = (json.loads(line)["token_ids"] for line in sys.argv[1:3])
+print("cpu   ", cpu[:16], "...", len(cpu), "tokens")
+print("device", other[:16], "...", len(other), "tokens")
+assert len(cpu) == 64 and cpu == other, "the CPU's and the device's greedy token ids differ"
+print("identical")
+PY
+}
+
+small_model() {
+    "$py" -c 'from common.engine.default_model import default_model_dir; print(default_model_dir(size="small"))'
+}
+
+export -f facts compare_generate
+export out py device
+stage facts 60 bash -c facts
+stage engine-tests 300 env BATON_TEST_DEVICE="$device" "$py" -m pytest -q -p no:cacheprovider \
+    tests/common/engine tests/kernels tests/services/eval/test_profiler.py
+stage new-shapes 120 "$py" scripts/check_new_shapes.py --device "$device"
+stage generate 180 bash -c compare_generate
+stage bench-tiny 300 "$py" scripts/bench_engine.py --device "$device" --repeats "$repeats" --json
+stage bench-small 300 "$py" scripts/bench_engine.py --device "$device" --size small --repeats "$repeats" --json
+stage profile 300 "$py" -m services.cli profile --device "$device" --quick --model "$(small_model)" \
+    --out "$out/profile-small-$device.json"
+
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "FAILED stages: ${failed[*]}"
+    exit 1
+fi
+echo "all stages passed"
