@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionInputs, select_backend
+from kernels.sdpa_paged import SdpaPagedBackend
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
 
@@ -32,7 +33,8 @@ def reference(q, k, v):
     [(0, 5), (0, 5), (0, 5)],            # equal fresh prompts: one batched group
     [(3, 1), (0, 5), (0, 5), (0, 2), (0, 5), (8, 3)],  # runs of equal fresh prompts, split
 ])
-def test_sdpa_paged_matches_dense(shape):
+@pytest.mark.parametrize("fold_decode", [False, True], ids=["gqa-decode", "folded-decode"])
+def test_sdpa_paged_matches_dense(shape, fold_decode):
     generator = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     num_blocks = 64
@@ -65,7 +67,7 @@ def test_sdpa_paged_matches_dense(shape):
         block_size=BLOCK,
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor(slots))
-    backend = select_backend("sdpa", torch.device("cpu"))
+    backend = SdpaPagedBackend(fold_decode=fold_decode)  # folded: CUDA's default
     new_keys = torch.cat([k[c:] for k, (c, _) in zip(full_keys, shape)])
     new_values = torch.cat([v[c:] for v, (c, _) in zip(full_values, shape)])
     output = backend.forward(torch.cat(queries), new_keys, new_values, kv_layer,
