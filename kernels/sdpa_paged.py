@@ -117,7 +117,8 @@ class SdpaPagedBackend(AttentionBackend):
 
     def __init__(self, fold_decode: bool | None = None) -> None:
         """fold_decode: attend decode queries with their grouped-query heads folded into
-        rows (see _attend_decode_folded); None decides by device: on CUDA only."""
+        rows (see _attend_decode_folded); None decides by device: on CUDA only (on the
+        CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models)."""
         self.fold_decode = fold_decode
         self.mirror = _Mirror()
         self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
