@@ -69,7 +69,9 @@ def write_checkpoint(shape: ModelShape, directory: Path, device: str) -> None:
         else:
             values = torch.randn(size, generator=generator, device=device, dtype=torch.bfloat16)
             tensors[name] = (values * WEIGHT_STD).cpu()
-    save_file(tensors, str(directory / "model.safetensors"))
+    partial = directory / "model.safetensors.partial"  # renamed once whole: a rerun reuses only whole files
+    save_file(tensors, str(partial))
+    partial.rename(directory / "model.safetensors")
 
 
 def analytic_seconds(point: Point, gpu_key: str, shape: ModelShape) -> float:
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gb", type=float, default=60.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
-    if MODELS[args.model].gated_mlp is False:
+    if not MODELS[args.model].gated_mlp:
         parser.error(f"{args.model}: the engine runs Llama-family (gated MLP) models only")
     configure_logging("warning")
     shape = MODELS[args.model]
