@@ -1,5 +1,9 @@
 """The paged SDPA backend against dense causal attention on the same K/V."""
+import importlib
 import random
+import sys
+import types
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ def reference(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("shape", [
+SHAPES = [  # (cached context, new tokens) per sequence, in batch order
     [(0, 1)],                            # one decode token, no context
     [(9, 1), (3, 1), (17, 1)],           # decode of unequal contexts
     [(0, 11)],                           # one fresh prompt
@@ -32,9 +36,23 @@ def reference(q, k, v):
     [(2, 1), (10, 4), (6, 4)],           # the same after a decode token
     [(0, 5), (0, 5), (0, 5)],            # equal fresh prompts: one batched group
     [(3, 1), (0, 5), (0, 5), (0, 2), (0, 5), (8, 3)],  # runs of equal fresh prompts, split
-])
-@pytest.mark.parametrize("fold_decode", [False, True], ids=["gqa-decode", "folded-decode"])
-def test_sdpa_paged_matches_dense(shape, fold_decode):
+]
+
+
+@dataclass
+class PagedCase:
+    """One step's batch on a paged cache whose earlier context is already written, and the
+    dense causal attention every backend must give for it."""
+
+    inputs: AttentionInputs
+    query: torch.Tensor
+    key: torch.Tensor  # the step's new K and V
+    value: torch.Tensor
+    kv_layer: torch.Tensor
+    expected: torch.Tensor
+
+
+def paged_case(shape: list[tuple[int, int]]) -> PagedCase:
     generator = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     num_blocks = 64
@@ -67,13 +85,69 @@ def test_sdpa_paged_matches_dense(shape, fold_decode):
         block_size=BLOCK,
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor(slots))
+    return PagedCase(
+        inputs, torch.cat(queries),
+        torch.cat([k[c:] for k, (c, _) in zip(full_keys, shape)]),
+        torch.cat([v[c:] for v, (c, _) in zip(full_values, shape)]),
+        kv_layer,
+        torch.cat([reference(q, k, v) for q, k, v in zip(queries, full_keys, full_values)]))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fold_decode", [False, True], ids=["gqa-decode", "folded-decode"])
+def test_sdpa_paged_matches_dense(shape, fold_decode):
+    case = paged_case(shape)
     backend = SdpaPagedBackend(fold_decode=fold_decode)  # folded: CUDA's default
-    new_keys = torch.cat([k[c:] for k, (c, _) in zip(full_keys, shape)])
-    new_values = torch.cat([v[c:] for v, (c, _) in zip(full_values, shape)])
-    output = backend.forward(torch.cat(queries), new_keys, new_values, kv_layer,
-                             backend.prepare(inputs))
-    expected = torch.cat([reference(q, k, v) for q, k, v in zip(queries, full_keys, full_values)])
-    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    output = backend.forward(case.query, case.key, case.value, case.kv_layer, backend.prepare(case.inputs))
+    torch.testing.assert_close(output, case.expected, atol=1e-5, rtol=1e-5)
+
+
+def flash_attn_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal=False):
+    """flash-attn's documented `flash_attn_varlen_func` contract in plain torch: sequences
+    packed back to back (cu_seqlens), grouped-query heads, causal masks aligned to the
+    bottom right (query i of a sequence sees keys up to i + len_k - len_q)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_seqlens_q) - 1):
+        qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1],
+                                           cu_seqlens_k[i], cu_seqlens_k[i + 1]))
+        assert qe - qs <= max_seqlen_q and ke - ks <= max_seqlen_k
+        keys, values = (x[ks:ke].repeat_interleave(group, dim=1) for x in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe], keys) / q.shape[-1] ** 0.5
+        if causal:
+            shift = (ke - ks) - (qe - qs)
+            visible = torch.arange(ke - ks)[None, :] <= torch.arange(qe - qs)[:, None] + shift
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.fixture
+def flash_paged_on_reference(monkeypatch):
+    """kernels.flash_paged imported against flash_attn_varlen_reference, and forgotten
+    afterwards (so a machine with flash-attn imports the real one later)."""
+    import kernels
+
+    monkeypatch.setitem(sys.modules, "flash_attn",
+                        types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_reference))
+    saved = sys.modules.pop("kernels.flash_paged", None)
+    yield importlib.import_module("kernels.flash_paged")
+    sys.modules.pop("kernels.flash_paged", None)
+    if saved is None:
+        del kernels.flash_paged
+    else:
+        sys.modules["kernels.flash_paged"] = kernels.flash_paged = saved
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flash_backend_metadata_matches_dense(shape, flash_paged_on_reference):
+    """The flash backend's packing (context slots, cu_seqlens, causal alignment) on the CPU,
+    with flash-attn's kernel (CUDA only) replaced by its contract written in torch."""
+    case = paged_case(shape)
+    backend = flash_paged_on_reference.FlashPagedBackend()
+    output = backend.forward(case.query, case.key, case.value, case.kv_layer, backend.prepare(case.inputs))
+    torch.testing.assert_close(output, case.expected, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_selects_sdpa_without_cuda():
