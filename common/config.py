@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from common.engine.config import QUEUE_POLICIES
+from common.engine.config import DEVICE_PATTERN, QUEUE_POLICIES
 
 ENV_PREFIX = "BATON_"
 ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")
@@ -176,6 +176,8 @@ def _validate(config: ClusterConfig) -> None:
                           f"choose one of {', '.join(QUEUE_POLICIES)}")
     if config.dtype not in ("bfloat16", "float32", "float16"):
         raise ConfigError(f"dtype: unsupported {config.dtype!r}")
+    if not DEVICE_PATTERN.fullmatch(config.device):
+        raise ConfigError(f"device: {config.device!r} is not cpu, cuda or cuda:N")
     for name in ("router_address", "sdk_address", "stream_address"):
         value = getattr(config, name)
         if value and "://" not in value:

@@ -104,6 +104,7 @@ ROLE_FLAGS = [
     ("--model", str, "checkpoint directory (default: the tiny embedded model)"),
     ("--model-name", str, "the model's name in the OpenAI API"),
     ("--dtype", str, "bfloat16 or float32"),
+    ("--device", str, "cpu, cuda (worker N on GPU N modulo the GPUs it sees) or cuda:K"),
     ("--kv-cache-gb", float, "size of each worker's KV pool"),
     ("--max-num-batched-tokens", int, "per-step token budget"),
     ("--max-num-seqs", int, "most requests in a worker's batch"),

@@ -1,6 +1,8 @@
 """Frozen configuration of a model and of an engine, passed explicitly everywhere."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,6 +10,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 QUEUE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("bfloat16", "float32", "float16")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")  # what an engine runs on: cpu, cuda, cuda:N
 
 
 @dataclass(frozen=True)

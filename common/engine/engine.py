@@ -17,7 +17,7 @@ import torch
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.block_manager import BlockManager, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
-from common.engine.config import DTYPES, EngineConfig
+from common.engine.config import DEVICE_PATTERN, DTYPES, EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
@@ -275,8 +275,13 @@ def _check_config(config: EngineConfig) -> None:
             raise EngineConfigError(f"{name}: must be a positive integer, got {value!r}")
     if config.num_kv_blocks is None and not config.kv_cache_gb > 0:
         raise EngineConfigError(f"kv_cache_gb: must be > 0, got {config.kv_cache_gb}")
+    if not DEVICE_PATTERN.fullmatch(config.device):
+        raise EngineConfigError(f"device: {config.device!r} is not cpu, cuda or cuda:N")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineConfigError(f"device: {config.device!r} requested but CUDA is not available")
+    if config.device.startswith("cuda:") and int(config.device[5:]) >= torch.cuda.device_count():
+        raise EngineConfigError(f"device: {config.device!r} but torch sees "
+                                f"{torch.cuda.device_count()} GPU(s), numbered from 0")
 
 
 def _max_model_len(config: EngineConfig, model_limit: int) -> int:

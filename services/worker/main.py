@@ -13,10 +13,22 @@ from common.engine.step_log import StepLogWriter
 from services.worker.service import KvEventBuffer, WorkerService
 
 
-def engine_config(config: ClusterConfig) -> EngineConfig:
+def worker_device(device: str, index: int, visible_gpus: int) -> str:
+    """The device worker `index` runs on. "cuda" spreads the workers over the GPUs this
+    process sees, worker i on GPU i mod their count (one engine per GPU on a node);
+    "cuda:N" and "cpu" are taken as given."""
+    if device != "cuda" or visible_gpus == 0:
+        return device  # with no GPU, the engine refuses "cuda" with a clear error
+    return f"cuda:{index % visible_gpus}"
+
+
+def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
+    import torch
+
     return EngineConfig(
         model_dir=Path(config.model) if config.model else default_model_dir(),
-        dtype=config.dtype, device=config.device, block_size=config.block_size,
+        dtype=config.dtype, device=worker_device(config.device, index, torch.cuda.device_count()),
+        block_size=config.block_size,
         kv_cache_gb=config.kv_cache_gb, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len or None,
         queue_policy=config.queue_policy)
@@ -31,7 +43,7 @@ def run(config: ClusterConfig, index: int) -> None:
 
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
-    engine = Engine(engine_config(config), kv_events=events)
+    engine = Engine(engine_config(config, index), kv_events=events)
     step_log = None
     if config.step_log_dir:
         path = Path(config.step_log_dir) / f"worker-{index}.steps.jsonl"

@@ -102,6 +102,8 @@ def test_explicit_addresses_win_over_derived_ones():
     ({"policy": "random"}, "policy"),
     ({"queue_policy": "lifo"}, "queue_policy"),
     ({"dtype": "int8"}, "dtype"),
+    ({"device": "gpu"}, "device"),
+    ({"device": "cuda:x"}, "device"),
     ({"log_level": "verbose"}, "log_level"),
     ({"block_size": 0}, "block_size"),
     ({"kv_cache_gb": 0.0}, "kv_cache_gb"),

@@ -38,6 +38,13 @@ def test_health_checks_probe_the_ports_the_config_gives():
     assert f":{config.http_port}/health" in probes["tokenizer"]
 
 
+def test_device_flag_is_checked_with_the_config():
+    done = subprocess.run([sys.executable, "-m", "services.cli", "start", "worker", "--device", "gpu0",
+                           "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={"PYTHONPATH": str(REPO)})
+    assert done.returncode != 0 and "device" in done.stderr and "cuda:N" in done.stderr
+
+
 def test_check_config_rejects_a_bad_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("port_base = 'seven'\n")

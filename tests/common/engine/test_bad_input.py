@@ -71,6 +71,9 @@ def test_kv_pool_too_small_for_one_sequence_is_refused(make_engine):
     ({"max_model_len": 10**6}, "max_model_len"),
     ({"queue_policy": "random"}, "queue_policy"),
     ({"attention_backend": "magic"}, "attention_backend"),
+    ({"device": "tpu"}, "device"),
+    ({"device": "cuda:one"}, "device"),
+    ({"device": "cuda:64"}, "device"),  # no CUDA here, or not that many GPUs
     pytest.param({"device": "cuda:0"}, "device", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="names a missing CUDA device; this machine has one")),
 ])
