@@ -15,6 +15,8 @@
 #   new-shapes   scripts/check_new_shapes.py: a decode step at a context length not met
 #                before costs what one at a met length does (no per-shape kernel plans)
 #   generate     `svc generate` fp32 on the CPU and on the GPU give the same greedy ids
+#   cluster      `svc up --workers 2 --device cuda` serves greedy requests through the SDK
+#                with the token ids the in-process engine gives on the GPU
 #   bench-tiny, bench-small   scripts/bench_engine.py --device (Baton vs HF on the GPU)
 #   profile      `svc profile --quick` on the small model, on the GPU
 set -u
@@ -71,17 +73,43 @@ print("identical")
 PY
 }
 
+cluster() {
+    "$py" - "$device" <<'PY'
+import sys
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import Engine
+from common.sampling_params import SamplingParams
+from services.client import Client
+from services.local_cluster import start_cluster
+
+device, model = sys.argv[1], default_model_dir()
+prompts = ["Baton passes the prompt along:", "Two workers, one GPU each where there are two."]
+params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+expected = [r.token_ids for r in Engine(EngineConfig(model_dir=model, device=device)).generate(prompts, params)]
+cluster = start_cluster(model, workers=2, extra=["--device", device])
+try:
+    with Client(cluster.sdk, timeout_s=120) as client:
+        served = [client.generate(p, max_tokens=32, temperature=0, ignore_eos=True).token_ids for p in prompts]
+finally:
+    cluster.stop()
+print("served", [len(ids) for ids in served], "tokens; same as the engine:", served == expected)
+assert served == expected, "the cluster's token ids differ from the in-process engine's"
+PY
+}
+
 small_model() {
     "$py" -c 'from common.engine.default_model import default_model_dir; print(default_model_dir(size="small"))'
 }
 
-export -f facts compare_generate
+export -f facts compare_generate cluster
 export out py device
 stage facts 60 bash -c facts
 stage engine-tests 300 env BATON_TEST_DEVICE="$device" "$py" -m pytest -q -p no:cacheprovider \
     tests/common/engine tests/kernels tests/services/eval/test_profiler.py
 stage new-shapes 120 "$py" scripts/check_new_shapes.py --device "$device"
 stage generate 180 bash -c compare_generate
+stage cluster 240 bash -c cluster
 stage bench-tiny 300 "$py" scripts/bench_engine.py --device "$device" --repeats "$repeats" --json
 stage bench-small 300 "$py" scripts/bench_engine.py --device "$device" --size small --repeats "$repeats" --json
 stage profile 300 "$py" -m services.cli profile --device "$device" --quick --model "$(small_model)" \
