@@ -9,6 +9,13 @@ larger of its compute time (FLOPs over peak x COMPUTE_EFFICIENCY) and its memory
 all-reduces; that roofline is then fitted over a grid of steps to the CostModel form
 T = a + b·n + c·ctx + d·n·ctx, so analytic profiles read like measured ones.
 
+Checked once against Baton's own engine on an H200 (scripts/check_analytic_profile.py,
+Llama-3-8B shapes, tp=1, 2026-11-30): prefills of 1,024-4,096 new tokens took 1.10-1.14x
+the roofline, 1.45-1.78x over 2,048 cached tokens, 1.9-2.9x at 64-256 tokens; decode
+steps 2.3-3.2x (batch 1-128, context 260-2,080), likely Baton's per-step CPU cost (kernel
+launches: on the small default model the CPU spent ~10x the GPU's time per step). The
+constants were not tuned to it.
+
 "preble/llama-3-70b-h100" is Preble's published prefill fit for Llama-3-70B on H100s;
 the paper gives no decode fit, so its decode is the analytic h100/llama-3-70b one.
 Models run in bf16. This module must not import torch: the router imports it.
