@@ -5,6 +5,8 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
+
 from common.config import ClusterConfig
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
@@ -23,8 +25,6 @@ def worker_device(device: str, index: int, visible_gpus: int) -> str:
 
 
 def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
-    import torch
-
     return EngineConfig(
         model_dir=Path(config.model) if config.model else default_model_dir(),
         dtype=config.dtype, device=worker_device(config.device, index, torch.cuda.device_count()),
@@ -39,8 +39,6 @@ def run(config: ClusterConfig, index: int) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     if config.threads:
-        import torch
-
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
     engine = Engine(engine_config(config, index), kv_events=events)
