@@ -9,6 +9,7 @@ token come first (rows 0..num_single-1, one each), then the multi-token chunks.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ class AttentionBackend(ABC):
     def prepare(self, inputs: AttentionInputs) -> object:
         """Per-step metadata, computed once and shared by all layers."""
 
+    def step_scope(self) -> contextlib.AbstractContextManager:
+        """Entered once around each step's forward pass (every layer's `forward`); by
+        default nothing."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_layer: torch.Tensor, metadata: object) -> torch.Tensor:
@@ -67,7 +73,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "flash" if flash_attn_available(device) else "sdpa"
     if name == "sdpa":
-        return SdpaPagedBackend()
+        return SdpaPagedBackend(device)
     if name == "flash":
         if not flash_attn_available(device):
             raise RuntimeError("attention_backend 'flash' needs a CUDA device and the flash-attn "

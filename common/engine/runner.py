@@ -66,7 +66,8 @@ class ModelRunner:
             logits_rows = torch.tensor([inputs.query_starts[i] + inputs.query_lens[i] - 1 for i in sampling],
                                        dtype=torch.long, device=self.device)
         metadata = self.backend.prepare(inputs)
-        logits = self.model(input_ids, positions, logits_rows, self.kv_cache, self.backend, metadata)
+        with self.backend.step_scope():
+            logits = self.model(input_ids, positions, logits_rows, self.kv_cache, self.backend, metadata)
         if not sampling:
             return StepResult([], [], [], len(input_ids))
         token_ids, logprobs = self.sampler.sample(logits, seqs)

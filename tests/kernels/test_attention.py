@@ -150,6 +150,19 @@ def test_flash_backend_metadata_matches_dense(shape, flash_paged_on_reference):
     torch.testing.assert_close(output, case.expected, atol=1e-5, rtol=1e-5)
 
 
+def test_sdpa_backend_on_cuda_folds_decode_and_keeps_cudnn_out_for_a_step():
+    """Decided from the device alone, so checkable without a GPU: cuDNN's attention plans
+    every new shape, and decode brings one each step."""
+    cuda, cpu = SdpaPagedBackend(torch.device("cuda")), SdpaPagedBackend(torch.device("cpu"))
+    assert cuda.fold_decode and not cpu.fold_decode
+    with cuda.step_scope():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the step
+    with cpu.step_scope():
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_auto_selects_sdpa_without_cuda():
     assert select_backend("auto", torch.device("cpu")).name == "sdpa"
     with pytest.raises(RuntimeError, match="flash-attn"):
