@@ -1,6 +1,8 @@
 # One image for every Baton role. Build: docker build -t baton .
 FROM python:3.11-slim
 WORKDIR /app
+# A C++ compiler: workers build Baton's CPU kernels (kernels/csrc) on first start.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY kernels ./kernels

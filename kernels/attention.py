@@ -44,6 +44,7 @@ class AttentionInputs:
 
 class AttentionBackend(ABC):
     name: str
+    native: bool = False  # whether it runs Baton's C++ CPU kernel (kernels/csrc) for some groups
 
     @abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:
@@ -66,14 +67,16 @@ def flash_attn_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called `name`, or for "auto" the best this machine has."""
+def select_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:
+    """The backend called `name`, or for "auto" the best this machine has. On the CPU the
+    SDPA backend decodes through Baton's C++ kernel where it builds and fits the head dim."""
+    from kernels.native import native_supports_head_dim
     from kernels.sdpa_paged import SdpaPagedBackend
 
     if name == "auto":
         name = "flash" if flash_attn_available(device) else "sdpa"
     if name == "sdpa":
-        return SdpaPagedBackend(device)
+        return SdpaPagedBackend(device, native=None if native_supports_head_dim(head_dim) else False)
     if name == "flash":
         if not flash_attn_available(device):
             raise RuntimeError("attention_backend 'flash' needs a CUDA device and the flash-attn "

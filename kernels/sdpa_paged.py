@@ -87,6 +87,18 @@ class _Paged:
 
 
 @dataclass
+class _Native:
+    """Sequences attended by the C++ kernel (kernels/csrc/paged_attention.cpp) straight
+    from the block pool: their rows of the output are written in place."""
+
+    block_table: torch.Tensor  # [seqs, width], contiguous
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+
+
+@dataclass
 class _Mirror:
     """The decode group's K/V, dense: layer cache storage -> [2, seqs, capacity, heads, dim]."""
 
@@ -109,7 +121,7 @@ class _MirrorStep:
 @dataclass
 class SdpaMetadata:
     slot_mapping: torch.Tensor
-    groups: list[_Fresh | _Paged]
+    groups: list[_Fresh | _Paged | _Native]
     covers_all_rows: bool  # one group whose output is the whole batch's, in order
     mirror_step: _MirrorStep | None = None  # for the decode group (groups[0]), if mirrored
 
@@ -117,19 +129,28 @@ class SdpaMetadata:
 class SdpaPagedBackend(AttentionBackend):
     name = "sdpa"
 
-    def __init__(self, device: torch.device = torch.device("cpu"), fold_decode: bool | None = None) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu"), fold_decode: bool | None = None,
+                 native: bool | None = None) -> None:
         """fold_decode: attend decode queries with their grouped-query heads folded into
         rows (see _attend_decode_folded); None decides by device: on CUDA only (on the
-        CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models)."""
+        CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models).
+        native: decode tokens through the C++ kernel; None: on the CPU where it builds."""
         self.on_cuda = torch.device(device).type == "cuda"
         self.fold_decode = self.on_cuda if fold_decode is None else fold_decode
+        if native is None:
+            from kernels.native import load_native_ops
+
+            native = not self.on_cuda and load_native_ops()
+        self.native = native
         self.mirror = _Mirror()
         self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
 
     def prepare(self, inputs: AttentionInputs) -> SdpaMetadata:
         groups: list[_Fresh | _Paged] = []
         mirror_step = None
-        if inputs.num_single:
+        if inputs.num_single and self.native:
+            groups.append(_native_group(inputs, 0, inputs.num_single))
+        elif inputs.num_single:
             groups.append(_single_token_group(inputs))
             mirror_step = self._plan_mirror(inputs)
         first = inputs.num_single
@@ -138,7 +159,8 @@ class SdpaPagedBackend(AttentionBackend):
         continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
         if continuing:
             groups.append(_chunk_group(inputs, continuing))
-        covers = len(groups) == 1 and (isinstance(groups[0], _Fresh) or groups[0].row_index is None)
+        covers = len(groups) == 1 and (isinstance(groups[0], _Fresh)
+                                       or isinstance(groups[0], _Paged) and groups[0].row_index is None)
         return SdpaMetadata(inputs.slot_mapping, groups, covers, mirror_step)
 
     def _plan_mirror(self, inputs: AttentionInputs) -> _MirrorStep | None:
@@ -181,8 +203,13 @@ class SdpaPagedBackend(AttentionBackend):
         mirrored = self._mirrored_kv(metadata, key, value, kv_layer) if metadata.mirror_step else None
         if metadata.covers_all_rows:
             return _attend(metadata.groups[0], query, key, value, kv_layer, mirrored, self.fold_decode)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
+            if isinstance(group, _Native):
+                torch.ops.baton.paged_attention(query, kv_layer[0], kv_layer[1], group.block_table,
+                                                group.query_starts, group.query_lens, group.context_lens,
+                                                group.block_size, query.shape[-1] ** -0.5, output)
+                continue
             own_mirror = mirrored if group is metadata.groups[0] else None
             attended = _attend(group, query, key, value, kv_layer, own_mirror, self.fold_decode)
             if isinstance(group, _Paged) and group.row_index is not None:
@@ -300,6 +327,19 @@ def _single_token_group(inputs: AttentionInputs) -> _Paged:
         mask = (positions < lens_tensor[:, None]).view(count, 1, 1, max_len)
     return _Paged(_blocks(inputs, slice(0, count), max_len), count, max_len, inputs.block_size, mask,
                   query_len=1, first_row=0)
+
+
+def _native_group(inputs: AttentionInputs, first: int, end: int) -> _Native:
+    """Sequences first..end-1 for the C++ kernel."""
+    device = inputs.block_table.device
+    lens = inputs.context_lens[first:end]
+    width = -(-max(lens) // inputs.block_size)
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return _Native(inputs.block_table[first:end, :width].contiguous(), as_tensor(inputs.query_starts[first:end]),
+                   as_tensor(inputs.query_lens[first:end]), as_tensor(lens), inputs.block_size)
 
 
 def _fresh_groups(inputs: AttentionInputs, fresh: list[int]) -> list[_Fresh]:

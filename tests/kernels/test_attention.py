@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionInputs, select_backend
+from kernels.native import load_native_ops
 from kernels.sdpa_paged import SdpaPagedBackend
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
@@ -94,10 +95,15 @@ def paged_case(shape: list[tuple[int, int]]) -> PagedCase:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("fold_decode", [False, True], ids=["gqa-decode", "folded-decode"])
-def test_sdpa_paged_matches_dense(shape, fold_decode):
+@pytest.mark.parametrize("decode", ["gqa", "folded", "native"])
+def test_sdpa_paged_matches_dense(shape, decode):
+    """Decode tokens by SDPA broadcasting grouped heads, by SDPA with them folded (CUDA's
+    default), or by the C++ kernel (the CPU's where it builds; tests/kernels/test_native.py
+    checks that it does wherever a compiler is)."""
+    if decode == "native" and not load_native_ops():
+        pytest.skip("the C++ kernel did not build here")
     case = paged_case(shape)
-    backend = SdpaPagedBackend(fold_decode=fold_decode)  # folded: CUDA's default
+    backend = SdpaPagedBackend(fold_decode=decode == "folded", native=decode == "native")
     output = backend.forward(case.query, case.key, case.value, case.kv_layer, backend.prepare(case.inputs))
     torch.testing.assert_close(output, case.expected, atol=1e-5, rtol=1e-5)
 
@@ -164,9 +170,11 @@ def test_sdpa_backend_on_cuda_folds_decode_and_keeps_cudnn_out_for_a_step():
 
 
 def test_auto_selects_sdpa_without_cuda():
-    assert select_backend("auto", torch.device("cpu")).name == "sdpa"
+    assert select_backend("auto", torch.device("cpu"), 64).name == "sdpa"
+    assert select_backend("auto", torch.device("cpu"), 64).native == load_native_ops()
+    assert not select_backend("auto", torch.device("cpu"), 24).native  # a head dim the kernel lacks
     with pytest.raises(RuntimeError, match="flash-attn"):
-        select_backend("flash", torch.device("cpu"))
+        select_backend("flash", torch.device("cpu"), 64)
 
 
 def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
@@ -199,7 +207,7 @@ def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
 
     for key, context in [(10, 5), (11, 17), (12, 1)]:
         admit(key, context)
-    kept = select_backend("sdpa", torch.device("cpu"))
+    kept = SdpaPagedBackend(native=False)  # the mirror is the path without the C++ kernel
     groups = [[10, 11, 12]] * 3 + [[10, 12]] + [[10, 12, 13]] * 3
     rebuilds = []
     for step, keys in enumerate(groups):
@@ -209,7 +217,7 @@ def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
         query = torch.randn(len(keys), HEADS, DIM, generator=generator)
         key = torch.randn(len(keys), KV_HEADS, DIM, generator=generator)
         value = torch.randn(len(keys), KV_HEADS, DIM, generator=generator)
-        fresh = select_backend("sdpa", torch.device("cpu"))
+        fresh = SdpaPagedBackend(native=False)
         expected = fresh.forward(query, key, value, kv_layer, fresh.prepare(inputs))
         torch.full((2 * len(keys) * 160 * KV_HEADS * DIM,), float("nan"))  # freed at once: reuse finds NaN
         metadata = kept.prepare(inputs)
@@ -235,7 +243,7 @@ def test_continued_chunks_give_sdpa_gqa_bits_in_bf16():
     inputs = AttentionInputs(query_starts=[0], query_lens=[new], context_lens=[context + new], num_single=0,
                              block_size=BLOCK, block_table=torch.tensor([blocks]),
                              slot_mapping=torch.arange(context, context + new), seq_keys=[0])
-    backend = select_backend("sdpa", torch.device("cpu"))
+    backend = select_backend("sdpa", torch.device("cpu"), DIM)
     output = backend.forward(query, key, value, kv_layer, backend.prepare(inputs))
     total = context + new
     causal = torch.arange(total)[None, :] <= torch.arange(context, total)[:, None]
@@ -252,7 +260,7 @@ def test_batched_fresh_prompts_give_each_prompts_own_bits_in_bf16():
     count, length = 5, 7
     query, key, value = (torch.randn(count * length, heads, DIM, generator=generator).to(torch.bfloat16)
                          for heads in (HEADS, KV_HEADS, KV_HEADS))
-    backend = select_backend("sdpa", torch.device("cpu"))
+    backend = select_backend("sdpa", torch.device("cpu"), DIM)
 
     def attend(rows: slice, seqs: int) -> torch.Tensor:
         blocks = -(-length // BLOCK)

@@ -1,0 +1,97 @@
+"""Baton's C++ CPU kernels (kernels/csrc), built on this machine on first use.
+
+The sources compile with torch's extension builder (a C++ compiler and ninja; the
+`engine` extra installs ninja) into a folder under the Baton cache named by a digest of
+the sources, the torch version and the CPU's instruction set, so a build is reused only
+where it was made for. Once built, loading is a plain `torch.ops.load_library`.
+
+Where no compiler is found or the build fails, `load_native_ops` says why once and
+returns False: callers keep their torch path. BATON_NATIVE_KERNELS=0 turns the kernels off.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import structlog
+import torch
+
+from common.engine.default_model import CACHE_DIR_ENV
+
+log = structlog.get_logger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
+LIBRARY_NAME = "baton_cpu_kernels"
+DISABLE_ENV = "BATON_NATIVE_KERNELS"
+# -fopenmp: at::parallel_for is inlined here and runs on OpenMP, as torch's CPU build does
+# (torch's own libgomp is already loaded when this library is); without it, one thread.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+def build_folder(cache_root: Path) -> Path:
+    """Where this machine's build of the current sources lives."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return cache_root / "kernels" / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    """The instruction sets -march=native compiles for (a build is not moved between CPUs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def native_supports_head_dim(head_dim: int) -> bool:
+    """The kernel's head dims: multiples of 16 up to 256 (the C++ side checks it too)."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 256
+
+
+@functools.cache
+def load_native_ops() -> bool:
+    """Make torch.ops.baton.* available; False (and one warning) if they cannot be."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    if hasattr(torch.ops, "baton") and hasattr(torch.ops.baton, "paged_attention"):
+        return True
+    cache_root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
+    folder = build_folder(cache_root)
+    built = folder / f"{LIBRARY_NAME}.so"
+    try:
+        # A lock file means another process is building (torch's builder holds it).
+        if built.is_file() and not (folder / "lock").exists():
+            torch.ops.load_library(str(built))
+        else:
+            _build(folder)
+    except Exception as error:  # a missing compiler, a failed build: keep the torch path
+        log.warning("native_kernels_unavailable", reason=str(error).strip().splitlines()[-1][:300],
+                    hint=f"the torch attention path is used; {DISABLE_ENV}=0 silences this")
+        return False
+    return True
+
+
+def _build(folder: Path) -> None:
+    from torch.utils import cpp_extension  # imports setuptools: only when building
+
+    folder.mkdir(parents=True, exist_ok=True)
+    # The ninja that the engine extra installs sits next to this interpreter.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    log.info("native_kernels_building", folder=str(folder), note="first use on this machine, ~10 s")
+    cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                       extra_ldflags=list(LDFLAGS),
+                       build_directory=str(folder), is_python_module=False, verbose=False)

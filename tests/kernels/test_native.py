@@ -1,0 +1,147 @@
+"""Baton's C++ paged attention (kernels/csrc) against dense causal attention, and its loader."""
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.native import load_native_ops, native_supports_head_dim
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def paged_attention():
+    """The kernel, built here; a machine with a C++ compiler must build it."""
+    if not load_native_ops():
+        if shutil.which(os.environ.get("CXX", "c++")) is not None:
+            pytest.fail("a C++ compiler is here but kernels/csrc did not build (see the warning above)")
+        pytest.skip("no C++ compiler: the engine uses its torch path")
+    return torch.ops.baton.paged_attention
+
+
+def paged_problem(shape, heads, kv_heads, dim, block_size, dtype, seed=0):
+    """Sequences (cached context, new tokens) on a pool with scattered blocks: the kernel's
+    arguments, and per sequence its queries and full K/V for the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    widths = [-(-(context + new) // block_size) for context, new in shape]
+    num_blocks = sum(widths) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    # Unwritten slots hold NaN: reading past a sequence's context would show.
+    key_cache = torch.full((num_blocks * block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    tables, sequences = [], []
+    for (context, new), width in zip(shape, widths):
+        blocks = [free.pop() for _ in range(width)]
+        tables.append(blocks + [0] * (max(widths) - width))
+        total = context + new
+        keys, values = (torch.randn(total, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+        slots = torch.tensor([blocks[pos // block_size] * block_size + pos % block_size for pos in range(total)])
+        key_cache[slots], value_cache[slots] = keys, values
+        sequences.append((torch.randn(new, heads, dim, generator=generator).to(dtype), keys, values))
+    lens = [new for _, new in shape]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    # The query as the model passes it: a view into a wider [tokens, heads + kv_heads, dim] row.
+    packed = torch.zeros(sum(lens), heads + kv_heads, dim, dtype=dtype)
+    query = packed[:, :heads]
+    query.copy_(torch.cat([q for q, _, _ in sequences]))
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    args = (query, key_cache, value_cache, torch.tensor(tables), as_long(starts), as_long(lens),
+            as_long([c + n for c, n in shape]), block_size, dim ** -0.5)
+    return args, sequences
+
+
+def reference(query, keys, values):
+    """Causal attention in fp32 for one sequence whose last query.shape[0] positions query."""
+    group = query.shape[1] // keys.shape[1]
+    q, k, v = (x.float().transpose(0, 1) for x in (query, keys, values))
+    visible = torch.arange(k.shape[1])[None, :] <= torch.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=visible)
+    return out.transpose(0, 1)
+
+
+CASES = [  # shape [(context, new)], heads, kv_heads, dim, block_size
+    ([(0, 1)], 4, 2, 64, 16),                          # one token, no context
+    ([(40, 1), (3, 1), (100, 1), (16, 1)], 4, 2, 64, 16),  # decode, unequal contexts
+    ([(2048, 32)], 4, 2, 64, 16),                      # a prefix hit: 64 rows per KV head
+    ([(37, 20)], 8, 2, 128, 16),                       # 80 rows: three row tiles
+    ([(5, 1), (0, 7), (30, 9)], 4, 4, 16, 4),          # no GQA; small blocks
+    ([(50, 1), (21, 3)], 6, 1, 80, 24),                # MQA; dim 80; tiles split at blocks
+    ([(300, 1)], 14, 2, 64, 32),                       # Qwen-like group of 7
+]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_kernel_matches_dense_causal_attention(paged_attention, case, dtype, tolerance):
+    shape, heads, kv_heads, dim, block_size = case
+    args, sequences = paged_problem(shape, heads, kv_heads, dim, block_size, dtype)
+    out = torch.empty(args[0].shape, dtype=dtype)
+    paged_attention(*args, out)
+    expected = torch.cat([reference(*seq) for seq in sequences])
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_writes_only_the_rows_of_the_sequences_it_is_given(paged_attention):
+    args, sequences = paged_problem([(9, 1), (0, 5), (20, 1)], 4, 2, 64, 16, torch.float32)
+    query, key_cache, value_cache, table, starts, lens, contexts, block_size, scale = args
+    out = torch.full(query.shape, -7.0)
+    chosen = torch.tensor([0, 2])  # the two decode tokens (rows 0 and 6), not the chunk (rows 1..5)
+    paged_attention(query, key_cache, value_cache, table[chosen].contiguous(), starts[chosen], lens[chosen],
+                    contexts[chosen], block_size, scale, out)
+    assert torch.equal(out[1:6], torch.full_like(out[1:6], -7.0))
+    torch.testing.assert_close(out[[0, 6]], torch.cat([reference(*sequences[0]), reference(*sequences[2])]))
+
+
+def test_kernel_refuses_bad_input_by_name(paged_attention):
+    args, _ = paged_problem([(9, 1)], 4, 2, 64, 16, torch.float32)
+    query, key_cache, value_cache, table, starts, lens, contexts, block_size, scale = args
+    out = torch.empty(query.shape)
+
+    def call(**changed):
+        given = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
+                     query_starts=starts, query_lens=lens, context_lens=contexts, out=out)
+        given.update(changed)
+        paged_attention(given["query"], given["key_cache"], given["value_cache"], given["block_table"],
+                        given["query_starts"], given["query_lens"], given["context_lens"], block_size, scale,
+                        given["out"])
+
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        call(key_cache=key_cache.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="key_cache/value_cache"):
+        call(value_cache=value_cache.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="context longer than its block table"):
+        call(context_lens=torch.tensor([17]))
+    with pytest.raises(RuntimeError, match="query_lens"):
+        call(query_lens=torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match="head dim"):
+        wide = torch.zeros(1, 6, 24)
+        call(query=wide[:, :4], key_cache=torch.zeros(16, 2, 24), value_cache=torch.zeros(16, 2, 24),
+             out=torch.empty(1, 4, 24))
+    assert not native_supports_head_dim(24) and native_supports_head_dim(128)
+
+
+def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from kernels.native import load_native_ops; print('loaded', load_native_ops())"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), BATON_CACHE_DIR=str(tmp_path), **env))
+
+
+def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path):
+    done = load_in_subprocess(tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert done.returncode == 0, done.stderr
+    assert "loaded False" in done.stdout
+    assert (done.stdout + done.stderr).count("native_kernels_unavailable") == 1
+
+
+def test_native_kernels_can_be_turned_off(tmp_path):
+    done = load_in_subprocess(tmp_path, BATON_NATIVE_KERNELS="0")
+    assert "loaded False" in done.stdout and not (tmp_path / "kernels").exists()
