@@ -24,7 +24,9 @@ from common.engine.default_model import CACHE_DIR_ENV
 
 log = structlog.get_logger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp")
+HEADERS = (CSRC / "lanes.h",)
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"
 # -fopenmp: at::parallel_for is inlined here and runs on OpenMP, as torch's CPU build does
@@ -36,7 +38,7 @@ LDFLAGS = ("-fopenmp",)
 def build_folder(cache_root: Path) -> Path:
     """Where this machine's build of the current sources lives."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())

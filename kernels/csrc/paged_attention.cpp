@@ -15,66 +15,23 @@
 // [tokens, heads, dim] contiguous: only the rows of the given sequences are written.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
+
+#include "lanes.h"
 
 namespace {
 
-constexpr int64_t kKeyTile = 16;  // keys scored together: one 16-lane fp32 vector
+using namespace baton;
+
+constexpr int64_t kKeyTile = kLanes;  // keys scored together: one Lanes of scores
 constexpr int64_t kRowTile = 32;  // query rows per work item
 constexpr int64_t kMaxDim = 256;  // head dims: multiples of 16 up to this
 
-// Sixteen fp32 lanes as one value (GCC/Clang vector extensions): one AVX-512 register,
-// two AVX2 ones elsewhere; the compiler lowers it to what -march=native offers.
-typedef float Lanes __attribute__((vector_size(kKeyTile * sizeof(float))));
-typedef int32_t IntLanes __attribute__((vector_size(kKeyTile * sizeof(int32_t))));
-
-// e^x for x <= 0 lane by lane (Cephes' expf polynomial after a Cody-Waite reduction;
-// relative error ~1e-7, far below bf16's and fp16's resolution).
-inline Lanes exp_nonpositive(Lanes x) {
-  const Lanes floor_value = Lanes{} - 87.0f;
-  x = x < floor_value ? floor_value : x;
-  // Round to nearest by adding and removing 1.5 * 2^23.
-  const Lanes n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const IntLanes bits = (__builtin_convertvector(n, IntLanes) + 127) << 23;
-  return p * reinterpret_cast<const Lanes&>(bits);
-}
-
-constexpr float kInfinity = std::numeric_limits<float>::infinity();
 const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-inline Lanes lanes_max(Lanes a, Lanes b) { return a > b ? a : b; }
-
-inline float lane_max(Lanes x) {
-  x = lanes_max(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  x = lanes_max(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  x = lanes_max(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  x = lanes_max(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return x[0];
-}
-
-inline float lane_sum(Lanes x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return x[0];
-}
 
 // Lane i of the result is the sum of p[i]'s lanes: sixteen horizontal sums at once. Each
 // level pairs vectors and adds each source's two halves, keeping sources in order.
@@ -98,27 +55,6 @@ inline Lanes transpose_sum(const Lanes* p) {
   const Lanes a = eighths[0], b = eighths[1];
   return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// Sixteen consecutive elements as fp32 lanes.
-inline Lanes load_lanes(const float* src) {
-  Lanes out;
-  std::memcpy(&out, src, sizeof(out));
-  return out;
-}
-
-inline Lanes load_lanes(const c10::BFloat16* src) {
-  typedef uint16_t Halfwords __attribute__((vector_size(kKeyTile * sizeof(uint16_t))));
-  Halfwords raw;
-  std::memcpy(&raw, src, sizeof(raw));
-  const IntLanes bits = __builtin_convertvector(raw, IntLanes) << 16;  // bf16 is fp32's top half
-  return reinterpret_cast<const Lanes&>(bits);
-}
-
-inline Lanes load_lanes(const c10::Half* src) {
-  Lanes out;
-  for (int i = 0; i < kKeyTile; ++i) out[i] = static_cast<float>(src[i]);
-  return out;
 }
 
 template <typename T>
@@ -232,13 +168,13 @@ void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runti
         partial[i] = sum;
       }
       const auto seen = lane_index < static_cast<float>(visible);  // keys at or before this row
-      const Lanes scores = seen ? transpose_sum(partial) : Lanes{} - kInfinity;
+      const Lanes scores = seen ? transpose_sum(partial) : splat(-kInfinity);
       const float new_max = std::max(running_max[r], lane_max(scores));
-      const Lanes weights = seen ? exp_nonpositive(scores - new_max) : Lanes{};
+      const Lanes weights = seen ? exp_lanes(scores - new_max) : Lanes{};
       Lanes row_acc[kDim > 0 ? kDim / kKeyTile : kMaxDim / kKeyTile];
       std::copy(acc + r * chunks, acc + (r + 1) * chunks, row_acc);
       if (new_max != running_max[r]) {
-        const float correction = exp_nonpositive(Lanes{} + (running_max[r] - new_max))[0];  // 0 at first
+        const float correction = exp_lanes(splat(running_max[r] - new_max))[0];  // ~0 at first
         for (int64_t c = 0; c < chunks; ++c) row_acc[c] *= correction;
         total[r] *= correction;
         running_max[r] = new_max;

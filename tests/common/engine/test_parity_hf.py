@@ -125,7 +125,7 @@ def test_architecture_variants_match_hf(variant, variant_dirs, make_engine, rand
 def test_rms_norm_matches_the_reference_bit_for_bit(dtype, rows):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from common.engine.model import rms_norm
+    from kernels.layer_ops import rms_norm
 
     generator = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 256, generator=generator) * 3).to(dtype)
