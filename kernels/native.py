@@ -80,7 +80,7 @@ def load_native_ops() -> bool:
             _build(folder)
     except Exception as error:  # a missing compiler, a failed build: keep the torch path
         log.warning("native_kernels_unavailable", reason=str(error).strip().splitlines()[-1][:300],
-                    hint=f"the torch attention path is used; {DISABLE_ENV}=0 silences this")
+                    hint=f"the engine runs its torch paths instead; {DISABLE_ENV}=0 silences this")
         return False
     return True
 
@@ -93,7 +93,7 @@ def _build(folder: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    log.info("native_kernels_building", folder=str(folder), note="first use on this machine, ~10 s")
+    log.info("native_kernels_building", folder=str(folder), note="first use on this machine, ~15 s")
     cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                        extra_ldflags=list(LDFLAGS),
                        build_directory=str(folder), is_python_module=False, verbose=False)

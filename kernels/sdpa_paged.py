@@ -11,10 +11,13 @@ per layer:
 Padded batches gather whole KV blocks (one row per block, not per token) and mask the
 tail past each sequence's length.
 
-The decode group also keeps a mirror: its sequences' K/V, dense, per layer. While the
-same sequences decode step after step, each step appends one token per sequence to the
-mirror instead of gathering every sequence's whole context again; any change in the
-group (a sequence joins, ends or is preempted) rebuilds it with one gather. The paged
+On the CPU, where Baton's C++ kernel (kernels/csrc/paged_attention.cpp) built, the
+single-token queries go to it instead: it reads their context from the pool in place.
+
+Without it, the decode group keeps a mirror: its sequences' K/V, dense, per layer.
+While the same sequences decode step after step, each step appends one token per
+sequence to the mirror instead of gathering every sequence's whole context again; any
+change in the group (a sequence joins, ends or is preempted) rebuilds it. The paged
 pool stays the source of truth; the mirror is a per-engine cache of it, kept on CPU only
 (where gathers were measured to cost) and to at most 1/MIRROR_POOL_SHARE of the pool.
 """
@@ -146,10 +149,10 @@ class SdpaPagedBackend(AttentionBackend):
         self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
 
     def prepare(self, inputs: AttentionInputs) -> SdpaMetadata:
-        groups: list[_Fresh | _Paged] = []
+        groups: list[_Fresh | _Paged | _Native] = []
         mirror_step = None
         if inputs.num_single and self.native:
-            groups.append(_native_group(inputs, 0, inputs.num_single))
+            groups.append(_native_decode_group(inputs))
         elif inputs.num_single:
             groups.append(_single_token_group(inputs))
             mirror_step = self._plan_mirror(inputs)
@@ -329,17 +332,14 @@ def _single_token_group(inputs: AttentionInputs) -> _Paged:
                   query_len=1, first_row=0)
 
 
-def _native_group(inputs: AttentionInputs, first: int, end: int) -> _Native:
-    """Sequences first..end-1 for the C++ kernel."""
-    device = inputs.block_table.device
-    lens = inputs.context_lens[first:end]
+def _native_decode_group(inputs: AttentionInputs) -> _Native:
+    """The single-token queries (rows 0..num_single-1) for the C++ kernel."""
+    count, device = inputs.num_single, inputs.block_table.device
+    lens = inputs.context_lens[:count]
     width = -(-max(lens) // inputs.block_size)
-
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return _Native(inputs.block_table[first:end, :width].contiguous(), as_tensor(inputs.query_starts[first:end]),
-                   as_tensor(inputs.query_lens[first:end]), as_tensor(lens), inputs.block_size)
+    return _Native(inputs.block_table[:count, :width].contiguous(), torch.arange(count, device=device),
+                   torch.ones(count, dtype=torch.long, device=device), torch.tensor(lens, device=device),
+                   inputs.block_size)
 
 
 def _fresh_groups(inputs: AttentionInputs, fresh: list[int]) -> list[_Fresh]:
