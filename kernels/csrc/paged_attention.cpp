@@ -86,42 +86,87 @@ struct WorkItem {
 // One thread's buffers, sized for a work item of at most kRowTile rows.
 struct Scratch {
   explicit Scratch(int64_t dim)
-      : query(kRowTile * dim / kKeyTile), acc(kRowTile * dim / kKeyTile), key(dim), value(dim),
-        running_max(kRowTile), total(kRowTile), limit(kRowTile) {}
+      : query(kRowTile * dim / kKeyTile), acc(kRowTile * dim / kKeyTile), running_max(kRowTile),
+        total(kRowTile), limit(kRowTile) {}
   std::vector<Lanes> query;  // [rows][dim / 16], pre-scaled
   std::vector<Lanes> acc;    // [rows][dim / 16]: each row's weighted sum of values
-  std::vector<Lanes> key;    // [16 keys][dim / 16]: one tile
-  std::vector<Lanes> value;  // [16 keys][dim / 16]
   std::vector<float> running_max, total;
-  std::vector<int64_t> limit;
+  std::vector<int64_t> limit;  // keys row r may see: positions [0, limit)
 };
 
-// Loads one tile of `count` keys and values from `first_slot` on; rows past `count` are zero.
-template <typename T>
-void load_tile(const Problem<T>& p, int64_t first_slot, int64_t count, int64_t kv_head, int64_t chunks,
-               Scratch& scratch) {
+// One tile of `count` keys (from `first_slot` on) for kRows consecutive rows from `row`,
+// each seeing `visible[r]` >= 1 of them: scores, the online softmax's update, and the
+// weighted values. Each key's and value's lanes are loaded once for all kRows rows, and
+// the rows' value sums stay in registers for the whole tile.
+template <typename T, int64_t kDim, int64_t kRows>
+void attend_tile(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64_t count, const int64_t* visible,
+                 int64_t row, int64_t chunks, Scratch& scratch) {
+  constexpr int64_t kChunks = kDim > 0 ? kDim / kKeyTile : kMaxDim / kKeyTile;
   const int64_t dim = chunks * kKeyTile;
+  const T* keys = p.key_cache + first_slot * p.cache_stride + kv_head * dim;
+  const T* values = p.value_cache + first_slot * p.cache_stride + kv_head * dim;
+  const Lanes* q = &scratch.query[row * chunks];
+
+  Lanes partial[kRows][kKeyTile];  // per row and key: lane-wise products, summed over chunks
   for (int64_t i = 0; i < kKeyTile; ++i) {
-    Lanes* key = &scratch.key[i * chunks];
-    Lanes* value = &scratch.value[i * chunks];
     if (i >= count) {
-      std::fill(key, key + chunks, Lanes{});
-      std::fill(value, value + chunks, Lanes{});
+      for (int64_t r = 0; r < kRows; ++r) partial[r][i] = Lanes{};
       continue;
     }
-    const int64_t at = (first_slot + i) * p.cache_stride + kv_head * dim;
-    for (int64_t c = 0; c < chunks; ++c) {
-      key[c] = load_lanes(p.key_cache + at + c * kKeyTile);
-      value[c] = load_lanes(p.value_cache + at + c * kKeyTile);
+    Lanes key[kChunks];
+    for (int64_t c = 0; c < chunks; ++c) key[c] = load_lanes(keys + i * p.cache_stride + c * kKeyTile);
+    for (int64_t r = 0; r < kRows; ++r) {
+      Lanes sum = q[r * chunks] * key[0];
+      for (int64_t c = 1; c < chunks; ++c) sum += q[r * chunks + c] * key[c];
+      partial[r][i] = sum;
     }
+  }
+
+  Lanes weights[kRows];
+  float correction[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const auto seen = lane_index < static_cast<float>(visible[r]);  // keys at or before this row
+    const Lanes scores = seen ? transpose_sum(partial[r]) : splat(-kInfinity);
+    float& running_max = scratch.running_max[row + r];
+    const float new_max = std::max(running_max, lane_max(scores));
+    weights[r] = seen ? exp_lanes(scores - new_max) : Lanes{};
+    correction[r] = new_max == running_max ? 1.0f : exp_lanes(splat(running_max - new_max))[0];  // ~0 at first
+    running_max = new_max;
+    scratch.total[row + r] = scratch.total[row + r] * correction[r] + lane_sum(weights[r]);
+  }
+
+  Lanes acc[kRows][kChunks];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) acc[r][c] = scratch.acc[(row + r) * chunks + c] * correction[r];
+  for (int64_t i = 0; i < count; ++i) {
+    Lanes value[kChunks];
+    for (int64_t c = 0; c < chunks; ++c) value[c] = load_lanes(values + i * p.cache_stride + c * kKeyTile);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float w = weights[r][i];  // 0 where row r does not see key i
+      for (int64_t c = 0; c < chunks; ++c) acc[r][c] += w * value[c];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) scratch.acc[(row + r) * chunks + c] = acc[r][c];
+}
+
+template <typename T, int64_t kDim>
+void attend_rows(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64_t count, const int64_t* visible,
+                 int64_t row, int64_t rows, int64_t chunks, Scratch& scratch) {
+  switch (rows) {
+    case 1: attend_tile<T, kDim, 1>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
+    case 2: attend_tile<T, kDim, 2>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
+    case 3: attend_tile<T, kDim, 3>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
+    default: attend_tile<T, kDim, 4>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
   }
 }
 
 // One work item: rows [row_begin, row_end) of one sequence's query heads sharing kv_head.
-// kDim > 0 fixes the head dim at compile time (the common 64 and 128), so each row's
-// accumulator stays in registers; 0 reads `dim` (a multiple of 16, at most kMaxDim).
+// kDim > 0 fixes the head dim at compile time (the common 64 and 128), so the rows' sums
+// stay in registers; 0 reads `dim` (a multiple of 16, at most kMaxDim).
 template <typename T, int64_t kDim>
 void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runtime, Scratch& scratch) {
+  constexpr int64_t kRowBlock = 4;  // rows sharing each key's and value's loads
   const int64_t dim = kDim > 0 ? kDim : dim_at_runtime;
   const int64_t chunks = dim / kKeyTile;
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -131,61 +176,30 @@ void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runti
   const int64_t query_start = p.query_starts[seq];
   const int64_t rows = item.row_end - item.row_begin;
 
-  Lanes* q = scratch.query.data();
-  Lanes* acc = scratch.acc.data();
-  const Lanes* key = scratch.key.data();
-  const Lanes* value = scratch.value.data();
-  float* running_max = scratch.running_max.data();
-  float* total = scratch.total.data();
-  int64_t* limit = scratch.limit.data();  // keys row r may see: positions [0, limit)
-  std::fill(acc, acc + rows * chunks, Lanes{});
-  std::fill(running_max, running_max + rows, -kInfinity);
-  std::fill(total, total + rows, 0.0f);
+  int64_t* limit = scratch.limit.data();
+  std::fill(scratch.acc.begin(), scratch.acc.begin() + rows * chunks, Lanes{});
+  std::fill(scratch.running_max.begin(), scratch.running_max.begin() + rows, -kInfinity);
+  std::fill(scratch.total.begin(), scratch.total.begin() + rows, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = item.row_begin + r;
     const int64_t token = row / group, head = item.kv_head * group + row % group;
     limit[r] = context_len - query_len + token + 1;
     const T* src = p.query + (query_start + token) * p.query_stride + head * dim;
-    for (int64_t c = 0; c < chunks; ++c) q[r * chunks + c] = load_lanes(src + c * kKeyTile) * p.scale;
+    for (int64_t c = 0; c < chunks; ++c) scratch.query[r * chunks + c] = load_lanes(src + c * kKeyTile) * p.scale;
   }
   const int64_t keys_needed = limit[rows - 1];  // rows ascend by token, so by limit
 
+  int64_t first_seeing = 0;  // rows before it see none of this tile or any later one
+  int64_t visible[kRowTile];
   for (int64_t tile_start = 0; tile_start < keys_needed;) {
     const int64_t block = tile_start / p.block_size, offset = tile_start % p.block_size;
     const int64_t count = std::min({kKeyTile, p.block_size - offset, keys_needed - tile_start});
-    load_tile(p, p.block_table[seq * p.table_width + block] * p.block_size + offset, count, item.kv_head,
-              chunks, scratch);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(count, limit[r] - tile_start);
-      if (visible <= 0) continue;
-      // Per key, lane-wise products summed over the dim's chunks; then 16 horizontal sums.
-      const Lanes* qr = &q[r * chunks];
-      Lanes partial[kKeyTile];
-      for (int64_t i = 0; i < kKeyTile; ++i) {
-        const Lanes* ki = key + i * chunks;
-        Lanes sum = qr[0] * ki[0];
-        for (int64_t c = 1; c < chunks; ++c) sum += qr[c] * ki[c];
-        partial[i] = sum;
-      }
-      const auto seen = lane_index < static_cast<float>(visible);  // keys at or before this row
-      const Lanes scores = seen ? transpose_sum(partial) : splat(-kInfinity);
-      const float new_max = std::max(running_max[r], lane_max(scores));
-      const Lanes weights = seen ? exp_lanes(scores - new_max) : Lanes{};
-      Lanes row_acc[kDim > 0 ? kDim / kKeyTile : kMaxDim / kKeyTile];
-      std::copy(acc + r * chunks, acc + (r + 1) * chunks, row_acc);
-      if (new_max != running_max[r]) {
-        const float correction = exp_lanes(splat(running_max[r] - new_max))[0];  // ~0 at first
-        for (int64_t c = 0; c < chunks; ++c) row_acc[c] *= correction;
-        total[r] *= correction;
-        running_max[r] = new_max;
-      }
-      total[r] += lane_sum(weights);
-      for (int64_t i = 0; i < visible; ++i) {
-        const float w = weights[i];
-        const Lanes* vi = value + i * chunks;
-        for (int64_t c = 0; c < chunks; ++c) row_acc[c] += w * vi[c];
-      }
-      std::copy(row_acc, row_acc + chunks, acc + r * chunks);
+    const int64_t first_slot = p.block_table[seq * p.table_width + block] * p.block_size + offset;
+    while (limit[first_seeing] <= tile_start) ++first_seeing;
+    for (int64_t r = first_seeing; r < rows; ++r) visible[r] = std::min(count, limit[r] - tile_start);
+    for (int64_t r = first_seeing; r < rows; r += kRowBlock) {
+      attend_rows<T, kDim>(p, first_slot, item.kv_head, count, &visible[r], r, std::min(kRowBlock, rows - r),
+                           chunks, scratch);
     }
     tile_start += count;
   }
@@ -195,9 +209,8 @@ void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runti
     const int64_t row = item.row_begin + r;
     const int64_t token = row / group, head = item.kv_head * group + row % group;
     T* dst = p.out + (query_start + token) * out_stride + head * dim;
-    const float inverse = 1.0f / total[r];
-    const float* ar = reinterpret_cast<const float*>(acc + r * chunks);
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(ar[d] * inverse);
+    const float inverse = 1.0f / scratch.total[r];
+    for (int64_t c = 0; c < chunks; ++c) store_lanes(dst + c * kKeyTile, scratch.acc[r * chunks + c] * inverse);
   }
 }
 
