@@ -110,9 +110,9 @@ class Engine:
         self._root_hashes: dict[str, int] = {}
         self._eos = frozenset(self.model_config.eos_token_ids)
         log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
-                 device=str(self.device), attention_backend=backend.name, native_kernels=backend.native,
-                 kv_blocks=num_blocks,
-                 block_size=config.block_size, max_model_len=self.max_model_len)
+                 device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
+                 layer_ops=self.model.ops.name, kv_blocks=num_blocks, block_size=config.block_size,
+                 max_model_len=self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------
 
