@@ -1,6 +1,4 @@
 """The C++ layer ops (kernels/csrc/elementwise.cpp) against their torch references."""
-import os
-import shutil
 
 import pytest
 import torch
@@ -8,17 +6,12 @@ import torch
 from common.engine.config import ModelConfig, RopeScaling
 from common.engine.rope import RotaryEmbedding, apply_rotary
 from kernels.layer_ops import NativeLayerOps, TorchLayerOps, rms_norm, select_layer_ops
-from kernels.native import load_native_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def native():
-    if not load_native_ops():
-        if shutil.which(os.environ.get("CXX", "c++")) is not None:
-            pytest.fail("a C++ compiler is here but kernels/csrc did not build (see the warning above)")
-        pytest.skip("no C++ compiler: the engine uses the torch ops")
+def native(native_kernels):
     return NativeLayerOps()
 
 
