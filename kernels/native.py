@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -75,9 +76,13 @@ def load_native_ops() -> bool:
     try:
         # A lock file means another process is building (torch's builder holds it).
         if built.is_file() and not (folder / "lock").exists():
-            torch.ops.load_library(str(built))
-        else:
-            _build(folder)
+            try:
+                torch.ops.load_library(str(built))
+                return True
+            except OSError as error:  # e.g. a file cut short by a crash: build it again
+                log.warning("native_kernels_rebuilding", library=str(built), reason=str(error)[:300])
+                shutil.rmtree(folder, ignore_errors=True)
+        _build(folder)
     except Exception as error:  # a missing compiler, a failed build: keep the torch path
         log.warning("native_kernels_unavailable", reason=str(error).strip().splitlines()[-1][:300],
                     hint=f"the engine runs its torch paths instead; {DISABLE_ENV}=0 silences this")

@@ -139,3 +139,15 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path):
 def test_native_kernels_can_be_turned_off(tmp_path):
     done = load_in_subprocess(tmp_path, BATON_NATIVE_KERNELS="0")
     assert "loaded False" in done.stdout and not (tmp_path / "kernels").exists()
+
+
+def test_a_damaged_build_in_the_cache_is_built_again(tmp_path, native_kernels):
+    from kernels.native import LIBRARY_NAME, build_folder
+
+    folder = build_folder(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / f"{LIBRARY_NAME}.so").write_bytes(b"\x7fELF cut short")
+    done = load_in_subprocess(tmp_path)
+    assert "loaded True" in done.stdout, done.stdout + done.stderr
+    assert "native_kernels_rebuilding" in done.stdout + done.stderr
+    assert (folder / f"{LIBRARY_NAME}.so").stat().st_size > 10_000
