@@ -23,9 +23,9 @@ namespace {
 
 using namespace baton;
 
-constexpr int64_t kRowsPerTask = 32768;  // elements a thread takes at least: small batches stay on one
+constexpr int64_t kElementsPerTask = 32768;  // a thread takes at least this many: small batches stay on one
 
-int64_t grain_for(int64_t width) { return std::max<int64_t>(1, kRowsPerTask / width); }
+int64_t grain_for(int64_t width) { return std::max<int64_t>(1, kElementsPerTask / width); }
 
 template <typename T>
 void normalize_row(const T* src, const T* weight, T* dst, int64_t width, float eps) {
