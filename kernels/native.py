@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.engine.default_model import CACHE_DIR_ENV
+from common.engine.default_model import baton_cache_root
 
 log = structlog.get_logger(__name__)
 
@@ -68,10 +68,7 @@ def load_native_ops() -> bool:
     """Make torch.ops.baton.* available; False (and one warning) if they cannot be."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
-    if hasattr(torch.ops, "baton") and hasattr(torch.ops.baton, "paged_attention"):
-        return True
-    cache_root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
-    folder = build_folder(cache_root)
+    folder = build_folder(baton_cache_root())
     built = folder / f"{LIBRARY_NAME}.so"
     try:
         # A lock file means another process is building (torch's builder holds it).

@@ -145,6 +145,7 @@ class SdpaPagedBackend(AttentionBackend):
 
             native = not self.on_cuda and load_native_ops()
         self.native = native
+        self._paged_attention = torch.ops.baton.paged_attention.default if native else None
         self.mirror = _Mirror()
         self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
 
@@ -209,9 +210,9 @@ class SdpaPagedBackend(AttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             if isinstance(group, _Native):
-                torch.ops.baton.paged_attention(query, kv_layer[0], kv_layer[1], group.block_table,
-                                                group.query_starts, group.query_lens, group.context_lens,
-                                                group.block_size, query.shape[-1] ** -0.5, output)
+                self._paged_attention(query, kv_layer[0], kv_layer[1], group.block_table, group.query_starts,
+                                      group.query_lens, group.context_lens, group.block_size,
+                                      query.shape[-1] ** -0.5, output)
                 continue
             own_mirror = mirrored if group is metadata.groups[0] else None
             attended = _attend(group, query, key, value, kv_layer, own_mirror, self.fold_decode)

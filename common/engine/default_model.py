@@ -99,11 +99,14 @@ def write_default_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Pat
     return out_dir
 
 
+def baton_cache_root() -> Path:
+    """$BATON_CACHE_DIR, else ~/.cache/baton: where default models and built kernels go."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
+
+
 def default_model_path(cache_root: Path | None = None, size: str = "tiny", seed: int = 0) -> Path:
     """Where the default model of (size, seed) lives; nothing is written."""
-    if cache_root is None:
-        cache_root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
-    return Path(cache_root) / "models" / f"{size}-seed{seed}"
+    return Path(cache_root or baton_cache_root()) / "models" / f"{size}-seed{seed}"
 
 
 def default_model_dir(cache_root: Path | None = None, size: str = "tiny",
