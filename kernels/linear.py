@@ -5,11 +5,23 @@ small token counts of decode steps that costs as much as the multiply. `Linear` 
 weight out once (oneDNN's blocked format) and multiplies with oneDNN directly, which
 gives the same bits as `F.linear` and is ~25% faster at decode sizes. Other devices and
 dtypes keep the plain weight and `F.linear` (fp32 would change the summation order).
+
+Where the CPU has AMX tiles and Baton's C++ kernels build, a bf16 `Linear` also keeps its
+weight in the tiles' layout and multiplies calls of up to `FEW_ROWS` rows with
+kernels/csrc/amx_linear.cpp: oneDNN spends ~25-35 us of dispatch on each such call, a
+fixed cost that dominated the tiny model's decode steps. This keeps a second copy of each
+weight, the price of not slowing the large-row calls (prefill chunks), where oneDNN's
+blocking wins.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# Rows up to which the AMX kernel beat oneDNN on every layer shape measured (tiny and
+# small models' widths, 1 to 256 rows; at 256 oneDNN was ahead on the widest ones).
+FEW_ROWS = 64
+AMX_TILE_MULTIPLE = 32  # out and in features must be multiples of it
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -19,19 +31,51 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def amx_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether bf16 linears on this device can take the AMX kernel for few rows."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    from kernels.native import load_native_ops
+
+    return load_native_ops() and bool(torch.ops.baton.amx_linear_supported())
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    return out_features % AMX_TILE_MULTIPLE == 0 and in_features % AMX_TILE_MULTIPLE == 0
+
+
 class Linear:
-    """y = x Wᵀ + b for x [tokens, in]; holds W [out, in] in the layout it runs fastest in."""
+    """y = x Wᵀ + b for x [tokens, in]; holds W [out, in] in the layout it runs fastest in.
 
-    __slots__ = ("weight", "bias", "out_features", "prepacked")
+    `amx=True` (callers pass `amx_available(...)`) adds the AMX copy for few-row calls where
+    the weight's shape fits the tiles."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+    __slots__ = ("weight", "bias", "out_features", "prepacked", "amx_weight", "_amx_linear")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
+                 amx: bool = False):
         self.out_features = weight.shape[0]
         self.bias = bias
+        self.amx_weight = None
+        self._amx_linear = None
+        if amx and weight.dtype == torch.bfloat16 and amx_fits(weight):
+            self.amx_weight = torch.ops.baton.amx_pack_linear_weight(weight)
+            self._amx_linear = torch.ops.baton.amx_linear.default
         self.prepacked = prepack and can_prepack(weight)
-        # Only one copy is kept: the prepacked one replaces the plain weight.
+        # Only one oneDNN-side copy is kept: the prepacked one replaces the plain weight.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
 
+    @property
+    def kernel(self) -> str:
+        """What multiplies few-row calls: 'amx', 'onednn' or 'torch'."""
+        if self.amx_weight is not None:
+            return "amx"
+        return "onednn" if self.prepacked else "torch"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weight is not None and x.shape[0] <= FEW_ROWS:
+            return self._amx_linear(x, self.amx_weight, self.bias)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

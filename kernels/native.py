@@ -26,7 +26,7 @@ from common.engine.default_model import baton_cache_root
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp")
 HEADERS = (CSRC / "lanes.h",)
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"

@@ -525,6 +525,7 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Workload, vllm: Vll
             "device": describe_device(engine), "threads": torch.get_num_threads(), "repeats": args.repeats,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "native_attention": engine.runner.backend.native, "layer_ops": engine.model.ops.name,
+            "few_row_linears": engine.model.linear_kernels(),
             "torch": torch.__version__, "git_rev": git_revision(), **summarize(run), **vllm_facts,
             "raw": run["raw"], "in_process_s": time.perf_counter() - started,
             "loadavg_1m": [load_start, os.getloadavg()[0]]}

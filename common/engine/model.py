@@ -20,7 +20,7 @@ from common.engine.kv_cache import KVCache
 from common.engine.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend
 from kernels.layer_ops import TorchLayerOps, rms_norm, select_layer_ops
-from kernels.linear import Linear
+from kernels.linear import Linear, amx_available
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +86,7 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None  # set by load_hf_weights; tied: a copy of embed
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.ops = select_layer_ops(device, config.hidden_size, config.intermediate_size, config.head_dim)
+        self.amx_linears = amx_available(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor | slice,
                 kv_cache: KVCache, backend: AttentionBackend, metadata: object) -> torch.Tensor:
@@ -99,6 +100,13 @@ class CausalLM(nn.Module):
                                     self.ops)
         selected = hidden[logits_rows] + pending[logits_rows]  # the last layer's add, on the rows needed
         return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps)).float()
+
+    def linear_kernels(self) -> str:
+        """What multiplies few-row linears, e.g. 'amx', or 'amx+onednn' where some shapes
+        do not fit the tiles (for the startup log and the benchmark's record)."""
+        linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
+                                    for name in ("qkv", "o_proj", "gate_up", "down")]
+        return "+".join(sorted({linear.kernel for linear in linears}))
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -114,8 +122,9 @@ class CausalLM(nn.Module):
 
         self.embed.copy_(get("model.embed_tokens.weight"))
         self.final_norm.copy_(get("model.norm.weight"))
+        amx = self.amx_linears
         self.lm_head = Linear(self.embed.clone() if self.config.tie_word_embeddings
-                              else get("lm_head.weight"))
+                              else get("lm_head.weight"), amx=amx)
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -124,10 +133,10 @@ class CausalLM(nn.Module):
             qkv_bias = None
             if self.config.attention_bias:
                 qkv_bias = cat(*(attn + f"{p}_proj.bias" for p in "qkv"))
-            layer.qkv = Linear(cat(*(attn + f"{p}_proj.weight" for p in "qkv")), qkv_bias)
+            layer.qkv = Linear(cat(*(attn + f"{p}_proj.weight" for p in "qkv")), qkv_bias, amx=amx)
             if layer.q_norm is not None:
                 layer.q_norm.copy_(get(attn + "q_norm.weight"))
                 layer.k_norm.copy_(get(attn + "k_norm.weight"))
-            layer.o_proj = Linear(get(attn + "o_proj.weight"))
-            layer.gate_up = Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
-            layer.down = Linear(get(mlp + "down_proj.weight"))
+            layer.o_proj = Linear(get(attn + "o_proj.weight"), amx=amx)
+            layer.gate_up = Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx)
+            layer.down = Linear(get(mlp + "down_proj.weight"), amx=amx)

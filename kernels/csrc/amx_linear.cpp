@@ -1,0 +1,236 @@
+// y = x Wᵀ (+ b) in bf16 on Intel AMX tiles, for the few-row multiplies of decode steps and
+// short chunks.
+//
+// At 32 rows, oneDNN's bf16 inner product costs ~25-35 us a call on this machine whatever
+// the size (its dispatch, not its arithmetic: the tile work of a 32 x 256 x 512 multiply is
+// ~3 us), and a decode step of the tiny model makes 17 of them. This kernel keeps the weight
+// in the tiles' own layout, loads no per-call state beyond the tile shape, and splits across
+// threads only when a call holds enough work to pay for it.
+//
+// Numbers: each output is the fp32 sum of bf16 products over K in tile order (32 at a time,
+// in order), plus the bias in fp32, rounded once to bf16 (nearest even). The sum does not
+// depend on the number of rows or on which rows share a call, so results are the same
+// whatever the batch; at up to 32 rows they are also oneDNN's bits (tested).
+//
+// Contract: x [rows, K] bf16 (rows may be strided); weight packed by amx_pack_linear_weight
+// from W [N, K] with N and K multiples of 32; bias [N] bf16 or none. Built only where the
+// compiler targets AMX (-march=native on such a CPU); elsewhere amx_linear_supported() says
+// false and the other ops refuse.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BATON_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define BATON_AMX 0
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;   // rows of x (and of the output) in a tile
+constexpr int64_t kTileK = 32;      // bf16 values along K in a tile row (64 bytes)
+constexpr int64_t kTileCols = 16;   // output columns in a tile
+constexpr int64_t kPackedBlock = kTileK * kTileCols;  // bf16 values in one packed weight tile
+// A thread takes at least this many multiply-adds: below it, waking the second thread costs
+// more than it saves (measured: a 32 x 256 x 512 call ran fastest on one).
+constexpr int64_t kMacsPerTask = 4 << 20;
+
+void check_weight_shape(int64_t out_features, int64_t in_features) {
+  TORCH_CHECK(out_features > 0 && out_features % (2 * kTileCols) == 0, "weight: out features must be a positive ",
+              "multiple of ", 2 * kTileCols, ", got ", out_features);
+  TORCH_CHECK(in_features > 0 && in_features % kTileK == 0, "weight: in features must be a positive multiple of ",
+              kTileK, ", got ", in_features);
+}
+
+#if BATON_AMX
+
+constexpr int kArchRequestXcompPermission = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
+constexpr int kXfeatureTileData = 18;                // XFEATURE_XTILEDATA
+
+// Linux hands out AMX state only to processes that ask for it (once; it covers every thread).
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, kArchRequestXcompPermission, kXfeatureTileData) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileShape {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-1: two 16-row blocks of x; 2-3: two 16-column blocks of W; 4-7: their four products.
+void configure_tiles() {
+  TileShape shape;
+  for (int tile = 0; tile < 8; ++tile) {
+    shape.rows[tile] = kTileRows;
+    shape.bytes_per_row[tile] = 64;
+  }
+  _tile_loadconfig(&shape);
+}
+
+// The fp32 sums of up to 32 rows x 32 columns into tiles 4-7 (6-7 only with two row blocks).
+void multiply_block(const at::BFloat16* x, int64_t x_stride, bool two_row_blocks, const at::BFloat16* w0,
+                    const at::BFloat16* w1, int64_t k_tiles) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k = 0; k < k_tiles; ++k) {
+    _tile_loadd(0, x + k * kTileK, x_stride * 2);
+    _tile_loadd(2, w0 + k * kPackedBlock, 64);
+    _tile_loadd(3, w1 + k * kPackedBlock, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if (two_row_blocks) {
+      _tile_loadd(1, x + kTileRows * x_stride + k * kTileK, x_stride * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+}
+
+// Rounds a 16 x 16 fp32 tile (plus the bias) to bf16 rows of `out`, the first `rows` of them.
+void store_rounded(const float* sums, const float* bias, at::BFloat16* out, int64_t out_stride, int64_t rows) {
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * kTileCols), b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), reinterpret_cast<const __m256i&>(rounded));
+  }
+}
+
+at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "weight: expected a 2-D bf16 CPU tensor");
+  const int64_t out_features = weight.size(0), in_features = weight.size(1);
+  check_weight_shape(out_features, in_features);
+  const at::Tensor plain = weight.contiguous();
+  // [N/16][K/32][16 pairs of K][16 columns][2]: one 16 x 32 tile of Wᵀ per (column block, K
+  // block), K pairs interleaved as tdpbf16ps reads them.
+  at::Tensor packed = at::empty({out_features / kTileCols, in_features / kTileK, kTileK / 2, kTileCols * 2},
+                                weight.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(plain.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t k_tiles = in_features / kTileK;
+  at::parallel_for(0, out_features / kTileCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      for (int64_t k = 0; k < k_tiles; ++k) {
+        uint16_t* tile = dst + (block * k_tiles + k) * kPackedBlock;
+        for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
+          for (int64_t col = 0; col < kTileCols; ++col) {
+            const uint16_t* row = src + (block * kTileCols + col) * in_features + k * kTileK + 2 * pair;
+            tile[(pair * kTileCols + col) * 2] = row[0];
+            tile[(pair * kTileCols + col) * 2 + 1] = row[1];
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles_permitted(), "amx_linear: the kernel refused AMX tile state to this process");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == kTileK / 2 && packed.size(3) == 2 * kTileCols,
+              "packed: expected the output of amx_pack_linear_weight");
+  const int64_t out_features = packed.size(0) * kTileCols, in_features = packed.size(1) * kTileK;
+  check_weight_shape(out_features, in_features);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
+                  x_in.size(1) == in_features,
+              "x: expected bf16 [rows, ", in_features, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  at::Tensor bias_fp32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kBFloat16,
+                "bias: expected bf16 [", out_features, "]");
+    bias_fp32 = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t rows = x_in.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x_in.options());
+  if (rows == 0) return out;
+  // Tiles read whole 16-row blocks: a ragged last block reads from a zero-padded copy.
+  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  if (padded_rows != rows) {
+    x = at::zeros({padded_rows, in_features}, x_in.options());
+    x.narrow(0, 0, rows).copy_(x_in);
+  }
+  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  const at::BFloat16* w_data = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
+  const float* bias_values = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
+  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  const int64_t k_tiles = in_features / kTileK;
+  const int64_t column_pairs = out_features / (2 * kTileCols);
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (padded_rows * in_features * 2 * kTileCols));
+  at::parallel_for(0, column_pairs, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float sums[4][kTileRows * kTileCols];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t col = pair * 2 * kTileCols;
+      const at::BFloat16* w0 = w_data + 2 * pair * k_tiles * kPackedBlock;
+      const at::BFloat16* w1 = w0 + k_tiles * kPackedBlock;
+      const float* b0 = bias_values != nullptr ? bias_values + col : nullptr;
+      const float* b1 = bias_values != nullptr ? bias_values + col + kTileCols : nullptr;
+      for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
+        const bool two_row_blocks = row + kTileRows < rows;
+        multiply_block(x_data + row * x_stride, x_stride, two_row_blocks, w0, w1, k_tiles);
+        _tile_stored(4, sums[0], kTileCols * 4);
+        _tile_stored(5, sums[1], kTileCols * 4);
+        const int64_t first_rows = std::min(kTileRows, rows - row);
+        store_rounded(sums[0], b0, out_data + row * out_features + col, out_features, first_rows);
+        store_rounded(sums[1], b1, out_data + row * out_features + col + kTileCols, out_features, first_rows);
+        if (two_row_blocks) {
+          _tile_stored(6, sums[2], kTileCols * 4);
+          _tile_stored(7, sums[3], kTileCols * 4);
+          const int64_t second_rows = std::min(kTileRows, rows - row - kTileRows);
+          at::BFloat16* second = out_data + (row + kTileRows) * out_features + col;
+          store_rounded(sums[2], b0, second, out_features, second_rows);
+          store_rounded(sums[3], b1, second + kTileCols, out_features, second_rows);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+bool amx_linear_supported() { return tiles_permitted(); }
+
+#else  // no AMX in this build: the engine keeps oneDNN
+
+at::Tensor amx_pack_linear_weight(const at::Tensor&) {
+  TORCH_CHECK(false, "amx_pack_linear_weight: this build has no AMX (the CPU or compiler lacks it)");
+}
+
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU or compiler lacks it)");
+}
+
+bool amx_linear_supported() { return false; }
+
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton, m) {
+  m.def("amx_linear_supported() -> bool", &amx_linear_supported);
+  m.def("amx_pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("amx_pack_linear_weight", &amx_pack_linear_weight);
+  m.impl("amx_linear", &amx_linear);
+}

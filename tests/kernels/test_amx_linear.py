@@ -1,0 +1,122 @@
+"""The AMX few-row linear (kernels/csrc/amx_linear.cpp) against oneDNN and fp32, and its
+use by kernels.linear.Linear."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import FEW_ROWS, Linear, amx_available
+
+# (out, in): the tiny and small models' layer widths, Qwen2-0.5B's qkv, a vocab-wide head.
+SHAPES = [(512, 256), (256, 768), (1152, 896), (256, 2048), (32000, 768)]
+
+
+def cpu_has_amx() -> bool:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
+
+
+@pytest.fixture(scope="module")
+def amx(native_kernels):
+    if not torch.ops.baton.amx_linear_supported():
+        if cpu_has_amx():
+            pytest.fail("this CPU has AMX but the built kernels cannot use it")
+        pytest.skip("no AMX on this CPU: linears stay with oneDNN")
+    return torch.ops.baton
+
+
+def tensors(rows: int, out_features: int, in_features: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_up_to_32_rows_it_gives_onednn_bits(amx, rows, out_features, in_features):
+    x, weight, bias = tensors(rows, out_features, in_features, rows)
+    packed = amx.amx_pack_linear_weight(weight)
+    with torch.inference_mode():
+        assert torch.equal(amx.amx_linear(x, packed, None), F.linear(x, weight))
+        assert torch.equal(amx.amx_linear(x, packed, bias), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [33, 64, 200])
+@pytest.mark.parametrize("out_features,in_features", SHAPES[:4])
+def test_more_rows_stay_within_bf16_rounding_of_fp32(amx, rows, out_features, in_features):
+    x, weight, bias = tensors(rows, out_features, in_features, rows)
+    got = amx.amx_linear(x, amx.amx_pack_linear_weight(weight), bias)
+    exact = x.float() @ weight.float().T + bias.float()
+    # One bf16 rounding of the fp32 sum (whose own error is far smaller): half a bf16 ulp.
+    assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+
+
+def test_a_row_gets_the_same_bits_whatever_batch_it_is_in(amx):
+    x, weight, bias = tensors(57, 256, 768, 0)  # 57: a ragged last tile of rows
+    packed = amx.amx_pack_linear_weight(weight)
+    together = amx.amx_linear(x, packed, bias)
+    for row in (0, 16, 31, 40, 56):
+        assert torch.equal(amx.amx_linear(x[row:row + 1], packed, bias)[0], together[row])
+    assert torch.equal(amx.amx_linear(x[20:45], packed, bias), together[20:45])
+
+
+def test_strided_rows_and_columns_are_read_correctly(amx):
+    x, weight, bias = tensors(40, 512, 256, 1)
+    packed = amx.amx_pack_linear_weight(weight)
+    expected = amx.amx_linear(x, packed, bias)
+    wide = torch.zeros(40, 512, dtype=torch.bfloat16)
+    wide[:, 128:384] = x  # rows with a stride of 512
+    assert torch.equal(amx.amx_linear(wide[:, 128:384], packed, bias), expected)
+    transposed = x.T.contiguous().T  # column stride 40
+    assert torch.equal(amx.amx_linear(transposed, packed, bias), expected)
+    assert amx.amx_linear(x[:0], packed, bias).shape == (0, 512)
+
+
+def test_bad_input_is_refused_by_name(amx):
+    x, weight, bias = tensors(4, 512, 256, 2)
+    packed = amx.amx_pack_linear_weight(weight)
+    with pytest.raises(RuntimeError, match="out features must be a positive multiple of 32, got 500"):
+        amx.amx_pack_linear_weight(weight[:500])
+    with pytest.raises(RuntimeError, match="in features must be a positive multiple of 32, got 250"):
+        amx.amx_pack_linear_weight(weight[:, :250])
+    with pytest.raises(RuntimeError, match="weight: expected a 2-D bf16"):
+        amx.amx_pack_linear_weight(weight.float())
+    with pytest.raises(RuntimeError, match=r"x: expected bf16 \[rows, 256\]"):
+        amx.amx_linear(x[:, :128], packed, None)
+    with pytest.raises(RuntimeError, match=r"x: expected bf16 \[rows, 256\]"):
+        amx.amx_linear(x.float(), packed, None)
+    with pytest.raises(RuntimeError, match=r"bias: expected bf16 \[512\]"):
+        amx.amx_linear(x, packed, bias[:256])
+    with pytest.raises(RuntimeError, match="packed: expected the output of amx_pack_linear_weight"):
+        amx.amx_linear(x, weight, None)
+
+
+@pytest.mark.parametrize("rows", [1, 32, FEW_ROWS, FEW_ROWS + 1, 300])
+def test_linear_takes_amx_for_few_rows_and_onednn_beyond(amx, rows):
+    x, weight, bias = tensors(rows, 512, 256, rows)
+    linear = Linear(weight, bias, amx=True)
+    assert linear.kernel == "amx"
+    with torch.inference_mode():
+        got = linear(x)
+        if rows <= FEW_ROWS:
+            assert torch.equal(got, amx.amx_linear(x, linear.amx_weight, bias))
+        else:
+            assert torch.equal(got, F.linear(x, weight, bias))  # the prepacked oneDNN path's bits
+
+
+def test_linear_keeps_onednn_where_the_shape_does_not_fit_the_tiles(amx):
+    x, weight, _ = tensors(8, 500, 256, 3)
+    linear = Linear(weight, amx=True)
+    assert linear.kernel == "onednn" and linear.amx_weight is None
+    with torch.inference_mode():
+        assert torch.equal(linear(x), F.linear(x, weight))
+
+
+def test_amx_is_offered_for_bf16_on_the_cpu_only(amx):
+    assert amx_available(torch.device("cpu"), torch.bfloat16)
+    assert not amx_available(torch.device("cpu"), torch.float32)
+    assert not amx_available(torch.device("meta"), torch.bfloat16)
+    assert Linear(torch.randn(64, 64), amx=True).kernel == "torch"  # fp32 weights never take it
