@@ -124,7 +124,9 @@ def test_kernel_refuses_bad_input_by_name(paged_attention):
 
 def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "from kernels.native import load_native_ops; print('loaded', load_native_ops())"],
+        [sys.executable, "-c", "import torch; from kernels.native import load_native_ops; "
+         "from kernels.linear import amx_available; print('loaded', load_native_ops()); "
+         "print('amx', amx_available(torch.device('cpu'), torch.bfloat16))"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO), BATON_CACHE_DIR=str(tmp_path), **env))
 
@@ -132,13 +134,14 @@ def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path):
     done = load_in_subprocess(tmp_path, CXX=str(tmp_path / "no-such-compiler"))
     assert done.returncode == 0, done.stderr
-    assert "loaded False" in done.stdout
+    assert "loaded False" in done.stdout and "amx False" in done.stdout
     assert (done.stdout + done.stderr).count("native_kernels_unavailable") == 1
 
 
 def test_native_kernels_can_be_turned_off(tmp_path):
     done = load_in_subprocess(tmp_path, BATON_NATIVE_KERNELS="0")
-    assert "loaded False" in done.stdout and not (tmp_path / "kernels").exists()
+    assert "loaded False" in done.stdout and "amx False" in done.stdout
+    assert not (tmp_path / "kernels").exists()
 
 
 def test_a_damaged_build_in_the_cache_is_built_again(tmp_path, native_kernels):
