@@ -111,8 +111,8 @@ class Engine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
-                 layer_ops=self.model.ops.name, few_row_linears=self.model.linear_kernels(), kv_blocks=num_blocks, block_size=config.block_size,
-                 max_model_len=self.max_model_len)
+                 layer_ops=self.model.ops.name, few_row_linears=self.model.linear_kernels(),
+                 kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------
 

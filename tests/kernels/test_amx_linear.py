@@ -122,3 +122,10 @@ def test_amx_is_offered_for_bf16_on_the_cpu_only(amx):
     assert not amx_available(torch.device("cpu"), torch.float32)
     assert not amx_available(torch.device("meta"), torch.bfloat16)
     assert Linear(torch.randn(64, 64), amx=True).kernel == "torch"  # fp32 weights never take it
+
+
+def test_a_bf16_engine_on_this_cpu_multiplies_few_rows_on_amx(amx, make_engine, test_device):
+    if test_device != "cpu":
+        pytest.skip("the AMX kernel is a CPU path")
+    assert make_engine(dtype="bfloat16").model.linear_kernels() == "amx"
+    assert make_engine(dtype="float32").model.linear_kernels() == "torch"
