@@ -45,6 +45,7 @@ class AttentionInputs:
 class AttentionBackend(ABC):
     name: str
     native: bool = False  # whether it runs Baton's C++ CPU kernel (kernels/csrc) for some groups
+    amx_chunks: bool = False  # whether chunks over cached context go through the AMX kernel
 
     @abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:
@@ -67,16 +68,18 @@ def flash_attn_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
     """The backend called `name`, or for "auto" the best this machine has. On the CPU the
-    SDPA backend decodes through Baton's C++ kernel where it builds and fits the head dim."""
+    SDPA backend decodes through Baton's C++ kernel where it builds and fits the head dim,
+    and in bf16 attends chunks over cached context with the AMX kernel where the CPU has it."""
     from kernels.native import native_supports_head_dim
-    from kernels.sdpa_paged import SdpaPagedBackend
+    from kernels.sdpa_paged import SdpaPagedBackend, amx_chunks_fit
 
     if name == "auto":
         name = "flash" if flash_attn_available(device) else "sdpa"
     if name == "sdpa":
-        return SdpaPagedBackend(device, native=None if native_supports_head_dim(head_dim) else False)
+        return SdpaPagedBackend(device, native=None if native_supports_head_dim(head_dim) else False,
+                                amx_chunks=amx_chunks_fit(device, dtype, head_dim))
     if name == "flash":
         if not flash_attn_available(device):
             raise RuntimeError("attention_backend 'flash' needs a CUDA device and the flash-attn "

@@ -35,9 +35,9 @@ def amx_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether bf16 linears on this device can take the AMX kernel for few rows."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    from kernels.native import load_native_ops
+    from kernels.native import amx_supported
 
-    return load_native_ops() and bool(torch.ops.baton.amx_linear_supported())
+    return amx_supported()
 
 
 def amx_fits(weight: torch.Tensor) -> bool:

@@ -26,8 +26,9 @@ from common.engine.default_model import baton_cache_root
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp")
-HEADERS = (CSRC / "lanes.h",)
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp",
+           CSRC / "amx_attention.cpp")
+HEADERS = (CSRC / "lanes.h", CSRC / "amx.h")
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"
 # -fopenmp: at::parallel_for is inlined here and runs on OpenMP, as torch's CPU build does
@@ -61,6 +62,12 @@ def _cpu_flags() -> str:
 def native_supports_head_dim(head_dim: int) -> bool:
     """The kernel's head dims: multiples of 16 up to 256 (the C++ side checks it too)."""
     return head_dim % 16 == 0 and 0 < head_dim <= 256
+
+
+def amx_supported() -> bool:
+    """Whether Baton's AMX kernels run here: built for a CPU with AMX tiles, and the OS
+    lets this process use them."""
+    return load_native_ops() and bool(torch.ops.baton.amx_supported())
 
 
 @functools.cache

@@ -91,14 +91,16 @@ class _Paged:
 
 @dataclass
 class _Native:
-    """Sequences attended by the C++ kernel (kernels/csrc/paged_attention.cpp) straight
-    from the block pool: their rows of the output are written in place."""
+    """Sequences attended by a C++ kernel straight from the block pool, their rows of the
+    output written in place: decode tokens by kernels/csrc/paged_attention.cpp, chunks
+    over cached context by kernels/csrc/amx_attention.cpp (`amx`)."""
 
     block_table: torch.Tensor  # [seqs, width], contiguous
     query_starts: torch.Tensor
     query_lens: torch.Tensor
     context_lens: torch.Tensor
     block_size: int
+    amx: bool = False
 
 
 @dataclass
@@ -133,11 +135,13 @@ class SdpaPagedBackend(AttentionBackend):
     name = "sdpa"
 
     def __init__(self, device: torch.device = torch.device("cpu"), fold_decode: bool | None = None,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, amx_chunks: bool = False) -> None:
         """fold_decode: attend decode queries with their grouped-query heads folded into
         rows (see _attend_decode_folded); None decides by device: on CUDA only (on the
         CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models).
-        native: decode tokens through the C++ kernel; None: on the CPU where it builds."""
+        native: decode tokens through the C++ kernel; None: on the CPU where it builds.
+        amx_chunks: chunks over cached context through the AMX kernel (bf16, CPUs with
+        AMX; see amx_chunks_fit) instead of a gather and SDPA."""
         self.on_cuda = torch.device(device).type == "cuda"
         self.fold_decode = self.on_cuda if fold_decode is None else fold_decode
         if native is None:
@@ -145,7 +149,9 @@ class SdpaPagedBackend(AttentionBackend):
 
             native = not self.on_cuda and load_native_ops()
         self.native = native
+        self.amx_chunks = amx_chunks
         self._paged_attention = torch.ops.baton.paged_attention.default if native else None
+        self._amx_attention = torch.ops.baton.amx_paged_attention.default if amx_chunks else None
         self.mirror = _Mirror()
         self.pool_tokens: int | None = None  # one layer's cache slots, learned from the first forward
 
@@ -161,7 +167,9 @@ class SdpaPagedBackend(AttentionBackend):
         fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
         groups += _fresh_groups(inputs, fresh)
         continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
-        if continuing:
+        if continuing and self.amx_chunks:
+            groups.append(_native_chunk_group(inputs, continuing))
+        elif continuing:
             groups.append(_chunk_group(inputs, continuing))
         covers = len(groups) == 1 and (isinstance(groups[0], _Fresh)
                                        or isinstance(groups[0], _Paged) and groups[0].row_index is None)
@@ -210,9 +218,9 @@ class SdpaPagedBackend(AttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             if isinstance(group, _Native):
-                self._paged_attention(query, kv_layer[0], kv_layer[1], group.block_table, group.query_starts,
-                                      group.query_lens, group.context_lens, group.block_size,
-                                      query.shape[-1] ** -0.5, output)
+                kernel = self._amx_attention if group.amx else self._paged_attention
+                kernel(query, kv_layer[0], kv_layer[1], group.block_table, group.query_starts, group.query_lens,
+                       group.context_lens, group.block_size, query.shape[-1] ** -0.5, output)
                 continue
             own_mirror = mirrored if group is metadata.groups[0] else None
             attended = _attend(group, query, key, value, kv_layer, own_mirror, self.fold_decode)
@@ -341,6 +349,26 @@ def _native_decode_group(inputs: AttentionInputs) -> _Native:
     return _Native(inputs.block_table[:count, :width].contiguous(), torch.arange(count, device=device),
                    torch.ones(count, dtype=torch.long, device=device), torch.tensor(lens, device=device),
                    inputs.block_size)
+
+
+def _native_chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Native:
+    """Chunks over cached context (the given sequences) for the AMX kernel."""
+    device = inputs.block_table.device
+    width = -(-max(inputs.context_lens[i] for i in seqs) // inputs.block_size)
+    index = torch.tensor(seqs, device=device)
+    as_tensor = lambda values: torch.tensor([values[i] for i in seqs], device=device)  # noqa: E731
+    return _Native(inputs.block_table[index, :width].contiguous(), as_tensor(inputs.query_starts),
+                   as_tensor(inputs.query_lens), as_tensor(inputs.context_lens), inputs.block_size, amx=True)
+
+
+def amx_chunks_fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether chunks can go through the AMX kernel: bf16 on a CPU whose AMX kernels run,
+    head dims a multiple of 32 up to 256."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or head_dim % 32 or not 0 < head_dim <= 256:
+        return False
+    from kernels.native import amx_supported
+
+    return amx_supported()
 
 
 def _fresh_groups(inputs: AttentionInputs, fresh: list[int]) -> list[_Fresh]:

@@ -94,7 +94,7 @@ class Engine:
         self.model = CausalLM(self.model_config, dtype, self.device, self.max_model_len)
         self.model.load_hf_weights(load_state_dict(config.model_dir, self.model_config))
         self.kv_cache = KVCache(layout, num_blocks, self.device)
-        backend = select_backend(config.attention_backend, self.device, self.model_config.head_dim)
+        backend = select_backend(config.attention_backend, self.device, self.model_config.head_dim, dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
@@ -111,6 +111,7 @@ class Engine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
+                 amx_chunk_attention=backend.amx_chunks,
                  layer_ops=self.model.ops.name, few_row_linears=self.model.linear_kernels(),
                  kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len)
 

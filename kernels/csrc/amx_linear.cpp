@@ -14,8 +14,8 @@
 //
 // Contract: x [rows, K] bf16 (rows may be strided); weight packed by amx_pack_linear_weight
 // from W [N, K] with N and K multiples of 32; bias [N] bf16 or none. Built only where the
-// compiler targets AMX (-march=native on such a CPU); elsewhere amx_linear_supported() says
-// false and the other ops refuse.
+// compiler targets AMX (-march=native on such a CPU); elsewhere amx_supported() says
+// false and the other AMX ops refuse.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,18 +25,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define BATON_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define BATON_AMX 0
-#endif
+#include "amx.h"
 
 namespace {
 
-constexpr int64_t kTileRows = 16;   // rows of x (and of the output) in a tile
 constexpr int64_t kTileK = 32;      // bf16 values along K in a tile row (64 bytes)
 constexpr int64_t kTileCols = 16;   // output columns in a tile
 constexpr int64_t kPackedBlock = kTileK * kTileCols;  // bf16 values in one packed weight tile
@@ -53,32 +45,7 @@ void check_weight_shape(int64_t out_features, int64_t in_features) {
 
 #if BATON_AMX
 
-constexpr int kArchRequestXcompPermission = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
-constexpr int kXfeatureTileData = 18;                // XFEATURE_XTILEDATA
-
-// Linux hands out AMX state only to processes that ask for it (once; it covers every thread).
-bool tiles_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, kArchRequestXcompPermission, kXfeatureTileData) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileShape {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-1: two 16-row blocks of x; 2-3: two 16-column blocks of W; 4-7: their four products.
-void configure_tiles() {
-  TileShape shape;
-  for (int tile = 0; tile < 8; ++tile) {
-    shape.rows[tile] = kTileRows;
-    shape.bytes_per_row[tile] = 64;
-  }
-  _tile_loadconfig(&shape);
-}
+using namespace baton;
 
 // The fp32 sums of up to 32 rows x 32 columns into tiles 4-7 (6-7 only with two row blocks).
 void multiply_block(const at::BFloat16* x, int64_t x_stride, bool two_row_blocks, const at::BFloat16* w0,
@@ -206,7 +173,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const st
   return out;
 }
 
-bool amx_linear_supported() { return tiles_permitted(); }
+bool amx_supported() { return tiles_permitted(); }
 
 #else  // no AMX in this build: the engine keeps oneDNN
 
@@ -218,14 +185,14 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<
   TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU or compiler lacks it)");
 }
 
-bool amx_linear_supported() { return false; }
+bool amx_supported() { return false; }
 
 #endif
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
-  m.def("amx_linear_supported() -> bool", &amx_linear_supported);
+  m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_pack_linear_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }

@@ -19,7 +19,7 @@ def cpu_has_amx() -> bool:
 
 @pytest.fixture(scope="module")
 def amx(native_kernels):
-    if not torch.ops.baton.amx_linear_supported():
+    if not torch.ops.baton.amx_supported():
         if not cpu_has_amx():
             pytest.skip("no AMX on this CPU: linears stay with oneDNN")
         # Packing needs no tile state: it fails only where the build left AMX out.

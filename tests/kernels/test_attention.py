@@ -170,11 +170,11 @@ def test_sdpa_backend_on_cuda_folds_decode_and_keeps_cudnn_out_for_a_step():
 
 
 def test_auto_selects_sdpa_without_cuda():
-    assert select_backend("auto", torch.device("cpu"), 64).name == "sdpa"
-    assert select_backend("auto", torch.device("cpu"), 64).native == load_native_ops()
-    assert not select_backend("auto", torch.device("cpu"), 24).native  # a head dim the kernel lacks
+    assert select_backend("auto", torch.device("cpu"), 64, torch.float32).name == "sdpa"
+    assert select_backend("auto", torch.device("cpu"), 64, torch.float32).native == load_native_ops()
+    assert not select_backend("auto", torch.device("cpu"), 24, torch.float32).native  # a head dim the kernel lacks
     with pytest.raises(RuntimeError, match="flash-attn"):
-        select_backend("flash", torch.device("cpu"), 64)
+        select_backend("flash", torch.device("cpu"), 64, torch.float32)
 
 
 def test_decode_mirror_gives_a_fresh_backends_output_step_after_step():
@@ -243,7 +243,7 @@ def test_continued_chunks_give_sdpa_gqa_bits_in_bf16():
     inputs = AttentionInputs(query_starts=[0], query_lens=[new], context_lens=[context + new], num_single=0,
                              block_size=BLOCK, block_table=torch.tensor([blocks]),
                              slot_mapping=torch.arange(context, context + new), seq_keys=[0])
-    backend = select_backend("sdpa", torch.device("cpu"), DIM)
+    backend = select_backend("sdpa", torch.device("cpu"), DIM, torch.float32)
     output = backend.forward(query, key, value, kv_layer, backend.prepare(inputs))
     total = context + new
     causal = torch.arange(total)[None, :] <= torch.arange(context, total)[:, None]
@@ -260,7 +260,7 @@ def test_batched_fresh_prompts_give_each_prompts_own_bits_in_bf16():
     count, length = 5, 7
     query, key, value = (torch.randn(count * length, heads, DIM, generator=generator).to(torch.bfloat16)
                          for heads in (HEADS, KV_HEADS, KV_HEADS))
-    backend = select_backend("sdpa", torch.device("cpu"), DIM)
+    backend = select_backend("sdpa", torch.device("cpu"), DIM, torch.float32)
 
     def attend(rows: slice, seqs: int) -> torch.Tensor:
         blocks = -(-length // BLOCK)
