@@ -13,6 +13,8 @@ tail past each sequence's length.
 
 On the CPU, where Baton's C++ kernel (kernels/csrc/paged_attention.cpp) built, the
 single-token queries go to it instead: it reads their context from the pool in place.
+In bf16 on CPUs with AMX tiles, the remaining chunks likewise go to
+kernels/csrc/amx_attention.cpp (`amx_chunks`), with no gather and no mask.
 
 Without it, the decode group keeps a mirror: its sequences' K/V, dense, per layer.
 While the same sequences decode step after step, each step appends one token per

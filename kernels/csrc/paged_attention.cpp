@@ -5,7 +5,8 @@
 // sequence's context gathered out of the paged pool, or kept in a dense copy, first. This
 // kernel walks each sequence's block table directly, 16 keys at a time, with an online
 // softmax in fp32. It takes any query length, but the SDPA backend sends it decode tokens
-// only: for a 32-token chunk over 2,048 cached tokens SDPA's matrix kernels were ~5x faster.
+// only: for a 32-token chunk over 2,048 cached tokens SDPA's matrix kernels were ~5x faster
+// (and on AMX CPUs amx_attention.cpp takes chunks).
 //
 // Contract (checked below): query [tokens, heads, dim] with dim contiguous and heads packed
 // (any token stride); key_cache/value_cache [slots, kv_heads, dim] contiguous, slot =
