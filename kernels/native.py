@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp",
            CSRC / "amx_attention.cpp")
-HEADERS = (CSRC / "lanes.h", CSRC / "amx.h")
+HEADERS = (CSRC / "lanes.h", CSRC / "amx.h", CSRC / "paged_inputs.h")
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"
 # -fopenmp: at::parallel_for is inlined here and runs on OpenMP, as torch's CPU build does

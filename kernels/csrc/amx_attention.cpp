@@ -30,6 +30,7 @@
 
 #include "amx.h"
 #include "lanes.h"
+#include "paged_inputs.h"
 
 namespace {
 
@@ -339,56 +340,26 @@ void run(const Problem& p, int64_t num_seqs) {
 
 #endif  // BATON_AMX
 
-void check_index(const at::Tensor& t, const char* name, int64_t num_seqs) {
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.size(0) == num_seqs,
-              name, ": expected a contiguous int64 vector of ", num_seqs, " entries");
-}
-
 void amx_paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& block_table, const at::Tensor& query_starts, const at::Tensor& query_lens,
                          const at::Tensor& context_lens, int64_t block_size, double scale, at::Tensor& out) {
 #if BATON_AMX
   TORCH_CHECK(tiles_permitted(), "amx_paged_attention: the kernel refused AMX tile state to this process");
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kBFloat16, "query: expected bf16 on the CPU");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query: expected [tokens, heads, dim] with heads packed and dim contiguous");
-  TORCH_CHECK(key_cache.dim() == 3 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
-                  value_cache.is_contiguous() && key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16,
-              "key_cache/value_cache: expected equal contiguous bf16 [slots, kv_heads, dim]");
+  check_paged_inputs(query, key_cache, value_cache, block_table, query_starts, query_lens, context_lens, block_size,
+                     out);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "query, caches and out: expected bf16");
   const int64_t dim = query.size(2);
-  TORCH_CHECK(key_cache.size(2) == dim, "key_cache: head dim differs from the query's");
   TORCH_CHECK(dim % kTileBf16 == 0 && dim <= kMaxHeadDim, "head dim: a multiple of ", kTileBf16, " up to ",
               kMaxHeadDim, " expected, got ", dim);
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
-              "out: expected contiguous bf16 in the query's shape");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous(),
-              "block_table: expected contiguous int64 [seqs, width]");
-  TORCH_CHECK(block_size > 0, "block_size must be positive");
   const int64_t num_seqs = block_table.size(0);
-  check_index(query_starts, "query_starts", num_seqs);
-  check_index(query_lens, "query_lens", num_seqs);
-  check_index(context_lens, "context_lens", num_seqs);
-  const int64_t* lens = query_lens.data_ptr<int64_t>();
-  const int64_t* contexts = context_lens.data_ptr<int64_t>();
-  const int64_t* starts = query_starts.data_ptr<int64_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] > 0 && contexts[s] >= lens[s] && starts[s] >= 0 && starts[s] + lens[s] <= query.size(0),
-                "sequence ", s, ": query rows or context length out of range");
-    const int64_t used_blocks = (contexts[s] + block_size - 1) / block_size;
-    TORCH_CHECK(used_blocks <= block_table.size(1), "sequence ", s, ": context longer than its block table row");
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      const int64_t block = table[s * block_table.size(1) + b];
-      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= key_cache.size(0), "sequence ", s, ": block ", block,
-                  " is outside the cache");
-    }
-  }
   const Problem p{reinterpret_cast<const uint16_t*>(query.data_ptr()), query.stride(0),
                   reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-                  reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), key_cache.size(1) * dim, table,
-                  block_table.size(1), starts, lens, contexts, query.size(1), key_cache.size(1), dim, block_size,
+                  reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), key_cache.size(1) * dim,
+                  block_table.data_ptr<int64_t>(),
+                  block_table.size(1), query_starts.data_ptr<int64_t>(), query_lens.data_ptr<int64_t>(),
+                  context_lens.data_ptr<int64_t>(), query.size(1), key_cache.size(1), dim, block_size,
                   static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr())};
   run(p, num_seqs);
 #else

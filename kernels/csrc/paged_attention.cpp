@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "paged_inputs.h"
 
 namespace {
 
@@ -231,37 +232,18 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items, int64_t dim) {
   });
 }
 
-void check_index(const at::Tensor& t, const char* name, int64_t num_seqs) {
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.size(0) == num_seqs,
-              name, ": expected a contiguous int64 vector of ", num_seqs, " entries");
-}
-
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_table, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
                      double scale, at::Tensor& out) {
-  TORCH_CHECK(query.device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query: expected [tokens, heads, dim] with heads packed and dim contiguous");
-  TORCH_CHECK(key_cache.dim() == 3 && key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
-                  value_cache.is_contiguous(),
-              "key_cache/value_cache: expected equal contiguous [slots, kv_heads, dim]");
-  TORCH_CHECK(key_cache.size(2) == query.size(2), "key_cache: head dim differs from the query's");
+  check_paged_inputs(query, key_cache, value_cache, block_table, query_starts, query_lens, context_lens, block_size,
+                     out);
   TORCH_CHECK(query.size(2) % kKeyTile == 0 && query.size(2) <= kMaxDim, "head dim: a multiple of ", kKeyTile,
               " up to ", kMaxDim, " expected, got ", query.size(2));
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out: expected contiguous, query's shape");
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
               "query, caches and out must share one dtype");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous(),
-              "block_table: expected contiguous int64 [seqs, width]");
-  TORCH_CHECK(block_size > 0, "block_size must be positive");
   const int64_t num_seqs = block_table.size(0);
-  check_index(query_starts, "query_starts", num_seqs);
-  check_index(query_lens, "query_lens", num_seqs);
-  check_index(context_lens, "context_lens", num_seqs);
-
   const int64_t heads = query.size(1), kv_heads = key_cache.size(1), dim = query.size(2);
   const int64_t group = heads / kv_heads;
   const int64_t* lens = query_lens.data_ptr<int64_t>();
@@ -269,10 +251,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] > 0 && contexts[s] >= lens[s] && starts[s] >= 0 && starts[s] + lens[s] <= query.size(0),
-                "sequence ", s, ": query rows or context length out of range");
-    TORCH_CHECK((contexts[s] + block_size - 1) / block_size <= block_table.size(1),
-                "sequence ", s, ": context longer than its block table row");
     const int64_t rows = lens[s] * group;
     for (int64_t kv = 0; kv < kv_heads; ++kv)
       for (int64_t r = 0; r < rows; r += kRowTile) items.push_back({s, kv, r, std::min(rows, r + kRowTile)});

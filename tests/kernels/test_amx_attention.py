@@ -6,7 +6,7 @@ import torch
 from kernels.attention import AttentionInputs, select_backend
 from kernels.sdpa_paged import _Native, amx_chunks_fit
 from tests.kernels.test_amx_linear import cpu_has_amx
-from tests.kernels.test_native import paged_problem, reference
+from tests.kernels.test_native import call_with, paged_problem, reference
 
 CASES = [  # shape [(context, new)], heads, kv_heads, dim, block_size
     ([(2048, 32)], 4, 2, 64, 16),                      # the benchmark's prefix hit: 64 rows per KV head
@@ -58,30 +58,28 @@ def test_kernel_writes_only_the_rows_of_the_sequences_it_is_given(amx_attention)
 
 def test_kernel_refuses_bad_input_by_name(amx_attention):
     args, _ = paged_problem([(20, 4)], 4, 2, 64, 16, torch.bfloat16)
-    query, key_cache, value_cache, table, starts, lens, contexts, block_size, scale = args
+    query, table = args[0], args[3]
     out = torch.empty(query.shape, dtype=torch.bfloat16)
 
     def call(**changed):
-        given = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
-                     query_starts=starts, query_lens=lens, context_lens=contexts, out=out)
-        given.update(changed)
-        amx_attention(given["query"], given["key_cache"], given["value_cache"], given["block_table"],
-                      given["query_starts"], given["query_lens"], given["context_lens"], block_size, scale,
-                      given["out"])
+        call_with(amx_attention, args, {"out": out, **changed})
 
-    with pytest.raises(RuntimeError, match="query: expected bf16"):
+    with pytest.raises(RuntimeError, match="query, caches and out: expected bf16"):
         call(query=query.float())
     with pytest.raises(RuntimeError, match="head dim: a multiple of 32"):
-        call(query=torch.zeros(4, 4, 48, dtype=torch.bfloat16), key_cache=torch.zeros(64, 2, 48, dtype=torch.bfloat16),
-             value_cache=torch.zeros(64, 2, 48, dtype=torch.bfloat16), out=torch.empty(4, 4, 48, dtype=torch.bfloat16))
+        slots = args[1].shape[0]
+        call(query=torch.zeros(4, 4, 48, dtype=torch.bfloat16), key_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16),
+             value_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16), out=torch.empty(4, 4, 48, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="outside the cache"):
         call(block_table=torch.full_like(table, 10_000))
     with pytest.raises(RuntimeError, match="context longer than its block table"):
         call(context_lens=torch.tensor([200]))
     with pytest.raises(RuntimeError, match="query rows or context length out of range"):
         call(query_lens=torch.tensor([30]))
-    with pytest.raises(RuntimeError, match="out: expected contiguous bf16"):
+    with pytest.raises(RuntimeError, match="query, caches and out: expected bf16"):
         call(out=out.float())
+    with pytest.raises(RuntimeError, match="out: expected contiguous, query's shape"):
+        call(out=out[:2])
 
 
 def backend_step(shape, heads=4, kv_heads=2, dim=64, block_size=16):

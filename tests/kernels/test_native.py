@@ -94,18 +94,24 @@ def test_kernel_writes_only_the_rows_of_the_sequences_it_is_given(paged_attentio
     torch.testing.assert_close(out[[0, 6]], torch.cat([reference(*sequences[0]), reference(*sequences[2])]))
 
 
+def call_with(kernel, args, changed: dict):
+    """kernel (paged_attention's signature) on paged_problem's args, those named in
+    `changed` (and `out`, which it must name) replaced."""
+    query, key_cache, value_cache, table, starts, lens, contexts, block_size, scale = args
+    given = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
+                 query_starts=starts, query_lens=lens, context_lens=contexts)
+    given.update(changed)
+    kernel(given["query"], given["key_cache"], given["value_cache"], given["block_table"], given["query_starts"],
+           given["query_lens"], given["context_lens"], block_size, scale, given["out"])
+
+
 def test_kernel_refuses_bad_input_by_name(paged_attention):
     args, _ = paged_problem([(9, 1)], 4, 2, 64, 16, torch.float32)
-    query, key_cache, value_cache, table, starts, lens, contexts, block_size, scale = args
+    query, key_cache, value_cache, table = args[:4]
     out = torch.empty(query.shape)
 
     def call(**changed):
-        given = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
-                     query_starts=starts, query_lens=lens, context_lens=contexts, out=out)
-        given.update(changed)
-        paged_attention(given["query"], given["key_cache"], given["value_cache"], given["block_table"],
-                        given["query_starts"], given["query_lens"], given["context_lens"], block_size, scale,
-                        given["out"])
+        call_with(paged_attention, args, {"out": out, **changed})
 
     with pytest.raises(RuntimeError, match="share one dtype"):
         call(key_cache=key_cache.to(torch.bfloat16))
@@ -113,11 +119,13 @@ def test_kernel_refuses_bad_input_by_name(paged_attention):
         call(value_cache=value_cache.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(RuntimeError, match="context longer than its block table"):
         call(context_lens=torch.tensor([17]))
+    with pytest.raises(RuntimeError, match="block 10000 is outside the cache"):
+        call(block_table=torch.full_like(table, 10_000))
     with pytest.raises(RuntimeError, match="query_lens"):
         call(query_lens=torch.tensor([1, 1]))
     with pytest.raises(RuntimeError, match="head dim"):
-        wide = torch.zeros(1, 6, 24)
-        call(query=wide[:, :4], key_cache=torch.zeros(16, 2, 24), value_cache=torch.zeros(16, 2, 24),
+        wide, slots = torch.zeros(1, 6, 24), key_cache.shape[0]
+        call(query=wide[:, :4], key_cache=torch.zeros(slots, 2, 24), value_cache=torch.zeros(slots, 2, 24),
              out=torch.empty(1, 4, 24))
     assert not native_supports_head_dim(24) and native_supports_head_dim(128)
 
