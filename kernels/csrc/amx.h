@@ -46,6 +46,31 @@ inline void configure_tiles() {
   __asm__ volatile("ldtilecfg %0" ::"m"(shape));
 }
 
+// The tiles' 2 x 2 step, the inner step of every AMX product here: tiles 4, 5 += A block
+// `a0` (tile 0) x B blocks `b0`, `b1` (tiles 2, 3), and with `two`, tiles 6, 7 += A block
+// `a1` (tile 1) x the same. A blocks are 16 rows of 32 bf16, `a_stride` bf16 apart; B
+// blocks are packed tiles (16 rows of 64 bytes, contiguous).
+inline void tile_step_2x2(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1,
+                          bool two) {
+  _tile_loadd(0, a0, a_stride * 2);
+  _tile_loadd(2, b0, 64);
+  _tile_loadd(3, b1, 64);
+  _tile_dpbf16ps(4, 0, 2);
+  _tile_dpbf16ps(5, 0, 3);
+  if (two) {
+    _tile_loadd(1, a1, a_stride * 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
+inline void zero_results() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
 }  // namespace baton
 
 #else

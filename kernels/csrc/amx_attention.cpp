@@ -247,23 +247,12 @@ void attend_rows(const Problem& p, int64_t seq, int64_t kv_head, int64_t row, in
     const int64_t chunk_keys = std::min(kChunkKeys, keys_padded - chunk);
     // Scores, 32 keys at a time: tiles 4-7 = queries (0, 1) x keys (2, 3) over the head dim.
     for (int64_t k = 0; k < chunk_keys; k += kKeyPairTile) {
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
+      zero_results();
       const uint16_t* keys0 = s.keys.data() + (chunk + k) / kKeyTile * dim_tiles * kTileValues;
       const uint16_t* keys1 = keys0 + dim_tiles * kTileValues;
       for (int64_t d = 0; d < dim_tiles; ++d) {
-        _tile_loadd(0, query0 + d * kTileBf16, dim * 2);
-        _tile_loadd(2, keys0 + d * kTileValues, 64);
-        _tile_loadd(3, keys1 + d * kTileValues, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        if (two) {
-          _tile_loadd(1, query1 + d * kTileBf16, dim * 2);
-          _tile_dpbf16ps(6, 1, 2);
-          _tile_dpbf16ps(7, 1, 3);
-        }
+        tile_step_2x2(query0 + d * kTileBf16, query1 + d * kTileBf16, dim, keys0 + d * kTileValues,
+                      keys1 + d * kTileValues, two);
       }
       float* scores = s.scores.data() + k;
       _tile_stored(4, scores, kChunkKeys * 4);
@@ -276,22 +265,10 @@ void attend_rows(const Problem& p, int64_t seq, int64_t kv_head, int64_t row, in
     softmax_chunk(s, visible, block_rows, chunk, chunk_keys, dim, p.scale);
     // Values, 32 head dims at a time: tiles 4-7 = weights (0, 1) x values (2, 3) over the chunk.
     for (int64_t b = 0; b < dim_blocks; b += 2) {
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
+      zero_results();
       for (int64_t k = 0; k < chunk_keys; k += kKeyPairTile) {
         const uint16_t* values0 = s.values.data() + ((chunk + k) / kKeyPairTile * dim_blocks + b) * kTileValues;
-        _tile_loadd(0, weights0 + k, kChunkKeys * 2);
-        _tile_loadd(2, values0, 64);
-        _tile_loadd(3, values0 + kTileValues, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        if (two) {
-          _tile_loadd(1, weights1 + k, kChunkKeys * 2);
-          _tile_dpbf16ps(6, 1, 2);
-          _tile_dpbf16ps(7, 1, 3);
-        }
+        tile_step_2x2(weights0 + k, weights1 + k, kChunkKeys, values0, values0 + kTileValues, two);
       }
       float* result = s.result.data();
       _tile_stored(4, result, kTileFloats * 4);

@@ -50,21 +50,10 @@ using namespace baton;
 // The fp32 sums of up to 32 rows x 32 columns into tiles 4-7 (6-7 only with two row blocks).
 void multiply_block(const at::BFloat16* x, int64_t x_stride, bool two_row_blocks, const at::BFloat16* w0,
                     const at::BFloat16* w1, int64_t k_tiles) {
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  zero_results();
   for (int64_t k = 0; k < k_tiles; ++k) {
-    _tile_loadd(0, x + k * kTileK, x_stride * 2);
-    _tile_loadd(2, w0 + k * kPackedBlock, 64);
-    _tile_loadd(3, w1 + k * kPackedBlock, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    if (two_row_blocks) {
-      _tile_loadd(1, x + kTileRows * x_stride + k * kTileK, x_stride * 2);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
+    tile_step_2x2(x + k * kTileK, x + kTileRows * x_stride + k * kTileK, x_stride, w0 + k * kPackedBlock,
+                  w1 + k * kPackedBlock, two_row_blocks);
   }
 }
 
