@@ -31,15 +31,6 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def amx_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether bf16 linears on this device can take the AMX kernel for few rows."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    from kernels.native import amx_supported
-
-    return amx_supported()
-
-
 def amx_fits(weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     return out_features % AMX_TILE_MULTIPLE == 0 and in_features % AMX_TILE_MULTIPLE == 0
@@ -48,7 +39,7 @@ def amx_fits(weight: torch.Tensor) -> bool:
 class Linear:
     """y = x Wᵀ + b for x [tokens, in]; holds W [out, in] in the layout it runs fastest in.
 
-    `amx=True` (callers pass `amx_available(...)`) adds the AMX copy for few-row calls where
+    `amx=True` (callers pass kernels.native.amx_available(...)) adds the AMX copy for few-row calls where
     the weight's shape fits the tiles."""
 
     __slots__ = ("weight", "bias", "out_features", "prepacked", "amx_weight", "_amx_linear")

@@ -64,9 +64,11 @@ def native_supports_head_dim(head_dim: int) -> bool:
     return head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
-def amx_supported() -> bool:
-    """Whether Baton's AMX kernels run here: built for a CPU with AMX tiles, and the OS
-    lets this process use them."""
+def amx_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Baton's AMX kernels (bf16 only) run for this device and dtype: a CPU with
+    AMX tiles the build targets, and the OS lets this process use them."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
     return load_native_ops() and bool(torch.ops.baton.amx_supported())
 
 

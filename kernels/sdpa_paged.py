@@ -366,11 +366,11 @@ def _native_chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Native:
 def amx_chunks_fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether chunks can go through the AMX kernel: bf16 on a CPU whose AMX kernels run,
     head dims a multiple of 32 up to 256."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or head_dim % 32 or not 0 < head_dim <= 256:
+    if head_dim % 32 or not 0 < head_dim <= 256:
         return False
-    from kernels.native import amx_supported
+    from kernels.native import amx_available
 
-    return amx_supported()
+    return amx_available(device, dtype)
 
 
 def _fresh_groups(inputs: AttentionInputs, fresh: list[int]) -> list[_Fresh]:

@@ -53,7 +53,7 @@ if device.type == "cuda":
     print("gpu", torch.cuda.get_device_name(device), "capability", torch.cuda.get_device_capability(device))
 print("flash_attn importable", importlib.util.find_spec("flash_attn") is not None)
 from kernels.attention import select_backend
-print(f"auto backend on {device}:", select_backend("auto", device, 128).name)
+print(f"auto backend on {device}:", select_backend("auto", device, 128, torch.bfloat16).name)
 PY
 }
 

@@ -20,7 +20,8 @@ from common.engine.kv_cache import KVCache
 from common.engine.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend
 from kernels.layer_ops import TorchLayerOps, rms_norm, select_layer_ops
-from kernels.linear import Linear, amx_available
+from kernels.linear import Linear
+from kernels.native import amx_available
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import FEW_ROWS, Linear, amx_available
+from kernels.linear import FEW_ROWS, Linear
+from kernels.native import amx_available
 
 # (out, in): the tiny and small models' layer widths, Qwen2-0.5B's qkv, a vocab-wide head.
 SHAPES = [(512, 256), (256, 768), (1152, 896), (256, 2048), (32000, 768)]

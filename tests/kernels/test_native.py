@@ -133,7 +133,7 @@ def test_kernel_refuses_bad_input_by_name(paged_attention):
 def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", "import torch; from kernels.native import load_native_ops; "
-         "from kernels.linear import amx_available; print('loaded', load_native_ops()); "
+         "from kernels.native import amx_available; print('loaded', load_native_ops()); "
          "print('amx', amx_available(torch.device('cpu'), torch.bfloat16))"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO), BATON_CACHE_DIR=str(tmp_path), **env))
