@@ -91,7 +91,10 @@ def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = N
     http_port = base + PORTS_PER_CLUSTER - 1
     argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
             "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    # The repo first, then whatever the caller's PYTHONPATH holds (wheels unpacked beside a
+    # system torch, say): replacing it would hide those packages from the services.
+    inherited = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), inherited])), PYTHONUNBUFFERED="1")
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=REPO, start_new_session=True)
     cluster = Cluster(process, base, http_port, workers)

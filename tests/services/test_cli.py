@@ -1,6 +1,5 @@
 """`svc` as a user runs it: real subprocesses, real files."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +9,13 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.sampling_params import SamplingParams
+from tests.subprocess_env import repo_env
 
 REPO = Path(__file__).parents[2]
 
 
 def svc(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     if cache is not None:
         env["BATON_CACHE_DIR"] = str(cache)
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
