@@ -5,7 +5,9 @@ The sources compile with torch's extension builder (a C++ compiler and ninja; th
 the sources, the torch version and the CPU's instruction set, so a build is reused only
 where it was made for. Once built, loading is a plain `torch.ops.load_library`.
 
-Where no compiler is found or the build fails, `load_native_ops` says why once and
+The compiler is CXX's, or the system's `c++` where CXX links its own static copy of the
+C++ runtime (kernels/toolchain.py says why that cannot load beside torch). Where no
+compiler is found or the build fails, `load_native_ops` says why once and
 returns False: callers keep their torch path. BATON_NATIVE_KERNELS=0 turns the kernels off.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import structlog
 import torch
 
 from common.engine.default_model import baton_cache_root
+from kernels.toolchain import choose_compiler, shares_cxx_runtime
 
 log = structlog.get_logger(__name__)
 
@@ -83,9 +86,11 @@ def load_native_ops() -> bool:
         # A lock file means another process is building (torch's builder holds it).
         if built.is_file() and not (folder / "lock").exists():
             try:
+                if not shares_cxx_runtime(built):
+                    raise OSError("it carries its own copy of the C++ runtime")
                 torch.ops.load_library(str(built))
                 return True
-            except OSError as error:  # e.g. a file cut short by a crash: build it again
+            except (OSError, ValueError) as error:  # e.g. a file cut short by a crash: build it again
                 log.warning("native_kernels_rebuilding", library=str(built), reason=str(error)[:300])
                 shutil.rmtree(folder, ignore_errors=True)
         _build(folder)
@@ -104,7 +109,18 @@ def _build(folder: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    log.info("native_kernels_building", folder=str(folder), note="first use on this machine, ~15 s")
-    cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                       extra_ldflags=list(LDFLAGS),
-                       build_directory=str(folder), is_python_module=False, verbose=False)
+    compiler, wanted = choose_compiler(os.environ), os.environ.get("CXX")
+    if wanted and compiler != wanted:
+        log.warning("native_kernels_compiler_replaced", wanted=wanted, using=compiler,
+                    reason="CXX links libstdc++ statically; its copy of the C++ runtime breaks torch's")
+    log.info("native_kernels_building", folder=str(folder), compiler=compiler, note="first use on this machine, ~15 s")
+    os.environ["CXX"] = compiler  # torch's extension builder reads the compiler from CXX
+    try:
+        cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS),
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    finally:
+        if wanted is None:
+            del os.environ["CXX"]
+        else:
+            os.environ["CXX"] = wanted

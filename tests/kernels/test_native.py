@@ -1,5 +1,4 @@
 """Baton's C++ paged attention (kernels/csrc) against dense causal attention, and its loader."""
-import os
 import random
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from kernels.native import native_supports_head_dim
+from tests.subprocess_env import repo_env
 
 REPO = Path(__file__).parents[2]
 
@@ -136,7 +136,7 @@ def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
          "from kernels.native import amx_available; print('loaded', load_native_ops()); "
          "print('amx', amx_available(torch.device('cpu'), torch.bfloat16))"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO), BATON_CACHE_DIR=str(tmp_path), **env))
+        env=repo_env(BATON_CACHE_DIR=str(tmp_path), **env))
 
 
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path):
@@ -153,12 +153,17 @@ def test_native_kernels_can_be_turned_off(tmp_path):
 
 
 def test_a_damaged_build_in_the_cache_is_built_again(tmp_path, native_kernels):
+    """...with the system compiler where CXX names one that links libstdc++ statically: a
+    library carrying its own C++ runtime loses or crashes on the numbers in its messages."""
     from kernels.native import LIBRARY_NAME, build_folder
+    from kernels.toolchain import needed_libraries
+    from tests.kernels.test_toolchain import static_runtime_compiler
 
-    folder = build_folder(tmp_path)
+    folder = build_folder(tmp_path / "cache")
     folder.mkdir(parents=True)
     (folder / f"{LIBRARY_NAME}.so").write_bytes(b"\x7fELF cut short")
-    done = load_in_subprocess(tmp_path)
+    done = load_in_subprocess(tmp_path / "cache", CXX=str(static_runtime_compiler(tmp_path)))
     assert "loaded True" in done.stdout, done.stdout + done.stderr
     assert "native_kernels_rebuilding" in done.stdout + done.stderr
-    assert (folder / f"{LIBRARY_NAME}.so").stat().st_size > 10_000
+    assert "native_kernels_compiler_replaced" in done.stdout + done.stderr
+    assert "libstdc++.so.6" in needed_libraries(folder / f"{LIBRARY_NAME}.so")
