@@ -10,7 +10,8 @@
 // Numbers: each output is the fp32 sum of bf16 products over K in tile order (32 at a time,
 // in order), plus the bias in fp32, rounded once to bf16 (nearest even). The sum does not
 // depend on the number of rows or on which rows share a call, so results are the same
-// whatever the batch; at up to 32 rows they are also oneDNN's bits (tested).
+// whatever the batch; at up to 32 rows they are also oneDNN's bits where oneDNN keeps the
+// sum on one thread (tested on one; with 16, it splits K for narrow layers and differs).
 //
 // Contract: x [rows, K] bf16 (rows may be strided); weight packed by amx_pack_linear_weight
 // from W [N, K] with N and K multiples of 32; bias [N] bf16 or none. Built only where the
