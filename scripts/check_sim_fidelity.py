@@ -32,10 +32,12 @@ The profile (the simulator's step times): --profile, else one of
     to 2× that, and an open-loop run at moderate load is full of both: its sim then comes
     out ~50 % fast.
 
-The overheads (see calibrate), measured by the same paced requests on the engine alone
-and through the idle cluster, in pairs: the one-way delay client → worker → client (the
-simulator's network_s) and the worker loop's cost per step beyond engine.step() (added
-to the profile's fixed step costs). --no-overheads leaves them out.
+The overheads (see calibrate and Overheads), measured by the same paced requests on the
+engine alone and through the idle cluster, in pairs: the one-way delay client → worker →
+client (the simulator's network_s), what a first token takes on its way out beyond the
+later ones (first_token_extra_s), and the worker loop's cost per step beyond
+engine.step(), added to the profile's fixed step costs (with the live profile, measured
+instead between the live run's own back-to-back steps). --no-overheads leaves them out.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cost_model import CostModel, fit_latency, load_cost_model  # noqa: E402
-from common.engine.step_log import profile_points, read_step_log, step_record  # noqa: E402
+from common.engine.step_log import busy_gaps, profile_points, read_step_log, step_record  # noqa: E402
 from services.eval.loadgen import Target, WorkloadSpec, bench, plan_requests  # noqa: E402
 from services.eval.report import print_table, summarize  # noqa: E402
 from services.eval.simulator import SimConfig, simulate  # noqa: E402
@@ -65,7 +67,8 @@ TARGET = 0.15  # the largest relative error accepted per metric
 METRICS = ("ttft_mean_s", "tpot_mean_s", "e2e_p95_s")
 MAX_NUM_BATCHED_TOKENS = 2048  # `svc up`'s default step budget, passed explicitly to both
 HEARTBEAT_INTERVAL_S = 0.5
-CALIBRATION_WARMUP, CALIBRATION_SAMPLES, CALIBRATION_PROMPT, CALIBRATION_OUTPUT = 5, 30, 16, 32
+CALIBRATION_WARMUP, CALIBRATION_SAMPLES, CALIBRATION_PROMPT, CALIBRATION_OUTPUT = 5, 40, 16, 32
+CALIBRATION_SHORT_OUTPUT = 2  # every other calibration request: one decode interval
 REPLAY_S = 30.0  # seconds of arrivals the engine-only replay fits the profile to
 
 
@@ -77,6 +80,28 @@ class Timing:
     @staticmethod
     def median(timings: list[Timing]) -> Timing:
         return Timing(statistics.median(t.ttft_s for t in timings), statistics.median(t.tpot_s for t in timings))
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What the services add to the engine, as the simulator takes it: the one-way delay
+    each way, what a first token takes beyond that on its way out (negative: less), and
+    the worker loop's cost per step beyond engine.step()."""
+    network_s: float = 0.0
+    first_token_extra_s: float = 0.0
+    step_s: float = 0.0
+
+    @staticmethod
+    def from_pairs(ttft_s: float, short_span_s: float, long_span_s: float) -> Overheads:
+        """From the median paired differences (cluster − engine alone) of TTFT and of the
+        decode span (last token − first) at CALIBRATION_SHORT_OUTPUT and CALIBRATION_OUTPUT
+        tokens. A span of n tokens grows by (n − 1)·step + (last token's way out − first's),
+        TTFT by the way in + the first token's way out; the way in and a later token's way
+        out are taken as equal."""
+        step = max((long_span_s - short_span_s) / (CALIBRATION_OUTPUT - CALIBRATION_SHORT_OUTPUT), 0.0)
+        last_minus_first = short_span_s - (CALIBRATION_SHORT_OUTPUT - 1) * step
+        network = max((ttft_s + last_minus_first) / 2, 0.0)
+        return Overheads(network, max(ttft_s - 2 * network, -network), step)
 
 
 def parse_args() -> argparse.Namespace:
@@ -182,13 +207,16 @@ def replay(engine, requests) -> dict[str, list[tuple[float, float, float]]]:
     return profile_points(records)
 
 
-def alone(engine, prompt: list[int]) -> Timing:
-    """One calibration request on the engine alone."""
+def alone(engine, prompt: list[int], outputs: int = CALIBRATION_OUTPUT):
+    """One calibration request on the engine alone: its result (ttft_s, e2e_s)."""
     from common.sampling_params import SamplingParams
 
-    [result] = engine.generate([prompt], SamplingParams(max_tokens=CALIBRATION_OUTPUT, temperature=0.0,
-                                                        ignore_eos=True))
-    return Timing(result.ttft_s, (result.e2e_s - result.ttft_s) / (CALIBRATION_OUTPUT - 1))
+    [result] = engine.generate([prompt], SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True))
+    return result
+
+
+def timing(result) -> Timing:
+    return Timing(result.ttft_s, (result.e2e_s - result.ttft_s) / (len(result.token_ids) - 1))
 
 
 def engine_speed(engine, gap_s: float, seed: int) -> Timing:
@@ -197,43 +225,51 @@ def engine_speed(engine, gap_s: float, seed: int) -> Timing:
     timings = []
     for prompt in calibration_prompts(seed):
         time.sleep(gap_s)
-        timings.append(alone(engine, prompt))
+        timings.append(timing(alone(engine, prompt)))
     return Timing.median(timings[CALIBRATION_WARMUP:])
 
 
-async def calibrate(address: str, engine, gap_s: float) -> tuple[object, Timing, Timing]:
-    """The router's status, what the services add to the engine, and the engine's own
-    timing. Each calibration request runs on `engine` alone, then through the idle
-    cluster, each `gap_s` after the last answer; the medians of the paired differences
-    (the first few pairs, warming both up, left out) are the overheads. TTFT grows by
-    the way in and out (SDK socket, tokenizer, router, the worker's loop: twice the
-    one-way delay), TPOT by what the worker's loop costs per step beyond engine.step()
-    (sending tokens and KV events, polling its sockets). Pairing keeps the machine's
-    drift out of the difference."""
+async def calibrate(address: str, engine, gap_s: float) -> tuple[object, Overheads, Timing]:
+    """The router's status, what the services add to the engine (Overheads.from_pairs),
+    and the engine's own timing. Each calibration request runs on `engine` alone, then
+    through the idle cluster, each `gap_s` after the last answer, asking alternately for
+    CALIBRATION_SHORT_OUTPUT and CALIBRATION_OUTPUT tokens; the medians of the paired
+    differences (the first few pairs, warming both up, left out) give the overheads.
+    TTFT grows by the way in and out (SDK socket, tokenizer, router, the worker's loop),
+    the decode span by the worker loop's cost per step beyond engine.step() (sending
+    tokens and KV events, polling its sockets) and by how much later or sooner the last
+    token's way out is than the first's: on this machine the first's is ~1 ms slower,
+    which at toolbench's ~8 output tokens is ~0.15 ms of TPOT. Pairing keeps the
+    machine's drift out of the difference."""
     from services.client import AsyncClient
 
-    pairs = []
+    ttft, spans, engine_timings = [], {CALIBRATION_SHORT_OUTPUT: [], CALIBRATION_OUTPUT: []}, []
     async with AsyncClient(address) as client:
         status = await client.status()
-        for prompt in calibration_prompts():
+        for number, prompt in enumerate(calibration_prompts()):
+            outputs = CALIBRATION_OUTPUT if number % 2 else CALIBRATION_SHORT_OUTPUT
             await asyncio.sleep(gap_s)
-            engine_only = alone(engine, prompt)  # blocks the loop: nothing else runs now
+            engine_only = alone(engine, prompt, outputs)  # blocks the loop: nothing else runs now
             await asyncio.sleep(gap_s)
-            live = await client.generate(token_ids=prompt, max_tokens=CALIBRATION_OUTPUT, temperature=0.0,
-                                         ignore_eos=True)
-            pairs.append((engine_only, Timing((live.ttft_s - engine_only.ttft_s) / 2,
-                                              live.tpot_s - engine_only.tpot_s)))
-    overheads = Timing.median([difference for _, difference in pairs[CALIBRATION_WARMUP:]])
-    return (status, Timing(max(overheads.ttft_s, 0.0), max(overheads.tpot_s, 0.0)),
-            Timing.median([engine_only for engine_only, _ in pairs[CALIBRATION_WARMUP:]]))
+            live = await client.generate(token_ids=prompt, max_tokens=outputs, temperature=0.0, ignore_eos=True)
+            if number < CALIBRATION_WARMUP:
+                continue
+            ttft.append(live.ttft_s - engine_only.ttft_s)
+            spans[outputs].append((live.e2e_s - live.ttft_s) - (engine_only.e2e_s - engine_only.ttft_s))
+            if outputs == CALIBRATION_OUTPUT:
+                engine_timings.append(timing(engine_only))
+    overheads = Overheads.from_pairs(statistics.median(ttft), statistics.median(spans[CALIBRATION_SHORT_OUTPUT]),
+                                     statistics.median(spans[CALIBRATION_OUTPUT]))
+    return status, overheads, Timing.median(engine_timings)
 
 
-def run_live(args, requests, profile: Path, engine, threads: int, step_log_dir: Path) -> tuple[dict, int, Timing, Timing, dict]:
+def run_live(args, requests, profile: Path, engine, threads: int,
+             step_log_dir: Path) -> tuple[dict, int, Overheads, Timing, list[list[dict]]]:
     """The live run's summary, the KV blocks per worker the router reports, the
     services' overheads (see calibrate, which uses `engine`), the engine's drift (how
     much slower (> 0) or faster the engine alone is after the run than before it,
     relative, in TTFT and TPOT: the machine's speed changing under other load during
-    the run shows there), and the fitting points of the workers' steps during the run."""
+    the run shows there), and each worker's step records during the run."""
     from common.engine.default_model import default_model_dir
     from services.local_cluster import start_cluster
 
@@ -250,10 +286,9 @@ def run_live(args, requests, profile: Path, engine, threads: int, step_log_dir: 
     finally:
         cluster.stop()
     drift = Timing(after.ttft_s / before.ttft_s - 1, after.tpot_s / before.tpot_s - 1)
-    steps = [record for path in sorted(step_log_dir.glob("worker-*.steps.jsonl"))
-             for record in read_step_log(path) if record["t"] >= bench_started]
-    return (result.summary, min(worker.kv_blocks_total for worker in status.workers), overheads, drift,
-            profile_points(steps))
+    steps = [[record for record in read_step_log(path) if record["t"] >= bench_started]
+             for path in sorted(step_log_dir.glob("worker-*.steps.jsonl"))]
+    return result.summary, min(worker.kv_blocks_total for worker in status.workers), overheads, drift, steps
 
 
 def fitted(name: str, points: dict) -> CostModel:
@@ -262,15 +297,23 @@ def fitted(name: str, points: dict) -> CostModel:
     return CostModel(name, fit_latency(points["prefill"]), fit_latency(points["decode"]))
 
 
-def run_sim(args, requests, cost: CostModel, kv_blocks: int, overheads: Timing) -> dict:
-    """The simulated run, with the services' overheads: `overheads.ttft_s` as the
-    one-way network delay, `overheads.tpot_s` added to every step's fixed cost."""
-    step = overheads.tpot_s
+def loop_overhead_s(steps: list[list[dict]]) -> float:
+    """The mean gap between back-to-back steps over the workers' logs (step_log.busy_gaps)."""
+    gaps = [gap for records in steps for gap in busy_gaps(records)]
+    if not gaps:
+        raise SystemExit("the live run's step logs hold no back-to-back steps to time the worker loop by")
+    return statistics.fmean(gaps)
+
+
+def run_sim(args, requests, cost: CostModel, kv_blocks: int, overheads: Overheads) -> dict:
+    """The simulated run, with the services' overheads: the network delays as they are,
+    `overheads.step_s` added to every step's fixed cost."""
+    step = overheads.step_s
     cost = CostModel(cost.name, replace(cost.prefill, a=cost.prefill.a + step),
                      replace(cost.decode, a=cost.decode.a + step))
     config = SimConfig(workers=args.workers, policy=args.policy, cost=cost, kv_blocks=kv_blocks,
                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
-                       network_s=overheads.ttft_s)
+                       network_s=overheads.network_s, first_token_extra_s=overheads.first_token_extra_s)
     result = simulate(requests, config)
     return summarize(result.records, {}, result.totals)
 
@@ -291,7 +334,8 @@ def report(args, live: dict, sims: dict[str, dict], extra: dict) -> None:
             print(f"{name:<10} {metric:<12} live {live['overall'][metric] * 1000:8.2f} ms  "
                   f"sim {sim['overall'][metric] * 1000:8.2f} ms  error {error:6.1%}  {verdict}")
     drift = extra["engine_drift"]
-    print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, per step {extra['step_overhead_s'] * 1000:.2f} ms; "
+    print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, first token {extra['first_token_extra_s'] * 1000:+.2f} ms, "
+          f"per step {extra['step_overhead_s'] * 1000:.2f} ms ({extra['step_overhead_source']}); "
           f"engine alone after the run vs before: TTFT {drift['ttft']:+.1%}, TPOT {drift['tpot']:+.1%}")
     if args.json:
         first = next(iter(sims))
@@ -322,16 +366,29 @@ def main() -> None:
             profile.write_text(json.dumps(replay_profile(engine, args).to_json()), encoding="utf-8")
         cost = load_cost_model(profile)
         live, kv_blocks, measured, drift, steps = run_live(args, requests, profile, engine, threads, scratch / "steps")
-    overheads = Timing(0.0, 0.0) if args.no_overheads else measured
-    costs = {"sim": fitted("live", steps), "sim_replay": cost} if source == "live" else {"sim": cost}
-    sims = {name: run_sim(args, requests, model, kv_blocks, overheads) for name, model in costs.items()}
+    points = profile_points(record for records in steps for record in records)
+    # The live profile comes from the workers' own steps, so their own loop is what is
+    # added to it; the replay and svc profiles time the engine in this process, and the
+    # calibration's step cost also holds what running in a worker process costs it.
+    live_overheads = replace(measured, step_s=loop_overhead_s(steps))
+    runs = ({"sim": (fitted("live", points), live_overheads), "sim_replay": (cost, measured)} if source == "live"
+            else {"sim": (cost, measured)})
+    if args.no_overheads:
+        runs = {name: (model, Overheads()) for name, (model, _) in runs.items()}
+    sims = {name: run_sim(args, requests, model, kv_blocks, overheads) for name, (model, overheads) in runs.items()}
+    model, overheads = runs["sim"]
     report(args, live, sims, {"profile_source": source, "requests": len(requests), "threads": threads,
-                              "kv_blocks": kv_blocks, "network_s": overheads.ttft_s,
-                              "step_overhead_s": overheads.tpot_s, "measured_network_s": measured.ttft_s,
-                              "measured_step_overhead_s": measured.tpot_s,
+                              "kv_blocks": kv_blocks, "network_s": overheads.network_s,
+                              "first_token_extra_s": overheads.first_token_extra_s, "step_overhead_s": overheads.step_s,
+                              "step_overhead_source": ("none" if args.no_overheads else
+                                                       "live steps" if source == "live" else "calibration"),
+                              "measured": {"network_s": measured.network_s,
+                                           "first_token_extra_s": measured.first_token_extra_s,
+                                           "calibrated_step_s": measured.step_s,
+                                           "live_loop_step_s": live_overheads.step_s},
                               "engine_drift": {"ttft": drift.ttft_s, "tpot": drift.tpot_s},
-                              "live_steps_fitted": {phase: len(points) for phase, points in steps.items()},
-                              "profile": costs["sim"].to_json()})
+                              "live_steps_fitted": {phase: len(values) for phase, values in points.items()},
+                              "profile": model.to_json()})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ the forward pass and sampling), `decode_seqs` the sequences that each added one
 generated token and `decode_ctx` the sum of their contexts before it, `prefill` one
 [new tokens, tokens already computed] pair per prompt chunk. `profile_points` turns
 steps into the cost model's fitting points, so a profile can be fitted to what a serving
-worker actually did (scripts/check_sim_fidelity.py does).
+worker actually did, and `busy_gaps` the time its loop took between steps
+(scripts/check_sim_fidelity.py uses both).
 """
 from __future__ import annotations
 
@@ -107,3 +108,12 @@ def profile_points(records: Iterable[dict]) -> dict[str, list[tuple[float, float
             new, context = prefill[0]
             points["prefill"].append((new, context, record["s"]))
     return points
+
+
+def busy_gaps(records: list[dict]) -> list[float]:
+    """One worker's seconds between back-to-back steps, in its log's order: the gap before
+    each step that decodes, whose sequences were therefore unfinished when the step before
+    it ended, so the loop went straight on (no idle wait). What the worker's loop costs
+    per step beyond engine.step(): receiving, sending tokens and events, polling."""
+    return [max(step["t"] - step["s"] - before["t"], 0.0)
+            for before, step in zip(records, records[1:]) if step["decode_seqs"]]

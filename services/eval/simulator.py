@@ -69,7 +69,16 @@ class SimConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 262_144 * 64
     network_s: float = 0.0  # one-way delay client -> worker and worker -> client
+    # What a request's first token takes on its way out beyond network_s (negative: less).
+    # Live, the first chunk's path does more work than later ones' (scripts/check_sim_fidelity.py
+    # measures it), which shows in TPOT as (this) / (output tokens - 1).
+    first_token_extra_s: float = 0.0
     fuse_quiet_steps: bool = True  # a quiet run of decode steps is one event (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.network_s < 0 or self.network_s + self.first_token_extra_s < 0:
+            raise ValueError(f"network_s ({self.network_s}) and network_s + first_token_extra_s "
+                             f"({self.network_s + self.first_token_extra_s}) must not be negative")
 
 
 @dataclass
@@ -313,7 +322,7 @@ class Simulator:
         record = self.records[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = self.now
-            record.first_token_s = self.now + self.config.network_s
+            record.first_token_s = self.now + self.config.network_s + self.config.first_token_extra_s
             record.queue_s = seq.first_scheduled_time - seq.arrival_time
             record.prefill_s = self.now - seq.first_scheduled_time
             record.num_cached_tokens = seq.num_cached_tokens
@@ -321,7 +330,7 @@ class Simulator:
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
         worker.scheduler.finish(seq, "length")
-        record.finish_s = self.now + self.config.network_s
+        record.finish_s = max(self.now + self.config.network_s, record.first_token_s)
         record.output_tokens = seq.num_output_tokens
         record.decode_s = self.now - seq.first_token_time
         worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from common.engine.step_log import StepLogError, StepLogWriter, profile_points, read_step_log
+from common.engine.step_log import StepLogError, StepLogWriter, busy_gaps, profile_points, read_step_log
 from common.sampling_params import SamplingParams
 
 
@@ -50,6 +50,20 @@ def test_writer_logs_each_step_and_points_classify_them(make_engine, random_prom
     assert [(n, ctx) for n, ctx, _ in points["decode"]] == [
         (r["decode_seqs"], r["decode_ctx"] / r["decode_seqs"]) for r in decode_steps]
     assert (2, (102 + 30) / 2) in [(n, ctx) for n, ctx, _ in points["decode"]]
+
+
+def test_busy_gaps_are_the_loops_time_before_each_decoding_step():
+    def step(ended, seconds, decode_seqs, prefill=()):
+        return {"t": ended, "s": seconds, "decode_seqs": decode_seqs, "decode_ctx": 10 * decode_seqs,
+                "prefill": [list(chunk) for chunk in prefill]}
+
+    records = [step(10.0, 0.004, 0, [(16, 0)]),   # a prompt: its sequence decodes next
+               step(10.0015, 0.001, 1),           # 0.5 ms of loop before it
+               step(10.0027, 0.001, 1),           # 0.2 ms
+               step(12.0, 0.003, 0, [(8, 0)]),    # after an idle wait: a fresh prompt, no gap
+               step(12.0013, 0.001, 2, [(4, 8)])]  # mixed, decoding: 0.3 ms
+    assert busy_gaps(records) == pytest.approx([0.0005, 0.0002, 0.0003])
+    assert busy_gaps(records[:1]) == []
 
 
 def test_writer_appends_to_an_existing_log(tmp_path, make_engine, random_prompts):

@@ -31,6 +31,20 @@ def test_one_request_on_one_worker_takes_the_profiles_own_time():
     assert record.output_tokens == 4 and result.steps == 4
 
 
+def test_the_network_delays_arrival_and_delivery_and_the_first_token_its_extra():
+    config = SimConfig(workers=1, policy="round_robin", cost=COST, network_s=0.002, first_token_extra_s=0.003)
+    result = simulate([request("r", 1.0, 100, 4), request("one", 5.0, 100, 1, seed=1)], config)
+    records = {r.request_id: r for r in result.records}
+    prefill = 0.010 + 0.001 * 100
+    decodes = sum(0.005 + 0.002 * 1 + 0.00001 * 1 * context for context in (100, 101, 102))
+    assert records["r"].first_token_s == pytest.approx(1.0 + 0.002 + prefill + 0.002 + 0.003)
+    assert records["r"].finish_s == pytest.approx(1.0 + 0.002 + prefill + decodes + 0.002)
+    # one output token: it is the first token and the last, so it finishes when it arrives
+    assert records["one"].finish_s == records["one"].first_token_s == pytest.approx(5.0 + 0.004 + prefill + 0.003)
+    with pytest.raises(ValueError, match="must not be negative"):
+        SimConfig(workers=1, policy="round_robin", cost=COST, network_s=0.001, first_token_extra_s=-0.002)
+
+
 def test_a_chunked_prompt_pays_for_its_context_and_a_mixed_step_for_both_phases():
     config = SimConfig(workers=1, policy="round_robin", cost=COST, max_num_batched_tokens=64)
     result = simulate([request("long", 0.0, 100, 2), request("late", 0.0, 10, 1, seed=1)], config)
