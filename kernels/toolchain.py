@@ -1,11 +1,12 @@
 """Which C++ compiler may build Baton's CPU kernels, and what a built library links.
 
-A kernel library must use the C++ runtime torch already loaded (libstdc++.so.6, shared).
-A compiler that links its own libstdc++ statically (some toolchains in /opt do, and CXX
-may name one) makes a library that loads and runs, but whose first error message that
-formats a number crashes the process: its copy of the runtime looks up locale facets that
-only the shared runtime registered. So a compiler is tried on a one-line library first,
-and a built library's dynamic section is read before it is loaded.
+A kernel library must use the C++ runtime torch's Linux wheels load (libstdc++.so.6,
+shared). A compiler that links its own libstdc++ statically (some toolchains in /opt do,
+and CXX may name one) makes a library that loads and runs, but whose error messages lose
+the numbers they format or crash the process (both seen: GCC 12 here, the H200 image's
+/opt/gcc): its copy of the runtime looks up locale facets that only the shared one
+registered. So a compiler is tried on a one-line library first, and a built library's
+dynamic section is read before it is loaded.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 SYSTEM_COMPILER = "c++"  # what torch's extension builder uses where CXX is unset
-SHARED_CXX_RUNTIMES = ("libstdc++.so", "libc++.so")
+SHARED_CXX_RUNTIME = "libstdc++.so"
 PROBE_SOURCE = '#include <sstream>\nstd::string baton_probe(long n) { std::ostringstream s; s << n; return s.str(); }\n'
 PROBE_TIMEOUT_S = 60
 
@@ -59,8 +60,8 @@ def _needed(data: bytes) -> list[str]:
 
 
 def shares_cxx_runtime(library: Path) -> bool:
-    """Whether `library` links a shared C++ runtime (rather than carrying its own copy)."""
-    return any(name.startswith(SHARED_CXX_RUNTIMES) for name in needed_libraries(library))
+    """Whether `library` links the shared libstdc++ (rather than carrying its own copy)."""
+    return any(name.startswith(SHARED_CXX_RUNTIME) for name in needed_libraries(library))
 
 
 def links_shared_cxx_runtime(compiler: str) -> bool:

@@ -216,6 +216,7 @@ def alone(engine, prompt: list[int], outputs: int = CALIBRATION_OUTPUT):
 
 
 def timing(result) -> Timing:
+    """A request result's TTFT and mean time per output token after the first."""
     return Timing(result.ttft_s, (result.e2e_s - result.ttft_s) / (len(result.token_ids) - 1))
 
 
