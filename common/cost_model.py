@@ -1,9 +1,12 @@
 """Step-time cost model (DESIGN §7): what prefill and decode cost on one worker.
 
-Both phases use Preble's form T = a + b·n + c·ctx + d·n·ctx, in seconds:
-  prefill: n = new tokens computed, ctx = cached context they attend to;
-  decode:  n = sequences in the batch, ctx = their mean context length.
-A profile is a JSON object {"name", "prefill": {a,b,c,d}, "decode": {a,b,c,d}}; the
+Both phases use Preble's form T = a + b·n + c·ctx + d·n·ctx, in seconds, plus e·n²:
+  prefill: n = new tokens computed, ctx = cached context they attend to; e·n² is the new
+           tokens attending to each other (DistServe's Σlen² term), fitted for measured
+           profiles: on the tiny model a cold 400-token prompt took 10-20 % longer than the
+           linear form fitted to a serving mix of cold prompts and prefix hits said;
+  decode:  n = sequences in the batch, ctx = their mean context length (e stays 0).
+A profile is a JSON object {"name", "prefill": {a,b,c,d[,e]}, "decode": {a,b,c,d}}; the
 router, the simulator and the profiler all read this one format. A profile may also carry
 metadata that readers ignore: "fit" (the fit's error per phase), "source", "measured_on"
 and "points" (what was measured). `load_cost_model` also takes a profile name
@@ -21,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 REWEIGHTS = 3  # fit_latency's passes relative to its own predictions (it converges in 1-2)
+COEFFICIENTS = ("a", "b", "c", "d", "e")
 
 
 class ProfileError(ValueError):
@@ -29,19 +33,20 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class LatencyFit:
-    """T(n, ctx) = a + b·n + c·ctx + d·n·ctx seconds."""
+    """T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² seconds."""
 
     a: float
     b: float
     c: float = 0.0
     d: float = 0.0
+    e: float = 0.0
 
     def __call__(self, n: float, ctx: float = 0.0) -> float:
-        return self.a + self.b * n + self.c * ctx + self.d * n * ctx
+        return self.a + self.marginal(n, ctx)
 
     def marginal(self, n: float, ctx: float = 0.0) -> float:
         """The cost of n more units without the fixed per-step term `a`."""
-        return self.b * n + self.c * ctx + self.d * n * ctx
+        return self.b * n + self.c * ctx + self.d * n * ctx + self.e * n * n
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,12 @@ class CostModel:
 def _fit(data: dict, phase: str, source: str) -> LatencyFit:
     coefficients = data.get(phase)
     if not isinstance(coefficients, dict):
-        raise ProfileError(f"{source}: {phase} must be an object with coefficients a, b, c, d")
-    unknown = set(coefficients) - {"a", "b", "c", "d"}
+        raise ProfileError(f"{source}: {phase} must be an object with coefficients a, b, c, d (and e)")
+    unknown = set(coefficients) - set(COEFFICIENTS)
     if unknown:
         raise ProfileError(f"{source}: {phase} has unknown keys {sorted(unknown)}")
     values = {}
-    for key in ("a", "b", "c", "d"):
+    for key in COEFFICIENTS:
         value = coefficients.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or value < 0:
@@ -132,9 +137,10 @@ def load_cost_model(path_or_name: str | Path | None) -> CostModel:
 # ---- fitting ---------------------------------------------------------------------------
 
 
-def fit_latency(points: Iterable[tuple[float, float, float]]) -> LatencyFit:
-    """The T = a + b·n + c·ctx + d·n·ctx with all coefficients >= 0 that best fits the
-    (n, ctx, seconds) points in least squares of the relative error.
+def fit_latency(points: Iterable[tuple[float, float, float]], quadratic: bool = False) -> LatencyFit:
+    """The T = a + b·n + c·ctx + d·n·ctx (+ e·n² with `quadratic`, for prefill) with all
+    coefficients >= 0 that best fits the (n, ctx, seconds) points in least squares of the
+    relative error.
 
     Relative, because step times span orders of magnitude and the router needs short steps
     as right as long ones. Relative to the fit's own prediction, not to each measured time:
@@ -150,7 +156,7 @@ def fit_latency(points: Iterable[tuple[float, float, float]]) -> LatencyFit:
     if not np.all(np.isfinite(data)) or np.any(data[:, 2] <= 0):
         raise ProfileError("every point needs finite n and ctx and a time > 0")
     n, ctx, seconds = data.T
-    features = np.column_stack([np.ones_like(n), n, ctx, n * ctx])
+    features = np.column_stack([np.ones_like(n), n, ctx, n * ctx, *([n * n] if quadratic else [])])
     relative_to = seconds
     for _ in range(REWEIGHTS + 1):
         coefficients = _nonnegative_least_squares(features / relative_to[:, None], seconds / relative_to)

@@ -295,7 +295,7 @@ def run_live(args, requests, profile: Path, engine, threads: int,
 def fitted(name: str, points: dict) -> CostModel:
     if min(len(phase) for phase in points.values()) < 4:
         raise SystemExit(f"too few {name} steps to fit a profile: {({k: len(v) for k, v in points.items()})}")
-    return CostModel(name, fit_latency(points["prefill"]), fit_latency(points["decode"]))
+    return CostModel(name, fit_latency(points["prefill"], quadratic=True), fit_latency(points["decode"]))
 
 
 def loop_overhead_s(steps: list[list[dict]]) -> float:

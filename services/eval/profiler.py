@@ -5,7 +5,8 @@ A prefill point times the one engine step that computes `n` new tokens of a prom
 first `ctx` tokens an earlier request left in the prefix cache. A decode point times steps
 in which `batch` sequences, all past their prefill, add one token each; its ctx is their
 mean context during those steps. Each point is the median of `repeats` timed steps after
-one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase.
+one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase (+ e·n²
+for prefill).
 """
 from __future__ import annotations
 
@@ -155,12 +156,13 @@ def _random_ids(engine: Engine, rng: random.Random, length: int) -> list[int]:
 
 
 def fit(points: Sequence[Point]) -> tuple[LatencyFit, dict]:
-    """The non-negative least-squares fit of one phase's points, and its error
-    ({"mean_abs_rel_error", "max_abs_rel_error", "points"})."""
-    if len({point.phase for point in points}) > 1:
+    """The non-negative least-squares fit of one phase's points (prefill with its n² term,
+    see common.cost_model), and its error ({"mean_abs_rel_error", "max_abs_rel_error", "points"})."""
+    phases = {point.phase for point in points}
+    if len(phases) > 1:
         raise ProfilerError("fit one phase at a time")
     triples = [(point.n, point.ctx, point.seconds) for point in points]
-    latency = fit_latency(triples)
+    latency = fit_latency(triples, quadratic=phases == {"prefill"})
     return latency, fit_error(latency, triples)
 
 

@@ -21,9 +21,13 @@ def test_from_json_ignores_metadata_but_refuses_unknown_coefficients():
     model = CostModel.from_json(with_metadata)
     assert model == CostModel.from_json(PROFILE)
     assert model.prefill_s(100, 1000) == pytest.approx(1e-3 + 1e-3 + 1e-3 + 1e-4)
-    assert model.decode.c == 0.0
-    with pytest.raises(ProfileError, match=r"prefill has unknown keys \['e'\]"):
-        CostModel.from_json({**PROFILE, "prefill": {**PROFILE["prefill"], "e": 1.0}})
+    assert model.decode.c == 0.0 and model.prefill.e == 0.0  # e, the n² term, is optional
+    with pytest.raises(ProfileError, match=r"prefill has unknown keys \['f'\]"):
+        CostModel.from_json({**PROFILE, "prefill": {**PROFILE["prefill"], "f": 1.0}})
+    quadratic = CostModel.from_json({**PROFILE, "prefill": {**PROFILE["prefill"], "e": 2e-8}})
+    assert quadratic.prefill_s(100, 1000) == pytest.approx(model.prefill_s(100, 1000) + 2e-8 * 100 ** 2)
+    assert quadratic.recompute_s(100) == pytest.approx(1e-5 * 100 + 2e-8 * 100 ** 2)
+    assert CostModel.from_json(json.loads(json.dumps(quadratic.to_json()))) == quadratic
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -26,6 +26,19 @@ def test_fit_recovers_known_coefficients_exactly():
     assert error["max_abs_rel_error"] < 1e-9 and error["points"] == 12
 
 
+def test_a_prefill_fit_recovers_its_quadratic_term_and_decode_gets_none():
+    quadratic = LatencyFit(a=2e-3, b=4e-5, c=1e-6, d=1e-9, e=5e-8)
+    latency, error = fit(grid_points(quadratic))
+    for key in "abcde":
+        assert getattr(latency, key) == pytest.approx(getattr(quadratic, key), rel=1e-6)
+    assert error["max_abs_rel_error"] < 1e-9
+    # The same times as decode points: no n² term there, so the linear form absorbs it.
+    decode, _ = fit(grid_points(quadratic, "decode"))
+    assert decode.e == 0.0 and decode.b > quadratic.b
+    # Linear times fitted with the term: it stays at zero.
+    assert fit_latency([(p.n, p.ctx, p.seconds) for p in grid_points(TRUE)], quadratic=True).e == pytest.approx(0.0, abs=1e-15)
+
+
 def test_fit_keeps_coefficients_non_negative():
     # Times that fall with context would want c < 0; the fit clamps c at 0 instead.
     falling = [(n, ctx, 1e-3 + 1e-5 * n - 1e-7 * ctx) for n in (16, 256, 1024) for ctx in (0, 1024, 4096)]
