@@ -1,9 +1,10 @@
-"""kernels.linear.Linear: the prepacked oneDNN path gives F.linear's bits."""
+"""kernels.linear.Linear: the prepacked oneDNN path gives F.linear's bits, at the row
+count it pads a long call to."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import Linear, can_prepack
+from kernels.linear import FEW_ROWS, Linear, can_prepack, row_bucket
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 32, 300])
@@ -32,3 +33,27 @@ def test_bf16_on_this_cpu_is_prepacked_when_onednn_is_there():
         pytest.skip("this torch build has no oneDNN")
     assert Linear(weight).prepacked
     assert Linear(weight).weight.is_mkldnn
+
+
+def test_row_buckets_are_few_and_waste_at_most_an_eighth():
+    buckets = {row_bucket(rows) for rows in range(FEW_ROWS + 1, 4097)}
+    assert all(row_bucket(rows) >= rows and row_bucket(rows) <= rows * 1.125 for rows in range(FEW_ROWS + 1, 4097))
+    assert len(buckets) <= 8 * 6  # 8 per octave from 64 to 4096
+    assert all(row_bucket(bucket) == bucket for bucket in buckets)
+    assert [row_bucket(rows) for rows in (65, 401, 1000, 2048)] == [72, 416, 1024, 2048]
+
+
+def test_a_long_call_is_padded_to_its_bucket_and_cut_back():
+    """A prefill chunk of 401 rows runs as 416 (so a 410-row chunk reuses oneDNN's kernel):
+    its rows are F.linear's at 416 rows, and the pad rows never reach the caller."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(96, generator=generator).to(torch.bfloat16)
+    x = torch.randn(401, 64, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = Linear(weight.clone(), bias)(x)
+        at_bucket = F.linear(F.pad(x, (0, 0, 0, 416 - 401)), weight, bias)[:401]
+    assert out.shape == (401, 96) and out.is_contiguous()
+    assert torch.equal(out, at_bucket)
