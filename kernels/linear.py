@@ -84,7 +84,8 @@ class Linear:
         if self.prepacked:
             rows = x.shape[0]
             padded = row_bucket(rows) if rows > FEW_ROWS else rows
-            if padded != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
+            if padded == rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            x = F.pad(x, (0, 0, 0, padded - rows))
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
