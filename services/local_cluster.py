@@ -17,15 +17,31 @@ from pathlib import Path
 
 REPO = Path(__file__).parents[1]
 PORTS_PER_CLUSTER = 40
+LOWEST_PORT = 10000  # below it sit well-known services' ports
 
 
 def free_port_base() -> int:
-    """A base such that the cluster's ports (base..base+PORTS_PER_CLUSTER) are free."""
+    """A base such that the cluster's ports (base..base+PORTS_PER_CLUSTER) are free, below
+    the kernel's ephemeral range: a port in it can be taken between this check and the
+    bind by any outgoing connection's source port (another test's client, say), and stay
+    taken as long as that connection lives; a tokenizer then died on bind in a loop."""
+    low, _ = ephemeral_ports()
+    first, last = LOWEST_PORT, max(low, LOWEST_PORT + 10 * PORTS_PER_CLUSTER) - PORTS_PER_CLUSTER
     for _ in range(200):
-        base = random.randrange(20000, 60000 - PORTS_PER_CLUSTER)
+        base = random.randrange(first, last)
         if all(_port_free(base + offset) for offset in range(PORTS_PER_CLUSTER)):
             return base
     raise RuntimeError("no free port range found")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where
+    it cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _port_free(port: int) -> bool:

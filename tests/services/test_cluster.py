@@ -12,7 +12,7 @@ from common.engine.engine import Engine
 from common.engine.step_log import read_step_log
 from common.sampling_params import SamplingParams
 from services.client import AsyncClient, Client, InvalidRequest, RequestTimeout
-from services.local_cluster import REPO
+from services.local_cluster import LOWEST_PORT, PORTS_PER_CLUSTER, REPO, ephemeral_ports, free_port_base
 
 
 def test_sdk_generate_matches_the_engine(cluster, tiny_model_dir):
@@ -127,3 +127,12 @@ def test_a_request_past_its_deadline_times_out_and_frees_its_kv(cluster):
         assert time.monotonic() - started < 1.2  # the server's deadline, not the client's backstop
     cluster.wait_for(lambda: sum(cluster.worker_health(i)["kv_blocks_used"] for i in range(cluster.workers)) == 0,
                      10, "KV blocks to be freed after the timeout")
+
+
+def test_port_ranges_for_test_clusters_lie_below_the_ephemeral_ports():
+    """An outgoing connection's source port (from the ephemeral range) could take a chosen
+    port between the check and the bind; below the range nothing is handed out that way."""
+    low, _ = ephemeral_ports()
+    for _ in range(20):
+        base = free_port_base()
+        assert LOWEST_PORT <= base and base + PORTS_PER_CLUSTER <= low
