@@ -42,7 +42,8 @@ class LatencyFit:
     e: float = 0.0
 
     def __call__(self, n: float, ctx: float = 0.0) -> float:
-        return self.a + self.marginal(n, ctx)
+        # Written out, not a + marginal(): the router and the simulator call this per decision.
+        return self.a + self.b * n + self.c * ctx + self.d * n * ctx + self.e * n * n
 
     def marginal(self, n: float, ctx: float = 0.0) -> float:
         """The cost of n more units without the fixed per-step term `a`."""

@@ -100,6 +100,14 @@ class Cluster:
                 self.process.wait(5)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child Python that must import this checkout: the repo first on
+    PYTHONPATH, the caller's entries kept after it (wheels unpacked beside a system torch,
+    say, as scripts/check_cuda.sh runs; replacing them hid those packages), plus `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
                   timeout_s: float = 120.0) -> Cluster:
     """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are."""
@@ -107,10 +115,7 @@ def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = N
     http_port = base + PORTS_PER_CLUSTER - 1
     argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
             "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
-    # The repo first, then whatever the caller's PYTHONPATH holds (wheels unpacked beside a
-    # system torch, say): replacing it would hide those packages from the services.
-    inherited = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), inherited])), PYTHONUNBUFFERED="1")
+    env = child_env(PYTHONUNBUFFERED="1")
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=REPO, start_new_session=True)
     cluster = Cluster(process, base, http_port, workers)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.native import native_supports_head_dim
-from tests.subprocess_env import repo_env
+from services.local_cluster import child_env
 
 REPO = Path(__file__).parents[2]
 
@@ -136,7 +136,7 @@ def load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
          "from kernels.native import amx_available; print('loaded', load_native_ops()); "
          "print('amx', amx_available(torch.device('cpu'), torch.bfloat16))"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env=repo_env(BATON_CACHE_DIR=str(tmp_path), **env))
+        env=child_env(BATON_CACHE_DIR=str(tmp_path), **env))
 
 
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path):

@@ -9,13 +9,13 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.sampling_params import SamplingParams
-from tests.subprocess_env import repo_env
+from services.local_cluster import child_env
 
 REPO = Path(__file__).parents[2]
 
 
 def svc(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
-    env = repo_env()
+    env = child_env()
     if cache is not None:
         env["BATON_CACHE_DIR"] = str(cache)
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,

@@ -9,7 +9,7 @@ import pytest
 
 from common.cost_model import CostModel, LatencyFit, ProfileError, fit_latency, load_cost_model
 from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, profile_json
-from tests.subprocess_env import repo_env
+from services.local_cluster import child_env
 
 REPO = Path(__file__).parents[3]
 TRUE = LatencyFit(a=3.5e-3, b=5.5e-5, c=7.3e-6, d=1.75e-8)
@@ -116,7 +116,7 @@ def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "profile", "--quick", "--model", str(tiny_model_dir),
          "--threads", "1", "--out", str(out)],
-        capture_output=True, text=True, env=repo_env(), timeout=60, cwd=REPO)
+        capture_output=True, text=True, env=child_env(), timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     model = load_cost_model(out)
     assert model.name == "tiny-cpu" and model.prefill_s(512, 512) > model.prefill_s(16, 0) > 0
@@ -130,7 +130,7 @@ def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp
 
 def test_svc_profile_compare_preble_prints_the_table():
     done = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--compare-preble"],
-                          capture_output=True, text=True, env=repo_env(),
+                          capture_output=True, text=True, env=child_env(),
                           timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "tp=4" in done.stdout and "tp=8" in done.stdout and "profile/Preble" in done.stdout
