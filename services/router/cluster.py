@@ -73,6 +73,7 @@ class Placement:
     num_tokens: int
     prefix_key: int | None
     predicted_ttft_s: float
+    credited: list[int] = field(default_factory=list)  # blocks the index holds on credit for it
 
 
 class EvictionSample:
@@ -218,6 +219,9 @@ class ClusterState:
         self.index.record_hits(request.path[:held], worker_id, now)
         if self.approximate:
             self.index.placed(worker_id, request.root_hash, request.block_keys, request.path, now)
+        else:
+            placement.credited = self.index.expect(worker_id, request.root_hash, request.block_keys,
+                                                   request.path, now)
         return placement
 
     def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:
@@ -225,6 +229,7 @@ class ClusterState:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return None
+        self.index.settle(placement.worker_id, placement.credited)
         worker = self.workers.get(placement.worker_id)
         if worker is not None and worker.in_flight.pop(request_id, None) is not None:
             worker.expected_output_sum -= placement.expected_output

@@ -2,8 +2,11 @@
 
 Blocks are named by the chained hash of DESIGN §3. Workers report the names they store
 and evict (KV events); in approximate mode the router instead records what it placed,
-and each entry expires after a TTL. For each block the index keeps its holders, the
-time each holder last used it, and its hits over a sliding window.
+and each entry expires after a TTL. With events, a placed prompt's blocks are held on
+credit until its events arrive (`expect`, `settle`): a long prefill takes seconds, and
+the requests that share its prompt and arrive meanwhile must find it. For each block the
+index keeps its holders, the time each holder last used it, and its hits over a sliding
+window.
 
 Matching a prompt walks its blocks from the root and stops at the first block no worker
 holds, so it costs O(matched blocks), never O(tokens × workers). Each node also keeps
@@ -65,6 +68,7 @@ class PrefixIndex:
         self.pending_epoch = 0
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
+        self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -148,6 +152,7 @@ class PrefixIndex:
         lru = self.lru.setdefault(worker_id, OrderedDict())
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
+        credited = self.unconfirmed.get(worker_id)
         nodes = self.nodes
         moved = 0
         for block_hash in block_hashes:
@@ -157,6 +162,8 @@ class PrefixIndex:
             holders = node.holders
             if worker_id in holders:
                 lru.move_to_end(block_hash)
+                if credited:
+                    credited.discard(block_hash)
             else:
                 node.signature ^= bit
                 lru[block_hash] = node
@@ -170,10 +177,13 @@ class PrefixIndex:
         lru = self.lru.get(worker_id)
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
+        credited = self.unconfirmed.get(worker_id)
         for block_hash in block_hashes:
             node = self.nodes.get(block_hash)
             if node is not None and node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
+                if credited:
+                    credited.discard(block_hash)
                 if lru is not None:
                     lru.pop(block_hash, None)
                 if not node.holders:
@@ -184,6 +194,7 @@ class PrefixIndex:
         bit = self._worker_bit(worker_id)
         self.lru_clock.pop(worker_id, None)
         self.last_touch.pop(worker_id, None)
+        self.unconfirmed.pop(worker_id, None)
         for node in (self.lru.pop(worker_id, None) or {}).values():
             if node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
@@ -241,8 +252,32 @@ class PrefixIndex:
                now: float) -> None:
         """Approximate mode: predict that `worker_id` now holds every full block of the
         prompt whose block `keys` these are (`path` is its already-known prefix)."""
+        self.stored(worker_id, [node.block_hash for node in self._extend(root_hash, keys, path)], now)
+
+    def expect(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+               now: float) -> list[int]:
+        """Events mode: the prompt whose block `keys` these are (`path` its already-known
+        prefix) was just placed on `worker_id`. Count the worker as holding every full
+        block of it until KV events confirm them (a stored event) or deny them (removed).
+        Returns the blocks credited; pass them to `settle` when the request ends."""
+        credit = [node.block_hash for node in self._extend(root_hash, keys, path)
+                  if worker_id not in node.holders]
+        if credit:
+            self.stored(worker_id, credit, now)
+            self.unconfirmed.setdefault(worker_id, set()).update(credit)
+        return credit
+
+    def settle(self, worker_id: str, credited: list[int]) -> None:
+        """The request `expect` credited these blocks for has ended: forget the ones no
+        event confirmed (the worker refused it, failed, or never stored them)."""
+        pending = self.unconfirmed.get(worker_id)
+        if pending and credited:
+            self.removed(worker_id, [block_hash for block_hash in credited if block_hash in pending])
+
+    def _extend(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
+        """The nodes of every full block of the prompt, `path` first, naming the rest."""
         parent = path[-1] if path else self.roots[root_hash]
-        hashes = [node.block_hash for node in path]
+        nodes = list(path)
         for depth in range(len(path), len(keys)):
             key = keys[depth]
             child = parent.children.get(key) if parent.children is not None else None
@@ -252,9 +287,9 @@ class PrefixIndex:
                 if child is None:
                     child = self.nodes[block_hash] = BlockNode(block_hash)
                 self._link(parent, key, child, depth)
-            hashes.append(child.block_hash)
+            nodes.append(child)
             parent = child
-        self.stored(worker_id, hashes, now)
+        return nodes
 
     def expire(self, now: float) -> int:
         """Drop approximate entries whose TTL passed; returns how many."""

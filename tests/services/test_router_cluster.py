@@ -258,9 +258,10 @@ def test_remove_worker_returns_its_placements_and_forgets_its_blocks():
     assert set(cluster.placements) == {"b0"}
     assert cluster.finish("a1") is None
     assert cluster.index.num_blocks("a") == 0
-    assert len(cluster.index) == 3
+    assert len(cluster.index) == 3 + 6  # b's cached prefix, and b0's 6 blocks held on credit
     assert cluster.prepare("r", ROOT, prompt, 8, 1.0).matched == {"b": 3}
     assert cluster.finish("b0") is on_b
+    assert len(cluster.index) == 3  # no KV event confirmed b0's blocks
     # Unknown workers: nothing to return; their late KV events are ignored.
     assert cluster.remove_worker("a") == []
     cluster.kv_stored("a", chain_hashes(ROOT, prompt, BLOCK), 2.0)
@@ -275,6 +276,58 @@ def test_kv_removed_cuts_the_match():
     request = cluster.prepare("r", ROOT, prompt, 8, 0.0)
     assert request.matched == {"a": 2}
     assert request.prefix_key == hashes[1]
+
+
+# ---- blocks held on credit (events mode) ---------------------------------------------------
+
+
+def test_a_placed_prompt_is_found_before_its_kv_events_arrive():
+    cluster = cluster_of("a", "b")
+    prompt = tokens(1, 5 * BLOCK + 3)
+    cluster.place(cluster.prepare("first", ROOT, prompt, 8, 0.0), "a", 0.0)
+    follower = cluster.prepare("follower", ROOT, prompt, 8, 0.1)
+    assert follower.matched == {"a": 5}
+    assert [node.block_hash for node in follower.path] == chain_hashes(ROOT, prompt, BLOCK)
+
+
+def test_the_credit_ends_with_the_request_except_where_events_confirmed_it():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 5 * BLOCK)
+    hashes = chain_hashes(ROOT, prompt, BLOCK)
+    cluster.place(cluster.prepare("r", ROOT, prompt, 8, 0.0), "a", 0.0)
+    cluster.kv_stored("a", hashes[:3], 0.5)  # the first chunk's blocks
+    cluster.finish("r")
+    assert cluster.prepare("next", ROOT, prompt, 8, 1.0).matched == {"a": 3}
+    assert cluster.index.num_blocks("a") == 3
+
+
+def test_only_the_blocks_the_worker_lacks_are_credited():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 6 * BLOCK)
+    hashes = cache(cluster, "a", prompt[:2 * BLOCK])
+    placement = cluster.place(cluster.prepare("r", ROOT, prompt, 8, 0.0), "a", 0.0)
+    assert placement.credited == chain_hashes(ROOT, prompt, BLOCK)[2:]
+    cluster.finish("r")
+    assert cluster.prepare("next", ROOT, prompt, 8, 1.0).matched == {"a": 2}
+    assert [node.block_hash for node in cluster.index.lru_blocks("a")] == hashes
+
+
+def test_a_removed_event_cuts_a_credit_and_a_later_store_confirms_the_block():
+    cluster = cluster_of("a")
+    prompt = tokens(1, 4 * BLOCK)
+    hashes = chain_hashes(ROOT, prompt, BLOCK)
+    cluster.place(cluster.prepare("r", ROOT, prompt, 8, 0.0), "a", 0.0)
+    cluster.kv_removed("a", hashes[2:])  # e.g. preempted before those blocks were named
+    assert cluster.prepare("x", ROOT, prompt, 8, 0.1).matched == {"a": 2}
+    cluster.kv_stored("a", hashes, 0.2)  # recomputed and stored
+    cluster.finish("r")
+    assert cluster.prepare("y", ROOT, prompt, 8, 0.3).matched == {"a": 2 + 2}
+
+
+def test_approximate_mode_credits_nothing():
+    cluster = cluster_of("a", index_ttl_s=30.0)
+    placement = cluster.place(cluster.prepare("r", ROOT, tokens(1, 4 * BLOCK), 8, 0.0), "a", 0.0)
+    assert placement.credited == []
 
 
 # ---- approximate mode ---------------------------------------------------------------------

@@ -304,6 +304,37 @@ def test_placed_extends_a_known_prefix_for_another_worker():
     assert index.match(index.walk(ROOT, as_bytes(longer))) == {"B": 7}
 
 
+def test_expect_credits_the_blocks_a_worker_lacks_and_settle_drops_the_unconfirmed():
+    index = PrefixIndex(BLOCK)
+    shared = tokens(1, 2 * BLOCK)
+    prompt = np.concatenate([shared, tokens(2, 4 * BLOCK)])
+    names = hashes(prompt)
+    index.stored("A", names[:2], 0.0)
+    index.stored("B", names[:2], 0.0)
+    keys = as_bytes(prompt)
+    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0.0)
+    assert credited == names[2:]
+    assert index.match(index.walk(ROOT, keys)) == {"A": 6, "B": 2}
+    index.stored("A", names[2:4], 1.0)  # confirmed
+    index.settle("A", credited)
+    assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
+    assert len(index) == 4
+    index.settle("A", credited)  # twice is harmless
+    assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
+
+
+def test_a_dropped_worker_leaves_no_credit_behind():
+    index = PrefixIndex(BLOCK)
+    keys = as_bytes(tokens(1, 3 * BLOCK))
+    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0.0)
+    index.drop_worker("A")
+    assert len(index) == 0
+    assert index.unconfirmed == {}
+    index.stored("A", credited, 1.0)  # the worker came back and stored them for real
+    index.settle("A", credited)  # its old request's end must not drop them
+    assert index.match(index.walk(ROOT, keys)) == {"A": 3}
+
+
 def test_a_refreshed_entry_outlives_its_older_expiry():
     index = PrefixIndex(BLOCK, ttl_s=10.0)
     prompt = tokens(1, 4 * BLOCK)
