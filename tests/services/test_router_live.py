@@ -1,5 +1,5 @@
-"""`svc up --workers 3 --policy e2` with admission on: placement by prefix and early
-rejection, observed through the SDK on real processes."""
+"""Placement by prefix and early rejection, observed through the SDK on real processes:
+`svc up --workers 3 --policy e2` with admission on, and a pair of `lpm` workers."""
 import asyncio
 import json
 import random
@@ -78,6 +78,35 @@ def test_with_one_family_flooding_the_others_still_land_and_complete(e2_cluster)
     assert all(result.finish_reason == "length" for result in flooded + others)
     hits = [result.num_cached_tokens >= PREFIX_TOKENS for result in others]
     assert sum(hits) >= len(others) - 2, hits  # at most a rebalanced request or two recompute
+
+
+@pytest.fixture(scope="module")
+def lpm_pair(make_cluster):
+    running = make_cluster(workers=2, extra=["--policy", "lpm"])
+    yield running
+    running.stop()
+
+
+def test_a_burst_of_one_prompt_lands_on_one_worker_before_any_kv_event(lpm_pair):
+    """The router counts a placed prompt as cached on its worker at once. Otherwise the
+    burst's later requests, arriving before the first prefill's KV events, would find
+    nothing cached and lpm's tie-break (fewest in flight) would spread them."""
+    prompt = random.Random(7).choices(range(1, 250), k=800)
+
+    async def burst():
+        async with AsyncClient(lpm_pair.sdk, timeout_s=60) as client:
+            return await asyncio.gather(*(client.generate(token_ids=prompt, max_tokens=2, ignore_eos=True)
+                                          for _ in range(6)))
+
+    assert all(result.finish_reason == "length" for result in asyncio.run(burst()))
+    blocks = len(prompt) // 16
+    with Client(lpm_pair.sdk, timeout_s=30) as client:
+        deadline = time.monotonic() + 10
+        while sum(w.kv_blocks_cached for w in client.status().workers) < blocks and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # five heartbeats (0.2 s in tests): every worker has reported since the burst
+        cached = sorted(worker.kv_blocks_cached for worker in client.status().workers)
+    assert cached[0] == 0 and cached[1] >= blocks, cached
 
 
 def test_a_burst_beyond_capacity_is_refused_early_and_the_admitted_meet_their_slo(e2_cluster):
