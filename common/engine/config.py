@@ -79,5 +79,6 @@ class EngineConfig:
     queue_policy: str = "fcfs"
     attention_backend: str = "auto"  # "auto", "sdpa" or "flash"
     enable_prefix_caching: bool = True
+    wait_for_shared_prefill: bool = True  # common/engine/scheduler.py's docstring
     tenant_salt: str = ""
     adapter_id: str = ""

@@ -98,7 +98,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            config.enable_prefix_caching),
+                            config.enable_prefix_caching, config.wait_for_shared_prefill),
             self.block_manager, make_queue_policy(config.queue_policy))
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         self.stats = EngineStats()

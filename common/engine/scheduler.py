@@ -5,6 +5,12 @@ sequences advance by how many tokens this step, who was preempted), the model ru
 executes it, and `complete()` records what was computed. Preemption is by recompute:
 a preempted sequence drops its blocks (they stay in the prefix cache while unevicted)
 and is prefilled again, prompt plus output so far, when it is readmitted.
+
+A waiting sequence whose next uncached prompt block another sequence is prefilling
+(running, or admitted earlier in the same step) is passed over until that prefill has
+named the block: it then reuses the blocks instead of computing them a second time. A
+burst of requests sharing a long prompt costs one prefill of it, not one per request
+the token budget admits before the first finishes.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_prefix_caching: bool = True
+    wait_for_shared_prefill: bool = True  # the module docstring; needs prefix caching
 
 
 @dataclass(slots=True)
@@ -138,10 +145,17 @@ class Scheduler:
 
     def _admit_waiting(self, plan: SchedulePlan, budget: int) -> None:
         ordered = self.policy.order(self.waiting, self._cached_blocks)
+        in_prefill: set[int] | None = None  # made on the first sequence that needs it
+        wait_for_shared = self.config.enable_prefix_caching and self.config.wait_for_shared_prefill
         for seq in ordered:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             hits = self._prefix_hits(seq)
+            if wait_for_shared and len(hits) < self._max_hit_blocks(seq):
+                if in_prefill is None:
+                    in_prefill = self._blocks_in_prefill()
+                if seq.block_hashes[len(hits)] in in_prefill:
+                    continue
             num_cached = len(hits) * self.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             fresh = -(-(num_cached + num_new) // self.block_size) - len(hits)
@@ -159,6 +173,19 @@ class Scheduler:
             self.policy.admitted(seq)
             plan.chunks.append(ScheduledChunk(seq, num_cached, num_new))
             budget -= num_new
+            if in_prefill is not None:
+                in_prefill.update(self._prompt_blocks_to_compute(seq))
+
+    def _blocks_in_prefill(self) -> set[int]:
+        """Names of the prompt blocks that running sequences have still to compute."""
+        blocks: set[int] = set()
+        for seq in self.running:
+            blocks.update(self._prompt_blocks_to_compute(seq))
+        return blocks
+
+    def _prompt_blocks_to_compute(self, seq: Sequence) -> list[int]:
+        size = self.block_size
+        return seq.block_hashes[seq.num_computed // size:seq.prompt_len // size]
 
     def _max_hit_blocks(self, seq: Sequence) -> int:
         """At least one token must be computed to get logits, and computed tokens must

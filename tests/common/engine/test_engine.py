@@ -74,6 +74,32 @@ def test_shared_prefix_other_suffix_reuses_prefix_blocks(make_engine, random_pro
     assert hit.token_ids == run_alone(engine, [prefix + suffix_b])[0]
 
 
+def test_a_burst_sharing_a_prompt_prefills_it_once(make_engine, random_prompts):
+    """Four copies of a 200-token prompt fit one 1,024-token step; only the first
+    computes it, the others wait a step and reuse its 12 full blocks."""
+    [prompt] = random_prompts([200], seed=20)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = make_engine(max_num_batched_tokens=1024)
+    results = engine.generate([prompt] * 4, params)
+    assert [r.num_cached_tokens for r in results] == [0, 192, 192, 192]
+    assert engine.stats.num_computed_tokens == 200 + 3 * 8 + 4 * (params.max_tokens - 1)
+    alone = make_engine(max_num_batched_tokens=1024, wait_for_shared_prefill=False)
+    assert [r.token_ids for r in alone.generate([prompt] * 4, params)] == [r.token_ids for r in results]
+    assert alone.stats.num_computed_tokens == 4 * 200 + 4 * (params.max_tokens - 1)
+    engine.check_integrity()
+
+
+def test_a_preempted_prefill_does_not_hold_back_its_followers(make_engine, random_prompts):
+    [prompt] = random_prompts([120], seed=22)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = make_engine().generate([prompt], params)[0].token_ids
+    engine = make_engine(num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=32)
+    results = engine.generate([prompt] * 3, params)
+    assert engine.stats.num_preemptions > 0
+    assert [r.token_ids for r in results] == [expected] * 3
+    engine.check_integrity()
+
+
 def test_tenant_salt_isolates_prefix_cache(make_engine, random_prompts):
     engine = make_engine()
     [prompt] = random_prompts([64], seed=15)
