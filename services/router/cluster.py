@@ -221,7 +221,7 @@ class ClusterState:
             self.index.placed(worker_id, request.root_hash, request.block_keys, request.path, now)
         else:
             placement.credited = self.index.expect(worker_id, request.root_hash, request.block_keys,
-                                                   request.path, now)
+                                                   request.path, held, now)
         return placement
 
     def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:

@@ -252,16 +252,18 @@ class PrefixIndex:
                now: float) -> None:
         """Approximate mode: predict that `worker_id` now holds every full block of the
         prompt whose block `keys` these are (`path` is its already-known prefix)."""
-        self.stored(worker_id, [node.block_hash for node in self._extend(root_hash, keys, path)], now)
+        nodes = path + self._name_rest(root_hash, keys, path)
+        self.stored(worker_id, [node.block_hash for node in nodes], now)
 
     def expect(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
-               now: float) -> list[int]:
+               held: int, now: float) -> list[int]:
         """Events mode: the prompt whose block `keys` these are (`path` its already-known
-        prefix) was just placed on `worker_id`. Count the worker as holding every full
-        block of it until KV events confirm them (a stored event) or deny them (removed).
-        Returns the blocks credited; pass them to `settle` when the request ends."""
-        credit = [node.block_hash for node in self._extend(root_hash, keys, path)
-                  if worker_id not in node.holders]
+        prefix, of which the worker holds the first `held` blocks) was just placed on
+        `worker_id`. Count the worker as holding every full block of it until KV events
+        confirm them (a stored event) or deny them (removed). Returns the blocks credited;
+        pass them to `settle` when the request ends."""
+        credit = [node.block_hash for node in path[held:] if worker_id not in node.holders]
+        credit += [node.block_hash for node in self._name_rest(root_hash, keys, path)]
         if credit:
             self.stored(worker_id, credit, now)
             self.unconfirmed.setdefault(worker_id, set()).update(credit)
@@ -274,10 +276,10 @@ class PrefixIndex:
         if pending and credited:
             self.removed(worker_id, [block_hash for block_hash in credited if block_hash in pending])
 
-    def _extend(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
-        """The nodes of every full block of the prompt, `path` first, naming the rest."""
+    def _name_rest(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
+        """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
-        nodes = list(path)
+        rest = []
         for depth in range(len(path), len(keys)):
             key = keys[depth]
             child = parent.children.get(key) if parent.children is not None else None
@@ -287,9 +289,9 @@ class PrefixIndex:
                 if child is None:
                     child = self.nodes[block_hash] = BlockNode(block_hash)
                 self._link(parent, key, child, depth)
-            nodes.append(child)
+            rest.append(child)
             parent = child
-        return nodes
+        return rest
 
     def expire(self, now: float) -> int:
         """Drop approximate entries whose TTL passed; returns how many."""

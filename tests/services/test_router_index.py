@@ -312,7 +312,7 @@ def test_expect_credits_the_blocks_a_worker_lacks_and_settle_drops_the_unconfirm
     index.stored("A", names[:2], 0.0)
     index.stored("B", names[:2], 0.0)
     keys = as_bytes(prompt)
-    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0.0)
+    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 2, 0.0)
     assert credited == names[2:]
     assert index.match(index.walk(ROOT, keys)) == {"A": 6, "B": 2}
     index.stored("A", names[2:4], 1.0)  # confirmed
@@ -326,7 +326,7 @@ def test_expect_credits_the_blocks_a_worker_lacks_and_settle_drops_the_unconfirm
 def test_a_dropped_worker_leaves_no_credit_behind():
     index = PrefixIndex(BLOCK)
     keys = as_bytes(tokens(1, 3 * BLOCK))
-    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0.0)
+    credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0, 0.0)
     index.drop_worker("A")
     assert len(index) == 0
     assert index.unconfirmed == {}
