@@ -39,6 +39,7 @@ class MessageType(enum.IntEnum):
     CHUNK = 12
     TOKENS_BATCH = 13
     CHUNK_BATCH = 14
+    PLACED = 15
 
 
 class ErrorCode(str, enum.Enum):
@@ -139,6 +140,14 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True):
     deadline: float = 0.0  # wall-clock seconds; 0 = none
     slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
     origin: str = ""  # the sending tokenizer's identity, set by the router whatever the sender put
+
+
+class Placed(msgspec.Struct, forbid_unknown_fields=True):
+    """Router to tokenizer: the request is on a worker. What is sent and never placed is
+    failed as unavailable when the router is lost."""
+
+    request_id: str
+    worker_id: str
 
 
 class Abort(msgspec.Struct, forbid_unknown_fields=True):
@@ -252,6 +261,7 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.CHUNK: Chunk,
     MessageType.TOKENS_BATCH: TokensBatch,
     MessageType.CHUNK_BATCH: ChunkBatch,
+    MessageType.PLACED: Placed,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1)}

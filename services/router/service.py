@@ -30,7 +30,7 @@ from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
-                             KvEvents, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode)
+                             KvEvents, Placed, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode)
 from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
@@ -316,6 +316,7 @@ class RouterService:
                 self.origins[request.request_id] = identity
                 self.requests_routed += 1
                 self.metrics.placed.inc(outcome="placed")
+                self._reply(identity, Placed(request_id=request.request_id, worker_id=verdict.worker_id))
                 return
             preference = [w for w in preference if w != verdict.worker_id]
         self._refuse(identity, request, ErrorCode.UNAVAILABLE, "no worker could take the request",

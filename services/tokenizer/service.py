@@ -33,7 +33,7 @@ from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUna
                            error_from_code)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, ProtocolError, Status,
+from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, Placed, ProtocolError, Status,
                              StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
                              sampling_from_params)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
@@ -62,6 +62,8 @@ class RequestState:
     released_chars: int = 0
     tokens_sent: int = 0
     retries: int = 0
+    placed: bool = False  # the router said it is on a worker (or a token came)
+    unplaceable: bool = False  # failed because the router was lost before placing it
     first_token_at: float | None = None
     done: bool = False
     lost_workers: set[str] = field(default_factory=set)  # a late token from these is stale
@@ -219,9 +221,23 @@ class TokenizerService:
                             arrival_time=time.time(),
                             deadline=time.time() + max(state.deadline - time.monotonic(), 0.0),
                             slo_class=state.slo_class)
-        sent = self.router.send_multipart(encode(generate, [state.prompt_ids]), flags=zmq.NOBLOCK, copy=False)
-        if sent.done() and sent.exception() is not None:  # no connection to the router (IMMEDIATE)
+        state.placed = False
+        if not self._send_now(generate, [state.prompt_ids]):
             raise ServerUnavailable("the router is not reachable", UNAVAILABLE_RETRY_AFTER_S)
+
+    def _send_now(self, message, payloads=None) -> bool:
+        """Send to the router unless no connection to it is up (IMMEDIATE): never queued
+        for a router that is not there."""
+        sent = self.router.send_multipart(encode(message, payloads), flags=zmq.NOBLOCK, copy=False)
+        return not (sent.done() and sent.exception() is not None)
+
+    def _fail_unplaced(self) -> None:
+        """The router is lost: what it never said it placed will not be (a request it did
+        place anyway gets its tokens aborted here as unknown)."""
+        for state in [s for s in self.requests.values() if not (s.placed or s.done or s.unplaceable)]:
+            state.unplaceable = True
+            self._deliver(state, ServerUnavailable("the router became unreachable before placing the request",
+                                                   UNAVAILABLE_RETRY_AFTER_S))
 
     async def _send_router(self, message) -> None:
         try:
@@ -243,6 +259,7 @@ class TokenizerService:
             self._abort_unknown(message.request_id)
         if state is None or state.done or message.worker_id in state.lost_workers:
             return
+        state.placed = True
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
             self.metrics.ttft.observe(state.first_token_at - state.arrival)
@@ -370,10 +387,18 @@ class TokenizerService:
                 self._on_error(message)
             elif isinstance(message, Status):
                 self.last_status, self.last_status_at = message, time.monotonic()
+            elif isinstance(message, Placed):
+                state = self.requests.get(message.request_id)
+                if state is not None:
+                    state.placed = True
 
     async def _status_loop(self) -> None:
+        """Ask the router for its status every interval; while it does not answer, fail
+        what it has not placed."""
         while True:
-            await self._send_router(StatusRequest())
+            self._send_now(StatusRequest())
+            if not self.router_reachable():
+                self._fail_unplaced()
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     def _decode(self, frames: list[bytes], source: str):
@@ -410,7 +435,8 @@ class TokenizerService:
 
     def _status_for_client(self, _request) -> Status | Error:
         if self.last_status is None or not self.health()["router_reachable"]:
-            return Error(request_id="", code=ErrorCode.UNAVAILABLE, message="the router is not reachable")
+            return Error(request_id="", code=ErrorCode.UNAVAILABLE, message="the router is not reachable",
+                         retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
         return self.last_status
 
     def _on_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:

@@ -11,7 +11,7 @@ import zmq.asyncio
 
 from common.config import ClusterConfig, SloClass
 from common.errors import InvalidRequest, ServerUnavailable
-from common.protocol import Abort, Generate, Tokens, decode
+from common.protocol import Abort, Generate, Placed, Status, StatusRequest, Tokens, decode, encode
 from common.sampling_params import SamplingParams
 from services.local_cluster import free_port_base
 from services.tokenizer.service import TokenizerService
@@ -105,3 +105,51 @@ def test_tokens_for_a_request_it_does_not_know_are_aborted_upstream_once(tiny_mo
     message, extra = asyncio.run(run())
     assert isinstance(message, Abort) and message.request_id == "orphan"
     assert not extra  # once, and nothing for a stream that had finished anyway
+
+
+def test_when_the_router_is_lost_what_it_never_placed_fails_as_unavailable(tiny_model_dir):
+    """A partition between tokenizer and router: requests sent into it hung until their own
+    timeout; those the router acknowledged are on a worker and keep their streams."""
+    config = ClusterConfig(port_base=free_port_base(), heartbeat_interval_s=0.1, worker_timeout_s=0.5)
+    status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0)
+
+    async def stand_in_router(router, answering: asyncio.Event):
+        while True:
+            identity, *frames = await router.recv_multipart()
+            message, _ = decode(frames)
+            if isinstance(message, StatusRequest) and answering.is_set():
+                await router.send_multipart([identity, *encode(status)])
+            elif isinstance(message, Generate) and message.request_id == "placed":
+                await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
+
+    async def run():
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(config.router)
+        service = TokenizerService(config, tiny_model_dir)
+        answering = asyncio.Event()
+        answering.set()
+        tasks = [asyncio.ensure_future(job) for job in
+                 (stand_in_router(router, answering), service._router_loop(), service._status_loop())]
+        try:
+            while not service.router_reachable():
+                await asyncio.sleep(0.02)
+            placed = asyncio.ensure_future(anext(service.generate("placed", [5, 6], SamplingParams(), "")))
+            unplaced = asyncio.ensure_future(anext(service.generate("unplaced", [5, 6], SamplingParams(), "")))
+            await asyncio.sleep(0.3)
+            answering.clear()  # the partition
+            lost_at = time.monotonic()
+            with pytest.raises(ServerUnavailable) as refused:
+                await asyncio.wait_for(unplaced, 5)
+            return time.monotonic() - lost_at, refused.value, placed.done()
+        finally:
+            for task in [*tasks, placed, unplaced]:
+                task.cancel()
+            await asyncio.gather(*tasks, placed, unplaced, return_exceptions=True)
+            service.close()
+            context.destroy(linger=0)
+
+    elapsed, error, placed_ended = asyncio.run(run())
+    assert elapsed < config.worker_timeout_s + 0.5 and error.retry_after_s > 0
+    assert not placed_ended  # the placed request is on its worker: it waits for its tokens
