@@ -1,4 +1,4 @@
-"""Faults between hosts: each role in its own network namespace (see conftest.py).
+"""Faults between hosts: each role in its own network namespace (see hosts.py).
 
 Every case counts what it sent and how each request ended: served, a typed error (by
 type), or lost (no result and no typed error within its bound; must be 0), and how long
