@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from tests.services.netns.relay import Relay
 
 HOSTS = ["router", "worker-0", "worker-1", "tokenizer"]
 PORT_BASE = 7100  # every role has its own address, so the default ports serve
+HTTP_PORT = 8000
 WORKER_TIMEOUT_S = 1.5
 # What every role shares (the test flags of tests/services/conftest.py: small pools, fast
 # failure detection); each host's own addresses go on its command line.
@@ -115,6 +117,15 @@ class NetnsCluster:
 
     def healthy_workers(self, timeout_s: float = 2.0) -> set[str]:
         return {w.worker_id for w in self.status(timeout_s).workers if w.healthy}
+
+    def tokenizer_health(self, timeout_s: float = 1.0) -> dict:
+        """The gateway's /health (its port is the default, 8000); answers 503 when not ok."""
+        address = f"http://{self.net.address('tokenizer')}:{HTTP_PORT}/health"
+        try:
+            with urllib.request.urlopen(address, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return json.loads(error.read())
 
     def worker_health(self, index: int, timeout_s: float = 1.0) -> dict:
         address = f"http://{self.net.address(f'worker-{index}')}:{PORT_BASE + 11 + 2 * index}/health"

@@ -249,12 +249,16 @@ def test_tokenizer_partitioned_from_router_refuses_at_once(netns_cluster, figure
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
             cut_at = time.monotonic()
             cluster.relay.cut()
-            probes = []
+            probes, health_said_at = [], None
             try:
                 i = 0
                 while time.monotonic() < cut_at + detect_bound + 1.0:
                     probes.append(asyncio.create_task(probe(client, i, cut_at)))
                     i += 1
+                    if health_said_at is None:
+                        health = await asyncio.to_thread(cluster.tokenizer_health)
+                        if not health["router_reachable"]:
+                            health_said_at = time.monotonic()
                     await asyncio.sleep(0.1)
                 probe_outcomes = await asyncio.gather(*probes)
             finally:
@@ -268,15 +272,17 @@ def test_tokenizer_partitioned_from_router_refuses_at_once(netns_cluster, figure
                     recovered_at = outcome.ended_at
                     break
                 await asyncio.sleep(0.1)
-            return cut_at, heal_at, recovered_at, probe_outcomes, await asyncio.gather(*in_flight), recovery
+            return (cut_at, heal_at, recovered_at, health_said_at, probe_outcomes, await asyncio.gather(*in_flight),
+                    recovery)
 
-    cut_at, heal_at, recovered_at, probes, in_flight, recovery = asyncio.run(run())
+    cut_at, heal_at, recovered_at, health_said_at, probes, in_flight, recovery = asyncio.run(run())
     refused = [o for o in probes if o.kind == ServerUnavailable.__name__]
     detected_at = min((o.ended_at for o in refused), default=None)
     after_detection = [o for o in probes if detected_at is not None and o.sent_at >= detected_at]
     everything = tally(probes + in_flight + recovery)
     figures(**everything, during_partition=tally(probes), in_flight_streams=tally(in_flight),
             detect_s=round(detected_at - cut_at, 2) if detected_at else None,
+            health_says_unreachable_s=round(health_said_at - cut_at, 2) if health_said_at else None,
             slowest_refusal_after_detection_s=round(max((o.ended_at - o.sent_at for o in after_detection),
                                                         default=0.0), 3),
             recover_s=round(recovered_at - heal_at, 2) if recovered_at else None)
