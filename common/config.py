@@ -68,6 +68,7 @@ class ClusterConfig:
     policy: str = "round_robin"
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0
+    worker_stall_timeout_s: float = 30.0  # a worker whose loop has not turned this long stops heartbeating
     max_queued_requests: int = 256  # per worker, beyond its running batch
     max_queued_tokens: int = 262144  # per worker, prompt tokens waiting
     request_timeout_s: float = 600.0
@@ -82,10 +83,8 @@ class ClusterConfig:
 
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
     curve_enabled: bool = False
-    curve_server_public: str = ""
-    curve_server_secret: str = ""
-    curve_client_public: str = ""
-    curve_client_secret: str = ""
+    curve_keys_dir: str = ""  # per-role CURVE key pairs, as `svc keys generate DIR` writes them
+    insecure: bool = False  # allow binding beyond loopback with CURVE off (warned on every start)
 
     log_level: str = "info"
 
@@ -154,8 +153,8 @@ def _validate(config: ClusterConfig) -> None:
                           f"got {config.port_base}")
     if not 0 < config.http_port < 65536:
         raise ConfigError(f"http_port: must be a port number in 1..65535, got {config.http_port}")
-    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "request_timeout_s",
-                 "index_ttl_s", "load_window_s"):
+    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "worker_stall_timeout_s",
+                 "request_timeout_s", "index_ttl_s", "load_window_s"):
         if not getattr(config, name) > 0:
             raise ConfigError(f"{name}: must be > 0, got {getattr(config, name)}")
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
@@ -184,12 +183,10 @@ def _validate(config: ClusterConfig) -> None:
             raise ConfigError(f"{name}: {value!r} is not a ZeroMQ endpoint like tcp://host:port")
     if config.model and not Path(config.model).is_dir():
         raise ConfigError(f"model: {config.model!r} is not a directory")
-    if config.curve_enabled:
-        for name in ("curve_server_public", "curve_server_secret", "curve_client_public",
-                     "curve_client_secret"):
-            if len(getattr(config, name)) != 40:
-                raise ConfigError(f"{name}: curve_enabled needs a 40-character Z85 key "
-                                  "(make them with `svc keys generate`)")
+    keys_dir = Path(config.curve_keys_dir) if config.curve_keys_dir else None
+    if config.curve_enabled and not (keys_dir and (keys_dir / "router.key").is_file()):
+        raise ConfigError(f"curve_keys_dir: curve_enabled needs the directory of the cluster's keys, "
+                          f"got {config.curve_keys_dir!r} (write one with `svc keys generate DIR`)")
     if config.log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level: unknown {config.log_level!r}")
     if config.index_mode not in INDEX_MODES:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 
@@ -65,8 +65,20 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None
 
 
+class RunningRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A request a worker is still serving, as it reports it when it (re)joins a router."""
+
+    request_id: str
+    origin: str  # the tokenizer that sent it (Generate.origin)
+    num_prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+
+
 class Hello(msgspec.Struct, forbid_unknown_fields=True):
-    """A worker announcing itself to the router."""
+    """A worker announcing itself to the router; a worker that rejoins (the router
+    restarted, or dropped it) lists what it is still serving in `running`, then sends its
+    whole prefix cache as KvEvents on the same socket."""
 
     protocol_version: int
     worker_id: str
@@ -81,6 +93,7 @@ class Hello(msgspec.Struct, forbid_unknown_fields=True):
     instance_id: str = ""  # new per process: a hello from a new instance means a restart
     kv_dtype: str = ""  # with the fingerprints and block size, what roots its block hashes
     adapter_id: str = ""
+    running: list[RunningRequest] = []
 
 
 class Welcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,6 +104,7 @@ class Welcome(msgspec.Struct, forbid_unknown_fields=True):
     protocol_version: int = PROTOCOL_VERSION
     rehello: bool = False  # the router does not know this worker (any more): say hello again
     beat_seq: int = 0  # with rehello: the heartbeat it answers
+    abort: list[str] = []  # of the hello's running requests, those the router already failed over
 
 
 class FinishedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,6 +138,7 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True):
     arrival_time: float = 0.0
     deadline: float = 0.0  # wall-clock seconds; 0 = none
     slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
+    origin: str = ""  # the sending tokenizer's identity, set by the router whatever the sender put
 
 
 class Abort(msgspec.Struct, forbid_unknown_fields=True):

@@ -127,6 +127,9 @@ ROLE_FLAGS = [
 def role_options(function):
     for flag, kind, help_text in reversed(ROLE_FLAGS):
         function = click.option(flag, type=kind, default=None, help=help_text)(function)
+    function = click.option("--insecure", is_flag=True, default=False,
+                            help="allow binding beyond loopback with CURVE off (anyone who reaches a "
+                                 "socket can pose as any role)")(function)
     return click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
                         help="TOML config file (BATON_* variables and flags override it)")(function)
 
@@ -136,10 +139,29 @@ def _load_config(config_path: Path | None, flags: dict):
 
     overrides = {flag.lstrip("-").replace("-", "_"): flags.get(flag.lstrip("-").replace("-", "_"))
                  for flag, _, _ in ROLE_FLAGS}
+    overrides["insecure"] = True if flags.get("insecure") else None
     try:
         return load_config(config_path, overrides=overrides)
     except ConfigError as error:
         raise click.ClickException(f"config: {error}") from error
+
+
+def _check_bind_policy(config, role: str) -> None:
+    """Refuse a non-loopback bind without CURVE unless insecure, and warn on every
+    insecure start."""
+    from common.config import ConfigError
+    from common.logs import get_logger
+    from common.sockets import check_bind_policy
+
+    try:
+        check_bind_policy(config)
+    except ConfigError as error:
+        raise click.ClickException(f"config: {error}") from error
+    if config.insecure and not config.curve_enabled:
+        get_logger("svc").warning("insecure", role=role, host=config.host,
+                                  why="CURVE is off: any peer that reaches this role's sockets is believed")
+        click.echo(f"svc: WARNING: {role} runs insecure: CURVE is off on {config.host}, so any peer that "
+                   "reaches its sockets is believed", err=True)
 
 
 @main.command()
@@ -151,6 +173,7 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
     """Run one role of a cluster in this process."""
     config = _load_config(config_path, flags)
     configure_logging(config.log_level)
+    _check_bind_policy(config, role)
     if check_config:
         _check_role(role, config)
         click.echo(f"config ok for {role}")
@@ -196,6 +219,7 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
     if workers < 1:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
     config = _load_config(config_path, flags)
+    _check_bind_policy(config, "cluster")
     if not config.model:
         from common.engine.default_model import default_model_dir
 
@@ -207,6 +231,8 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
               for arg in (flag, str(flags[key]))]
     if config_path is not None:
         passed += ["--config", str(config_path)]
+    if flags.get("insecure"):
+        passed.append("--insecure")
     children = [Child("router", [*base, "router", *passed])]
     children += [Child(f"worker-{i}", [*base, "worker", "--index", str(i), *passed]) for i in range(workers)]
     children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
@@ -239,20 +265,23 @@ def status(timeout_s: float, as_json: bool, config_path: Path | None, **flags) -
     import msgspec
     import zmq
 
+    from common.config import ConfigError
     from common.protocol import Status, StatusRequest, decode
-    from common.sockets import client_socket, send
+    from common.sockets import Security, send
 
     config = _load_config(config_path, flags)
     context = zmq.Context()
-    socket = client_socket(context, zmq.DEALER, config, config.router)
     try:
+        security = Security(context, config, "tokenizer")  # the router answers tokenizers' status requests
+        socket = security.client(zmq.DEALER, config.router, "router")
         send(socket, StatusRequest())
         if not socket.poll(int(timeout_s * 1000)):
             raise click.ClickException(f"router at {config.router} did not answer within {timeout_s} s")
         reply, _ = decode(socket.recv_multipart())
+    except (ConfigError, ValueError) as error:
+        raise click.ClickException(f"config: {error}") from error
     finally:
-        socket.close(0)
-        context.term()
+        context.destroy(linger=0)
     if not isinstance(reply, Status):
         raise click.ClickException(f"unexpected reply from the router: {reply}")
     if as_json:
@@ -274,13 +303,24 @@ def keys() -> None:
 
 
 @keys.command("generate")
-def keys_generate() -> None:
-    """Print a fresh server and client key pair as TOML for the config file."""
-    from common.sockets import generate_curve_keys
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--keep", is_flag=True, help="leave a complete set already in DIRECTORY as it is")
+def keys_generate(directory: Path, keep: bool) -> None:
+    """Write a CURVE key pair for every role (router, worker, tokenizer, client) into
+    DIRECTORY: <role>.key public, <role>.key_secret secret. Give each host the public keys
+    and only its own role's secret; give SDK users client.key_secret and tokenizer.key."""
+    from common.sockets import ROLES, generate_curve_keys
 
-    click.echo("curve_enabled = true")
-    for name, value in generate_curve_keys().items():
-        click.echo(f'{name} = "{value}"')
+    if keep and all((directory / f"{role}.{suffix}").is_file() for role in ROLES for suffix in ("key", "key_secret")):
+        click.echo(f"kept the keys in {directory}")
+        return
+    try:
+        written = generate_curve_keys(directory)
+    except (FileExistsError, OSError) as error:
+        raise click.ClickException(str(error)) from error
+    for path in written:
+        click.echo(f"wrote {path}")
+    click.echo(f'config:\ncurve_enabled = true\ncurve_keys_dir = "{directory.resolve()}"')
 
 
 @main.command("profile")

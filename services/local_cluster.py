@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +75,10 @@ class Cluster:
         return f"http://127.0.0.1:{self.http_port}"
 
     def worker_health(self, index: int) -> dict:
-        port = self.port_base + 11 + 2 * index
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-            return json.loads(response.read())
+        return _health(self.port_base + 11 + 2 * index)
+
+    def router_health(self) -> dict:
+        return _health(self.port_base + 3)
 
     def wait_for(self, predicate, timeout_s: float, what: str):
         deadline = time.monotonic() + timeout_s
@@ -98,6 +100,17 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+
+
+def _health(port: int) -> dict:
+    """A role's /health answer, whether ok (200) or not (503)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        if error.code != 503:
+            raise
+        return json.loads(error.read())
 
 
 def child_env(**extra: str) -> dict[str, str]:

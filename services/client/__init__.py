@@ -11,9 +11,9 @@ The SDK needs pyzmq, msgspec and numpy only (no torch).
 """
 from common.errors import (BatonError, InvalidRequest, Rejected, RequestTimeout, ServerUnavailable,
                            Unauthorized, WorkerLost)
-from services.client._shared import Result, StreamChunk
+from services.client._shared import Result, StreamChunk, curve_keys
 from services.client.async_client import AsyncClient
 from services.client.sync_client import Client
 
 __all__ = ["AsyncClient", "BatonError", "Client", "InvalidRequest", "Rejected", "RequestTimeout", "Result",
-           "ServerUnavailable", "StreamChunk", "Unauthorized", "WorkerLost"]
+           "ServerUnavailable", "StreamChunk", "Unauthorized", "WorkerLost", "curve_keys"]

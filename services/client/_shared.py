@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.errors import BatonError, InvalidRequest, error_from_code
 from common.protocol import Chunk, Error, ProtocolError, Submit, decode, encode, sampling_from_params
@@ -82,6 +83,31 @@ def connect_dealer(context, address: str, curve: dict | None):
     return socket
 
 
+def curve_keys(keys_dir: str | Path) -> dict:
+    """The SDK's CURVE keys from a directory `svc keys generate` wrote: the client key pair
+    (client.key_secret, or a client-NAME.key_secret given as the path of that file) and
+    the tokenizer's public key it pins."""
+    import zmq.auth
+
+    path = Path(keys_dir)
+    secret_file = path if path.is_file() else path / "client.key_secret"
+    server_public, _ = zmq.auth.load_certificate(secret_file.parent / "tokenizer.key")
+    client_public, client_secret = zmq.auth.load_certificate(secret_file)
+    if client_secret is None:
+        raise ValueError(f"{secret_file} holds no secret key")
+    return {"server_public": server_public.decode(), "client_public": client_public.decode(),
+            "client_secret": client_secret.decode()}
+
+
+def retry_pause(error: BatonError, deadline: float, may_retry: bool) -> float | None:
+    """Seconds to wait before retrying a refused request, or None to give up: only an
+    error that asks for a retry (retry_after_s > 0), while the deadline leaves time."""
+    remaining = deadline - time.monotonic()
+    if not may_retry or error.retry_after_s <= 0 or remaining <= error.retry_after_s:
+        return None
+    return error.retry_after_s
+
+
 def parse_reply(frames: list[bytes]) -> Chunk | Error | object:
     try:
         message, _ = decode(frames)
@@ -127,4 +153,4 @@ class Accumulator:
 
 
 __all__ = ["Accumulator", "BatonError", "DEFAULT_ADDRESS", "Result", "StreamChunk", "build_submit",
-           "connect_dealer", "parse_reply", "raise_for"]
+           "connect_dealer", "curve_keys", "parse_reply", "raise_for", "retry_pause"]

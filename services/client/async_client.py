@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import zmq
@@ -10,12 +11,14 @@ import zmq.asyncio
 from common.errors import RequestTimeout, ServerUnavailable
 from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
 from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
-                                     connect_dealer, parse_reply, raise_for)
+                                     connect_dealer, parse_reply, raise_for, retry_pause)
 
 
 class AsyncClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str = "", timeout_s: float = 120.0,
-                 connect_timeout_s: float = 5.0, curve: dict | None = None):
+                 connect_timeout_s: float = 5.0, curve: dict | None = None, retry_unavailable: bool = True):
+        """As Client's arguments."""
+        self.retry_unavailable = retry_unavailable
         self.address = address
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -63,11 +66,22 @@ class AsyncClient:
                        slo_class: str = "", **sampling) -> Result:
         """Run one request to completion. Chunks are gathered by the reader as they arrive;
         this coroutine wakes once, at the end. `slo_class` names a configured SLO class
-        ("" = the tenant's or the cluster's default)."""
-        if not self.checked:
-            await self.status()
-            self.checked = True
-        timeout_s = timeout_s or self.timeout_s
+        ("" = the tenant's or the cluster's default). Refusals that ask for a retry are
+        retried within the timeout, as Client does."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            try:
+                if not self.checked:
+                    await self.status()
+                    self.checked = True
+                return await self._generate_once(prompt, token_ids, deadline - time.monotonic(), slo_class, sampling)
+            except ServerUnavailable as error:
+                pause = retry_pause(error, deadline, self.retry_unavailable)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def _generate_once(self, prompt, token_ids, timeout_s, slo_class, sampling) -> Result:
         request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         done = asyncio.get_running_loop().create_future()
         self.collectors[request_id] = (Accumulator(request_id), done)
@@ -97,10 +111,24 @@ class AsyncClient:
             await self.socket.send_multipart(encode(Abort(request_id=request_id)))
 
     async def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
-        if not self.checked:
-            await self.status()
-            self.checked = True
-        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            streamed = False
+            try:
+                if not self.checked:
+                    await self.status()
+                    self.checked = True
+                async for item in self._attempt(prompt, token_ids, deadline - time.monotonic(), slo_class, sampling):
+                    streamed = True
+                    yield item
+                return
+            except ServerUnavailable as error:
+                pause = retry_pause(error, deadline, self.retry_unavailable and not streamed)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def _attempt(self, prompt, token_ids, timeout_s, slo_class, sampling):
         request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue

@@ -9,14 +9,16 @@ import zmq
 from common.errors import RequestTimeout, ServerUnavailable
 from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
 from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
-                                     connect_dealer, parse_reply, raise_for)
+                                     connect_dealer, parse_reply, raise_for, retry_pause)
 
 
 class Client:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str = "", timeout_s: float = 120.0,
-                 connect_timeout_s: float = 5.0, curve: dict | None = None):
+                 connect_timeout_s: float = 5.0, curve: dict | None = None, retry_unavailable: bool = True):
         """`curve`: {"server_public", "client_public", "client_secret"} Z85 keys when the
-        cluster runs with CURVE on."""
+        cluster runs with CURVE on (`curve_keys(DIR)` reads them from a key directory).
+        `retry_unavailable`: retry a request the cluster refused as unavailable with a
+        retry_after_s (before any of its tokens came) until its timeout."""
         self.address = address
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -25,6 +27,7 @@ class Client:
         self.socket = connect_dealer(self.context, address, curve)
         self.active: str | None = None
         self.checked = False
+        self.retry_unavailable = retry_unavailable
 
     def __enter__(self) -> "Client":
         return self
@@ -80,10 +83,26 @@ class Client:
             self.active = None
 
     def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
-        if not self.checked:
-            self.status()
-            self.checked = True
-        timeout_s = timeout_s or self.timeout_s
+        """The request's chunks; a ServerUnavailable that asks for a retry (the router is
+        restarting, say) and comes before any chunk is retried within the deadline."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            streamed = False
+            try:
+                if not self.checked:
+                    self.status()
+                    self.checked = True
+                for item in self._attempt(prompt, token_ids, deadline - time.monotonic(), slo_class, sampling):
+                    streamed = True
+                    yield item
+                return
+            except ServerUnavailable as error:
+                pause = retry_pause(error, deadline, self.retry_unavailable and not streamed)
+                if pause is None:
+                    raise
+                time.sleep(pause)
+
+    def _attempt(self, prompt, token_ids, timeout_s, slo_class, sampling):
         request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         self.socket.send_multipart(frames, copy=False)
         self.active = request_id

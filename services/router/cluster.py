@@ -224,6 +224,20 @@ class ClusterState:
                                                    request.path, held, now)
         return placement
 
+    def resume(self, request_id: str, worker_id: str, num_tokens: int, expected_output: int,
+               now: float) -> Placement:
+        """Record a request a rejoining worker is already serving (its prompt is past
+        prefill, its blocks come with the worker's cache report): it counts towards the
+        worker's decode load until it finishes."""
+        worker = self.workers[worker_id]
+        placement = Placement(request_id, worker_id, now, 0.0, expected_output, num_tokens, None, 0.0)
+        worker.in_flight[request_id] = placement
+        worker.expected_output_sum += expected_output
+        worker.prompt_tokens_sum += num_tokens
+        self._update_decode_work(worker)
+        self.placements[request_id] = placement
+        return placement
+
     def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:
         """The worker ended the request; returns its placement if the router had one."""
         placement = self.placements.pop(request_id, None)

@@ -8,6 +8,11 @@ and admitted (or refused early) by admission control; see services/router/cluste
 A worker silent for `worker_timeout_s` is dropped and each of its requests is failed
 back to the tokenizer that sent it (WORKER_LOST), which retries it elsewhere when nothing
 was streamed yet.
+
+Peers prove their role with their CURVE key (common/sockets.py): only workers may say
+Hello, heartbeat or report KV, only tokenizers may send Generate and Abort. Tokens never
+pass through the router, so a restarted router loses no stream: each worker rejoins with
+the requests it is serving and its whole prefix cache, and the router rebuilds its state.
 """
 from __future__ import annotations
 
@@ -26,13 +31,15 @@ from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
                              KvEvents, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode)
-from common.sockets import Auth, send, server_socket, split_routed, subscriber
+from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
 from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
+# What each role may send the router; with CURVE off no role is proven and all may.
+ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents), "tokenizer": (Generate, Abort, StatusRequest)}
 
 
 @dataclass
@@ -77,14 +84,15 @@ class RouterService:
         self.model_fingerprint: str | None = None
         self.requests_routed = 0
         self.kv_events_received = 0
+        self.failed_over: dict[str, set[str]] = {}  # dropped worker -> its requests failed meanwhile
         self.context = zmq.Context()
-        self.auth = Auth(self.context, config)
-        self.socket = server_socket(self.context, zmq.ROUTER, config, config.router)
-        self.events = subscriber(self.context, config)
+        self.security = Security(self.context, config, "router")
+        self.socket = self.security.server(zmq.ROUTER, config.router, accept=("worker", "tokenizer"))
+        self.events = self.security.subscriber("worker")
         self.subscribed: set[str] = set()
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
         self.handlers = {Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
-                         Abort: self._on_abort, StatusRequest: self._on_status}
+                         Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report}
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
@@ -107,13 +115,12 @@ class RouterService:
 
     def close(self) -> None:
         self.metrics_server.stop()
-        self.socket.close(0)
-        self.events.close(0)
-        self.auth.stop()
-        self.context.term()
+        self.security.stop()
+        self.context.destroy(linger=0)  # closes every socket first, so this cannot block
 
     def health(self) -> dict:
-        return {"ok": True, "role": "router", "pid": os.getpid(), "workers": len(self.members)}
+        """Ok only while a request would be placed: some worker is registered."""
+        return {"ok": bool(self.members), "role": "router", "pid": os.getpid(), "workers": len(self.members)}
 
     # ---- input ---------------------------------------------------------------------
 
@@ -121,12 +128,14 @@ class RouterService:
     def _drain(socket: zmq.Socket, handle) -> None:
         for _ in range(1000):
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK)
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             handle(frames)
 
-    def _on_routed(self, frames: list[bytes]) -> None:
+    def _on_routed(self, frames: list[zmq.Frame]) -> None:
+        role = peer_role(frames[-1])
+        frames = [frame.bytes for frame in frames]
         try:
             identity, body = split_routed(frames)
             message, payloads = decode(body)
@@ -137,20 +146,30 @@ class RouterService:
                 self._reply(frames[0], Error(request_id="", code=ErrorCode.INVALID_REQUEST, message=str(error)))
             return
         handler = self.handlers.get(type(message))
-        if handler is None:
-            self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
-                                        message=f"the router does not take {type(message).__name__}"))
+        if handler is None or (role is not None and type(message) not in ROLE_MESSAGES.get(role, ())):
+            self.metrics.bad_messages.inc()
+            log.warning("message_refused", type=type(message).__name__, role=role)
+            self._reply(identity, Error(request_id=getattr(message, "request_id", ""),
+                                        code=ErrorCode.INVALID_REQUEST,
+                                        message=f"the router does not take {type(message).__name__} "
+                                                f"from {role or 'this peer'}"))
             return
         handler(identity, message, payloads)
 
-    def _on_event(self, frames: list[bytes]) -> None:
+    def _on_event(self, frames: list[zmq.Frame]) -> None:
         try:
-            message, _ = decode(frames)
+            message, _ = decode([frame.bytes for frame in frames])
         except ProtocolError as error:
             log.warning("bad_kv_event", error=str(error))
             return
-        if not isinstance(message, KvEvents):
-            return
+        if isinstance(message, KvEvents):
+            self._apply_kv_events(message)
+
+    def _on_kv_report(self, _identity: bytes, message: KvEvents, _payloads) -> None:
+        """A rejoining worker's prefix cache, sent on the router socket after its Hello."""
+        self._apply_kv_events(message)
+
+    def _apply_kv_events(self, message: KvEvents) -> None:
         self.kv_events_received += len(message.stored) + len(message.removed)
         self.metrics.kv_events.inc(len(message.stored), kind="stored")
         self.metrics.kv_events.inc(len(message.removed), kind="removed")
@@ -170,7 +189,7 @@ class RouterService:
     # ---- workers -------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, hello: Hello, _payloads) -> None:
-        refusal = self._refusal(hello)
+        refusal = self._refusal(hello) or self._subscribe(hello.events_address)
         if refusal:
             log.error("worker_refused", worker_id=hello.worker_id, reason=refusal)
             self._reply(identity, Welcome(accepted=False, reason=refusal))
@@ -180,16 +199,40 @@ class RouterService:
         previous = self.members.pop(hello.worker_id, None)
         self.members[hello.worker_id] = Member(hello, identity, time.monotonic())
         if previous is None or previous.hello.instance_id != hello.instance_id:
-            # A new process: whatever an old one held (requests, cached blocks) is gone.
+            # A new process, or one this router has not met: what an old one held is gone.
             self._fail_requests(self.cluster.remove_worker(hello.worker_id), hello.worker_id,
                                 "the worker restarted")
             self.cluster.add_worker(hello.worker_id, hello.kv_blocks)
-        if hello.events_address not in self.subscribed:
-            self.events.connect(hello.events_address)
-            self.subscribed.add(hello.events_address)
+        abort = self._resume(hello)
         self.metrics.workers.set(len(self.members))
-        log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks)
-        self._reply(identity, Welcome(accepted=True))
+        log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks,
+                 resumed=len(hello.running) - len(abort), aborted=len(abort))
+        self._reply(identity, Welcome(accepted=True, abort=abort))
+
+    def _subscribe(self, events_address: str) -> str:
+        """Subscribe to a worker's KV events; the refusal's reason if its address is bad."""
+        if events_address not in self.subscribed:
+            try:
+                connect(self.events, events_address)
+            except ValueError as error:
+                return f"events_address: {error}"
+            self.subscribed.add(events_address)
+        return ""
+
+    def _resume(self, hello: Hello) -> list[str]:
+        """Take back the requests a rejoining worker is still serving; returns those this
+        router failed over while the worker was away, which the worker must drop."""
+        failed = self.failed_over.pop(hello.worker_id, set())
+        abort = []
+        now = time.monotonic()
+        for running in hello.running:
+            if running.request_id in failed or running.request_id in self.cluster.placements:
+                abort.append(running.request_id)
+                continue
+            self.cluster.resume(running.request_id, hello.worker_id, running.num_prompt_tokens,
+                                max(running.max_tokens - running.output_tokens, 1), now)
+            self.origins[running.request_id] = running.origin.encode()
+        return abort
 
     def _refusal(self, hello: Hello) -> str:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -232,6 +275,7 @@ class RouterService:
             placements = self.cluster.remove_worker(worker_id)
             log.error("worker_lost", worker_id=worker_id, in_flight=len(placements),
                       silent_s=round(now - member.last_seen, 2))
+            self.failed_over[worker_id] = {placement.request_id for placement in placements}
             self._fail_requests(placements, worker_id, f"worker {worker_id} stopped answering")
 
     def _fail_requests(self, placements: list[Placement], worker_id: str, why: str) -> None:
@@ -245,6 +289,13 @@ class RouterService:
     # ---- requests ------------------------------------------------------------------
 
     def _on_generate(self, identity: bytes, request: Generate, payloads) -> None:
+        try:
+            check_endpoint(request.stream_address)
+        except ValueError as error:
+            self._refuse(identity, request, ErrorCode.INVALID_REQUEST, f"stream_address: {error}", 0.0,
+                         "invalid_request")
+            return
+        request.origin = identity.decode(errors="replace")
         if not self.members or self.hash_root is None:
             self._refuse(identity, request, ErrorCode.UNAVAILABLE, "no worker is available",
                          UNAVAILABLE_RETRY_AFTER_S, "unavailable")

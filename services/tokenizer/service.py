@@ -5,6 +5,12 @@ into token ids, sends each request to the router, receives the worker's tokens o
 socket, detokenises them incrementally (holding back text that could still become a stop
 string) and streams the result to the client. A worker lost before it streamed anything
 is retried transparently; after that the client gets a typed error.
+
+While the router is unreachable (no status answer within `worker_timeout_s`, or no
+connection to it at all) new requests are refused at once with ServerUnavailable and a
+retry_after_s; streams already running go on, since workers push tokens here directly.
+Tokens for a request this tokenizer does not know (it restarted, or the request ended
+here first) make it abort that request upstream, so no worker computes for nobody.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +37,15 @@ from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generat
                              StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
                              sampling_from_params)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
-from common.sockets import Auth, client_socket, server_socket, split_routed
+from common.sockets import Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent
 
 log = get_logger("tokenizer")
 MAX_TRANSPARENT_RETRIES = 2
 STREAM_QUEUE_LIMIT = 4096
 ROUTER_WAIT_S = 10.0
+UNAVAILABLE_RETRY_AFTER_S = 1.0
+RECENT_ABORTS = 4096  # unknown requests already aborted upstream, so each is aborted once
 
 
 @dataclass
@@ -92,12 +101,13 @@ class TokenizerService:
         self.last_status: Status | None = None
         self.last_status_at = 0.0
         self.identity = f"tokenizer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.sync_context = zmq.Context()
-        self.auth = Auth(self.sync_context, config)
-        self.context = zmq.asyncio.Context.shadow(self.sync_context)
-        self.sdk = server_socket(self.context, zmq.ROUTER, config, config.sdk)
-        self.stream = server_socket(self.context, zmq.PULL, config, config.stream)
-        self.router = client_socket(self.context, zmq.DEALER, config, config.router, self.identity)
+        self.aborted_unknown: OrderedDict[str, None] = OrderedDict()
+        self.context = zmq.asyncio.Context()
+        self.security = Security(self.context, config, "tokenizer")
+        self.sdk = self.security.server(zmq.ROUTER, config.sdk, accept=("client",))
+        self.stream = self.security.server(zmq.PULL, config.stream, accept=("worker",))
+        self.router = self.security.client(zmq.DEALER, config.router, "router", self.identity)
+        self.router.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a router that is not there
 
     # ---- FrontendApi ---------------------------------------------------------------
 
@@ -138,8 +148,11 @@ class TokenizerService:
             await self._send_router(Abort(request_id=request_id))
             self._deliver(state, StreamEvent([], "", finished=True, finish_reason="abort"))
 
+    def router_reachable(self) -> bool:
+        return time.monotonic() - self.last_status_at < self.config.worker_timeout_s
+
     def health(self) -> dict:
-        fresh = time.monotonic() - self.last_status_at < self.config.worker_timeout_s
+        fresh = self.router_reachable()
         workers = len(self.last_status.workers) if self.last_status and fresh else 0
         return {"ok": fresh and workers > 0, "role": "tokenizer", "router_reachable": fresh,
                 "workers": workers, "in_flight": len(self.requests)}
@@ -173,7 +186,13 @@ class TokenizerService:
             timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         self.requests[request_id] = state
         self.metrics.running.set(len(self.requests))
-        self._place(state)
+        try:
+            self._place(state)
+        except ServerUnavailable:
+            self.metrics.requests.inc(outcome="unavailable")
+            state.done = True  # nothing reached the router: there is nothing to abort
+            self._release(state)
+            raise
         return state
 
     def _resolve_slo_class(self, name: str, tenant: str) -> str:
@@ -192,12 +211,17 @@ class TokenizerService:
             asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="client gone")))
 
     def _place(self, state: RequestState) -> None:
+        """Send the request to the router; ServerUnavailable if the router is unreachable."""
+        if not self.router_reachable():
+            raise ServerUnavailable("the router is not reachable", UNAVAILABLE_RETRY_AFTER_S)
         generate = Generate(request_id=state.request_id, sampling=sampling_from_params(state.params),
                             stream_address=self.config.advertised(self.config.stream), tenant=state.tenant,
                             arrival_time=time.time(),
                             deadline=time.time() + max(state.deadline - time.monotonic(), 0.0),
                             slo_class=state.slo_class)
-        self.router.send_multipart(encode(generate, [state.prompt_ids]), copy=False)
+        sent = self.router.send_multipart(encode(generate, [state.prompt_ids]), flags=zmq.NOBLOCK, copy=False)
+        if sent.done() and sent.exception() is not None:  # no connection to the router (IMMEDIATE)
+            raise ServerUnavailable("the router is not reachable", UNAVAILABLE_RETRY_AFTER_S)
 
     async def _send_router(self, message) -> None:
         try:
@@ -215,6 +239,8 @@ class TokenizerService:
 
     def _on_tokens(self, message: Tokens) -> None:
         state = self.requests.get(message.request_id)
+        if state is None and not message.finished:
+            self._abort_unknown(message.request_id)
         if state is None or state.done or message.worker_id in state.lost_workers:
             return
         if state.first_token_at is None and message.token_ids:
@@ -235,6 +261,14 @@ class TokenizerService:
         if stopped and not message.finished:
             asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="stop string")))
         self._deliver(state, event)
+
+    def _abort_unknown(self, request_id: str) -> None:
+        if request_id in self.aborted_unknown:
+            return
+        self.aborted_unknown[request_id] = None
+        if len(self.aborted_unknown) > RECENT_ABORTS:
+            self.aborted_unknown.popitem(last=False)
+        asyncio.ensure_future(self._send_router(Abort(request_id=request_id, reason="unknown to the tokenizer")))
 
     @staticmethod
     def _releasable_text(state: RequestState, finished: bool) -> str:
@@ -263,8 +297,12 @@ class TokenizerService:
             state.retries += 1
             self.metrics.retries.inc()
             log.warning("request_replaced", request_id=state.request_id, why=message.message)
-            self._place(state)
-            return
+            try:
+                self._place(state)
+                return
+            except ServerUnavailable as error:
+                self._deliver(state, error)
+                return
         self._deliver(state, error_from_code(message.code, message.message, message.retry_after_s))
 
     def _deliver(self, state: RequestState, item) -> None:
@@ -311,10 +349,8 @@ class TokenizerService:
             log.warning("router_not_reachable_yet", router=self.config.router)
 
     def close(self) -> None:
-        for socket in (self.sdk, self.stream, self.router):
-            socket.close(0)
-        self.auth.stop()
-        self.sync_context.term()
+        self.security.stop()
+        self.context.destroy(linger=0)  # closes every socket first, so this cannot block
 
     async def _stream_loop(self) -> None:
         while True:

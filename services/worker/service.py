@@ -4,7 +4,13 @@ One thread runs the loop: drain the router's messages without blocking, step the
 push each request's new tokens to the tokenizer that asked for them, publish KV events,
 and refresh the load report. The loop waits on sockets only while the engine is idle.
 A second thread sends that report as the heartbeat, on its own socket, so that a long
-engine step never makes a healthy worker look dead.
+engine step never makes a healthy worker look dead; it stops beating once the loop has not
+turned for `worker_stall_timeout_s`, so a wedged worker is dropped, and /health says so.
+
+A router that restarted, or that dropped this worker while the link was down, answers a
+heartbeat with `rehello`: the worker says Hello again listing the requests it is serving
+(it keeps streaming them meanwhile: tokens go straight to the tokenizers), drops those the
+router says it failed over, and reports its whole prefix cache so the index is rebuilt.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from msgspec.structs import replace
@@ -25,13 +32,16 @@ from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, FinishedRequest, Generate, Heartbeat, Hello,
-                             KvEvents, ProtocolError, Tokens, TokensBatch, Welcome, decode, params_from_sampling)
+                             KvEvents, ProtocolError, RunningRequest, Tokens, TokensBatch, Welcome, decode,
+                             params_from_sampling)
 from common.sampling_params import InvalidRequestError
-from common.sockets import Auth, client_socket, send, server_socket
+from common.sockets import Security, check_endpoint, send
 
 log = get_logger("worker")
 HELLO_TIMEOUT_S = 10.0
 MAX_MESSAGES_PER_TURN = 256  # bounds how long one turn drains before the engine steps again
+MAX_STREAMS = 64  # tokenizers pushed to at once; the least recently used is closed beyond
+CACHE_REPORT_BLOCKS = 50_000  # block hashes per KvEvents message of a rejoin's cache report (~450 KB)
 
 
 class WorkerRefused(RuntimeError):
@@ -61,6 +71,9 @@ class KvEventBuffer:
 @dataclass
 class RequestProgress:
     received: float  # monotonic seconds when the Generate arrived
+    origin: str = ""  # the tokenizer that sent it, reported back on a rejoin
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
     ttft_s: float = -1.0
     output_tokens: int = 0
 
@@ -93,10 +106,10 @@ class WorkerService:
         self.finished: list[FinishedRequest] = []
         self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
         self.context = zmq.Context()
-        self.auth = Auth(self.context, config)
-        self.router = client_socket(self.context, zmq.DEALER, config, config.router, self.worker_id)
-        self.publisher = server_socket(self.context, zmq.PUB, config, config.worker_events_address(index))
-        self.pushers: dict[str, zmq.Socket] = {}
+        self.security = Security(self.context, config, "worker")
+        self.router = self.security.client(zmq.DEALER, config.router, "router", self.worker_id)
+        self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
+        self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
                                             self.registry, self.health)
         self.last_report = 0.0
@@ -107,6 +120,8 @@ class WorkerService:
         self.instance_id = uuid.uuid4().hex
         self.beats_sent = 0
         self.joined_after_beat = 0  # rehellos answering heartbeats up to this one are stale
+        self.joined = False  # the router has welcomed us and not asked us to say hello again
+        self.last_turn = time.monotonic()  # when the loop last went round: a stall means a wedge
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -129,18 +144,24 @@ class WorkerService:
 
     def close(self) -> None:
         self.metrics_server.stop()
-        for socket in [self.router, self.publisher, *self.pushers.values()]:
-            socket.close(0)
-        self.auth.stop()
-        self.context.term()
+        self.security.stop()
+        self.context.destroy(linger=0)  # closes every socket first, so this cannot block
+
+    def stalled(self) -> bool:
+        return time.monotonic() - self.last_turn > self.config.worker_stall_timeout_s
 
     def health(self) -> dict:
-        return {"ok": True, "role": "worker", "worker_id": self.worker_id, "pid": os.getpid(),
+        """Ok only while requests would be served: joined to the router, loop turning."""
+        stalled = self.stalled()
+        return {"ok": self.joined and not stalled, "joined": self.joined, "stalled": stalled,
+                "role": "worker", "worker_id": self.worker_id, "pid": os.getpid(),
                 "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_blocks_used": self.engine.block_manager.num_used,
                 "kv_blocks_total": self.engine.block_manager.num_blocks}
 
     def _hello(self) -> None:
+        """Say Hello and wait for the Welcome (messages that come first are handled);
+        WorkerRefused if refused, TimeoutError if the router does not answer."""
         self.joined_after_beat = self.beats_sent
         engine = self.engine
         hello = Hello(
@@ -150,29 +171,47 @@ class WorkerService:
             max_model_len=engine.max_model_len, kv_dtype=engine.config.dtype,
             adapter_id=engine.config.adapter_id, instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
-            metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}")
+            metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}",
+            running=self._running_requests())
         send(self.router, hello)
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
             if not self.router.poll(100):
                 continue
-            message, _ = self._receive()
-            if isinstance(message, Welcome):
-                if not message.accepted:
-                    raise WorkerRefused(f"router refused {self.worker_id}: {message.reason}")
-                return
+            message, payloads = self._receive()
+            if not isinstance(message, Welcome):
+                self._handle(message, payloads)
+                continue
+            if not message.accepted:
+                raise WorkerRefused(f"router refused {self.worker_id}: {message.reason}")
+            for request_id in message.abort:
+                self.engine.abort(request_id)
+                self._forget(request_id, "failed_over")
+            self.joined = True
+            return
         raise TimeoutError(f"no answer from the router at {self.config.router} within {HELLO_TIMEOUT_S:.0f} s")
+
+    def _running_requests(self) -> list[RunningRequest]:
+        return [RunningRequest(request_id, progress.origin, progress.num_prompt_tokens, progress.output_tokens,
+                               progress.max_tokens) for request_id, progress in self.progress.items()]
+
+    def _report_cache(self) -> None:
+        """Every block of the prefix cache, for a router that rebuilds its index."""
+        cached = list(self.engine.block_manager.hash_to_block)
+        for start in range(0, len(cached), CACHE_REPORT_BLOCKS):
+            send(self.router, KvEvents(worker_id=self.worker_id, stored=cached[start:start + CACHE_REPORT_BLOCKS]))
 
     # ---- the loop ------------------------------------------------------------------
 
     def _turn(self) -> None:
+        self.last_turn = time.monotonic()
         if self.rehello.is_set():
             self._rejoin()
         busy = self.engine.has_unfinished()
         wait_ms = 0 if busy else int(self.config.heartbeat_interval_s * 500)
         if self.router.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_TURN):
-                self._handle(*self._receive())
+                self._handle_safely(*self._receive())
                 if not self.router.poll(0):
                     break
         self._expire_deadlines()
@@ -191,8 +230,21 @@ class WorkerService:
             return None, []
         return message, payloads
 
+    def _handle_safely(self, message, payloads: list[np.ndarray]) -> None:
+        """One message's failure is logged and ends no more than that message."""
+        try:
+            self._handle(message, payloads)
+        except Exception:  # noqa: BLE001 (the loop serves every other request; it must go on)
+            log.exception("message_failed", type=type(message).__name__,
+                          request_id=getattr(message, "request_id", None))
+
     def _handle(self, message, payloads: list[np.ndarray]) -> None:
         if isinstance(message, Generate):
+            try:
+                check_endpoint(message.stream_address)
+            except ValueError as error:  # nowhere to send an error: the router checks this first
+                log.warning("bad_stream_address", request_id=message.request_id, error=str(error))
+                return
             self._start(message, payloads[0])
         elif isinstance(message, Abort):
             if self.engine.abort(message.request_id):
@@ -202,8 +254,12 @@ class WorkerService:
 
     def _start(self, request: Generate, prompt: np.ndarray) -> None:
         request_id = request.request_id
+        if request_id in self.progress:
+            log.warning("duplicate_request", request_id=request_id)
+            return
         self.streams[request_id] = request.stream_address
-        self.progress[request_id] = RequestProgress(time.monotonic())
+        self.progress[request_id] = RequestProgress(time.monotonic(), request.origin, len(prompt),
+                                                    request.sampling.max_tokens)
         try:
             params = params_from_sampling(request.sampling)
             prompt_ids = prompt.astype(np.int64).tolist()
@@ -267,8 +323,10 @@ class WorkerService:
     def _push_to(self, address: str, message) -> None:
         pusher = self.pushers.get(address)
         if pusher is None:
-            pusher = client_socket(self.context, zmq.PUSH, self.config, address)
-            self.pushers[address] = pusher
+            if len(self.pushers) >= MAX_STREAMS:
+                self.pushers.popitem(last=False)[1].close(0)
+            pusher = self.pushers[address] = self.security.client(zmq.PUSH, address, "tokenizer")
+        self.pushers.move_to_end(address)
         try:  # never block the engine on a slow or dead tokenizer
             send(pusher, message, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -280,15 +338,17 @@ class WorkerService:
             send(self.publisher, KvEvents(worker_id=self.worker_id, stored=stored, removed=removed))
 
     def _rejoin(self) -> None:
-        """The router dropped us (silent too long, e.g. stopped) and failed our requests
-        over; finishing them now would only waste KV and compute."""
+        """The router does not know us (it restarted, or dropped us while we were cut off
+        or stopped): join again with what we are serving, and report our cache."""
         self.rehello.clear()
-        log.warning("router_forgot_worker", worker_id=self.worker_id, dropping=len(self.streams))
-        for request_id in list(self.streams):
-            self.engine.abort(request_id)
-            # The tokenizer ignores this if the router already failed the request over.
-            self._fail(request_id, ErrorCode.WORKER_LOST, f"{self.worker_id} lost contact with the router")
-        self._hello()
+        self.joined = False
+        log.warning("rejoining_router", worker_id=self.worker_id, running=len(self.progress))
+        try:
+            self._hello()
+        except TimeoutError as error:  # the router went away again: the next rehello retries
+            log.error("rejoin_failed", error=str(error))
+            return
+        self._report_cache()
 
     def _report(self) -> None:
         """Refresh the load report (and metrics) that the heartbeat thread sends."""
@@ -313,9 +373,12 @@ class WorkerService:
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """Send the latest report every interval from this thread's own socket."""
-        socket = client_socket(self.context, zmq.DEALER, self.config, self.config.router, f"{self.worker_id}/beat")
+        socket = self.security.client(zmq.DEALER, self.config.router, "router", f"{self.worker_id}/beat")
         try:
             while not stop.wait(self.config.heartbeat_interval_s):
+                if self.stalled():
+                    log.error("worker_stalled", since_s=round(time.monotonic() - self.last_turn, 1))
+                    continue  # let the router drop a worker that serves nothing
                 with self.beat_lock:
                     self.beats_sent += 1
                     beat, self.beat = replace(self.beat, seq=self.beats_sent), replace(self.beat, finished=[])

@@ -8,8 +8,9 @@ import msgspec
 import pytest
 import zmq
 
-from common.protocol import (PROTOCOL_VERSION, Error, Hello, Status, StatusRequest, Welcome, decode, encode)
-from services.client import AsyncClient, Client, Rejected, WorkerLost
+from common.protocol import (PROTOCOL_VERSION, Error, Generate, Hello, Sampling, Status, StatusRequest, Welcome,
+                             decode, encode)
+from services.client import AsyncClient, Client, Rejected, ServerUnavailable, WorkerLost
 
 
 def stream_until_error(client: AsyncClient, prompt: str, started: asyncio.Event, max_tokens: int):
@@ -202,3 +203,81 @@ def test_full_queues_refuse_at_once_with_retry_after(make_cluster):
         assert max(rejected) < 1.0
     finally:
         small.stop()
+
+
+def test_a_router_killed_during_100_streams_loses_none_of_them(cluster):
+    """Tokens go from workers to the tokenizer directly; the restarted router takes the
+    running requests back from the workers, which rejoin with them and their caches."""
+    router_pid = cluster.router_health()["pid"]
+    streams, max_tokens = 100, 120
+
+    async def run():
+        async with AsyncClient(cluster.sdk, timeout_s=240) as client:
+            started = [asyncio.Event() for _ in range(streams)]
+
+            async def one(i):
+                count = 0
+                async for chunk in client.stream(f"survive {i}", max_tokens=max_tokens, temperature=0,
+                                                 ignore_eos=True):
+                    count += len(chunk.token_ids)
+                    if count >= 2:
+                        started[i].set()
+                return count
+
+            tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
+            os.kill(router_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            async with AsyncClient(cluster.sdk, timeout_s=30, retry_unavailable=False) as impatient:
+                with pytest.raises(ServerUnavailable) as refused:
+                    while time.monotonic() - killed_at < 10:  # until the tokenizer sees the router gone
+                        await impatient.generate("during the outage", max_tokens=2)
+                        await asyncio.sleep(0.05)
+            assert refused.value.retry_after_s > 0
+            retried = await client.generate("retried by the SDK", max_tokens=2)  # waits out the restart
+            return await asyncio.gather(*tasks, return_exceptions=True), retried
+
+    counts, retried = asyncio.run(run())
+    assert counts == [max_tokens] * streams, [c for c in counts if c != max_tokens][:5]
+    assert retried.token_ids
+    assert cluster.router_health()["pid"] != router_pid
+    with Client(cluster.sdk, timeout_s=30) as client:
+        status = client.status()
+        assert sorted(w.worker_id for w in status.workers) == ["worker-0", "worker-1"]
+        assert status.kv_events_received > 0  # the workers reported their caches again
+        # The resumed requests' placements end as the workers report them finished.
+        cluster.wait_for(lambda: all(w.in_flight == 0 for w in client.status().workers), 10,
+                         "the resumed requests to end on the router")
+
+
+def test_health_is_not_ok_while_no_worker_would_serve(make_cluster):
+    lone = make_cluster(workers=1)
+    try:
+        assert lone.router_health()["ok"] and lone.worker_health(0)["ok"]
+        pid = lone.worker_health(0)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            lone.wait_for(lambda: not lone.router_health()["ok"], 10, "the router to report no worker")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        lone.wait_for(lambda: lone.router_health()["ok"] and lone.worker_health(0)["joined"], 15,
+                      "the worker to rejoin")
+    finally:
+        lone.stop()
+
+
+def test_a_garbage_stream_address_is_refused_and_wedges_no_worker(cluster):
+    """Such a Generate left worker-0 blocked for good in zmq_ctx_term; 503 ever after."""
+    context, socket = raw_dealer(cluster.router)
+    try:
+        request = Generate(request_id="wedge-1", sampling=Sampling(max_tokens=2),
+                           stream_address="garbage-not-an-endpoint")
+        socket.send_multipart(encode(request, [[5, 6, 7]]))
+        reply = answer(socket)
+        assert isinstance(reply, Error) and reply.request_id == "wedge-1" and "stream_address" in reply.message
+    finally:
+        socket.close(0)
+        context.term()
+    assert all(cluster.worker_health(i)["ok"] for i in range(cluster.workers))
+    with Client(cluster.sdk, timeout_s=30) as client:
+        assert client.generate("not wedged", max_tokens=2).token_ids

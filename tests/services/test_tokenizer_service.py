@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 import zmq
@@ -42,6 +43,7 @@ async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant
     router.setsockopt(zmq.LINGER, 0)
     router.bind(config.router)
     service = TokenizerService(config, model_dir)
+    service.last_status_at = time.monotonic()  # as if the router had just answered a status request
     events = service.generate("r-1", [5, 6, 7], SamplingParams(max_tokens=1), tenant, slo_class=named)
     first = asyncio.ensure_future(anext(events))  # admits the request (or raises why not)
     receiving = asyncio.ensure_future(router.recv_multipart())
