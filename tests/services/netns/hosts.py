@@ -40,40 +40,48 @@ START_TIMEOUT_S = 120.0
 # ---- CURVE keys: the one place that knows how the cluster's keys are made ---------------
 
 class ClusterKeys:
-    """The cluster's CURVE keys (`svc keys generate`), as config lines for the roles and
-    as the SDK's `curve=` argument, plus keys of strangers the cluster never saw."""
+    """The cluster's per-role CURVE keys (`svc keys generate DIR`): the config lines every
+    role reads, the SDK's `curve=` argument, and the keys that must be kept out."""
 
     def __init__(self, directory: Path):
-        import zmq
-
-        directory.mkdir(parents=True, exist_ok=True)
-        printed = subprocess.run([sys.executable, "-m", "services.cli", "keys", "generate"],
-                                 capture_output=True, text=True, cwd=REPO, check=True, timeout=60,
-                                 env=child_env()).stdout
-        self.toml = printed
-        values = dict(line.replace('"', "").split(" = ") for line in printed.splitlines() if " = " in line)
-        self.server_public = values["curve_server_public"]
-        self._client = {"server_public": values["curve_server_public"],
-                        "client_public": values["curve_client_public"],
-                        "client_secret": values["curve_client_secret"]}
-        public, secret = zmq.curve_keypair()
-        self.stranger = {"server_public": self.server_public, "client_public": public.decode(),
-                         "client_secret": secret.decode()}
+        done = subprocess.run([sys.executable, "-m", "services.cli", "keys", "generate", str(directory)],
+                              capture_output=True, text=True, cwd=REPO, timeout=60, env=child_env())
+        if done.returncode != 0:
+            raise RuntimeError(f"svc keys generate failed: {done.stderr.strip()}")
+        self.directory = directory
 
     def config_lines(self) -> str:
-        return self.toml
+        return f'curve_enabled = true\ncurve_keys_dir = "{self.directory}"\n'
 
     def client(self) -> dict:
         """What the SDK presents to the tokenizer."""
-        return dict(self._client)
+        from services.client import curve_keys
+
+        return curve_keys(self.directory)
+
+    def presenting(self, role: str, to: str) -> dict:
+        """`role`'s key pair, pinning the public key of `to` (router or tokenizer)."""
+        from common.sockets import load_curve_keys
+
+        keys = load_curve_keys(self.directory, role)
+        return {"server_public": keys.public_of(to).decode(), "client_public": keys.public.decode(),
+                "client_secret": keys.secret.decode()}
 
     def member(self) -> dict:
         """What a member of the cluster (a worker) presents to the router."""
-        return dict(self._client)
+        return self.presenting("worker", "router")
 
-    def outsiders(self) -> dict[str, dict | None]:
-        """Who must be kept out: name -> the keys they present (None: plain TCP)."""
-        return {"no keys": None, "a stranger's key pair": dict(self.stranger)}
+    def outsiders(self, to: str) -> dict[str, dict | None]:
+        """Who must be kept out of `to` (router or tokenizer): name -> the keys they
+        present (None: plain TCP). A client's own key is not a member's at the router."""
+        import zmq
+
+        public, secret = zmq.curve_keypair()
+        stranger = dict(self.presenting("client", to), client_public=public.decode(), client_secret=secret.decode())
+        kept_out = {"no keys": None, "a stranger's key pair": stranger}
+        if to == "router":
+            kept_out["the client's key pair"] = self.presenting("client", "router")
+        return kept_out
 
 
 # ---- the cluster ----------------------------------------------------------------------

@@ -34,19 +34,32 @@ class Outcome:
     ended_at: float
     ttft_s: float | None = None
     token_times: list[float] = field(default_factory=list)
+    late_kind: str | None = None  # for a lost request: how it ended after its bound, if it did
 
 
-async def request(client, prompt: str, bound_s: float, **sampling) -> Outcome:
-    """One generate call; "lost" if it neither returns nor raises a typed error in `bound_s`."""
+async def request(client, prompt: str, bound_s: float, grace_s: float = 0.0, **sampling) -> Outcome:
+    """One generate call; "lost" if it neither returns nor raises a typed error in `bound_s`.
+    A lost request is watched `grace_s` longer to report how it ended anyway."""
     sent = time.monotonic()
+    call = asyncio.ensure_future(client.generate(prompt, temperature=0, **sampling))
+    done, _ = await asyncio.wait({call}, timeout=bound_s)
+    late = not done
+    if late and grace_s > 0:
+        done, _ = await asyncio.wait({call}, timeout=grace_s)
+    ended = time.monotonic()
+    if not done:
+        call.cancel()
+        return Outcome("lost", sent, ended, late_kind="no end" if grace_s > 0 else None)
     try:
-        result = await asyncio.wait_for(client.generate(prompt, temperature=0, **sampling), bound_s)
+        result = call.result()
     except BatonError as error:
-        return Outcome(type(error).__name__, sent, time.monotonic())
-    except TimeoutError:
-        return Outcome("lost", sent, time.monotonic())
-    kind = "served" if result.finish_reason and result.token_ids else "empty result"
-    return Outcome(kind, sent, time.monotonic(), result.ttft_s)
+        kind, ttft = type(error).__name__, None
+    else:
+        kind = "served" if result.finish_reason and result.token_ids else "empty result"
+        ttft = result.ttft_s
+    if late:
+        return Outcome("lost", sent, ended, late_kind=f"{kind} after {ended - sent:.1f} s")
+    return Outcome(kind, sent, ended, ttft)
 
 
 async def stream(client, prompt: str, bound_s: float, started: asyncio.Event, max_tokens: int) -> Outcome:
@@ -75,8 +88,12 @@ async def stream(client, prompt: str, bound_s: float, started: asyncio.Event, ma
 
 def tally(outcomes: list[Outcome]) -> dict:
     kinds = Counter(o.kind for o in outcomes)
-    return {"sent": len(outcomes), "served": kinds.pop("served", 0), "lost": kinds.pop("lost", 0),
-            "typed_errors": dict(kinds)}
+    figures = {"sent": len(outcomes), "served": kinds.pop("served", 0), "lost": kinds.pop("lost", 0),
+               "typed_errors": dict(kinds)}
+    late = Counter(o.late_kind.split(" after ")[0] for o in outcomes if o.late_kind)
+    if late:
+        figures["lost_then"] = dict(late)  # what the lost requests became after their bound
+    return figures
 
 
 def typed_only(figures: dict) -> bool:
@@ -238,29 +255,34 @@ def test_tokenizer_partitioned_from_router_refuses_at_once(netns_cluster, figure
     async def probe(client, i: int, cut_at: float) -> Outcome:
         sent = time.monotonic()
         deadline = max(sent + AT_ONCE_S, cut_at + detect_bound)
-        return await request(client, f"partitioned {i}", deadline - sent, max_tokens=4)
+        return await request(client, f"partitioned {i}", deadline - sent, grace_s=10, max_tokens=4)
 
     async def run():
-        async with cluster.client(timeout_s=30) as client:
+        # The SDK retries a refusal that names a retry_after_s within the caller's timeout;
+        # the probes turn that off to see the cluster's own answers, one patient request keeps it.
+        async with cluster.client(timeout_s=30, retry_unavailable=False) as client, \
+                cluster.client(timeout_s=20) as patient_client:
             await client.status()
+            await patient_client.generate("a client in use before the partition", max_tokens=2)
             started = [asyncio.Event() for _ in range(2)]
             in_flight = [asyncio.create_task(stream(client, f"before the partition {i}", 30, started[i], 400))
                          for i in range(2)]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
             cut_at = time.monotonic()
             cluster.relay.cut()
-            probes, health_said_at = [], None
+            probes, health_said_at, patient = [], None, None
             try:
                 i = 0
                 while time.monotonic() < cut_at + detect_bound + 1.0:
                     probes.append(asyncio.create_task(probe(client, i, cut_at)))
                     i += 1
+                    if patient is None and time.monotonic() >= cut_at + detect_bound:
+                        patient = asyncio.create_task(request(patient_client, "patient", 20, max_tokens=4))
                     if health_said_at is None:
                         health = await asyncio.to_thread(cluster.tokenizer_health)
                         if not health["router_reachable"]:
                             health_said_at = time.monotonic()
                     await asyncio.sleep(0.1)
-                probe_outcomes = await asyncio.gather(*probes)
             finally:
                 heal_at = time.monotonic()
                 cluster.relay.heal()
@@ -272,6 +294,8 @@ def test_tokenizer_partitioned_from_router_refuses_at_once(netns_cluster, figure
                     recovered_at = outcome.ended_at
                     break
                 await asyncio.sleep(0.1)
+            probe_outcomes = await asyncio.gather(*probes)  # the lost ones are watched past the heal
+            recovery.append(await patient)
             return (cut_at, heal_at, recovered_at, health_said_at, probe_outcomes, await asyncio.gather(*in_flight),
                     recovery)
 
@@ -285,13 +309,17 @@ def test_tokenizer_partitioned_from_router_refuses_at_once(netns_cluster, figure
             health_says_unreachable_s=round(health_said_at - cut_at, 2) if health_said_at else None,
             slowest_refusal_after_detection_s=round(max((o.ended_at - o.sent_at for o in after_detection),
                                                         default=0.0), 3),
-            recover_s=round(recovered_at - heal_at, 2) if recovered_at else None)
+            recover_s=round(recovered_at - heal_at, 2) if recovered_at else None,
+            sdk_retrying_request={"outcome": recovery[-1].kind,
+                                  "sent_after_cut_s": round(recovery[-1].sent_at - cut_at, 2),
+                                  "ended_after_heal_s": round(recovery[-1].ended_at - heal_at, 2)})
     assert everything["lost"] == 0, everything
     assert typed_only(everything), everything
     assert detected_at is not None and detected_at - cut_at <= detect_bound, "no ServerUnavailable in time"
     assert all(o.kind == ServerUnavailable.__name__ for o in probes), tally(probes)
     assert after_detection and all(o.ended_at - o.sent_at <= AT_ONCE_S for o in after_detection)
     assert recovered_at is not None, "not serving again within 15 s of the heal"
+    assert recovery[-1].kind == "served", "a request the SDK retried through the partition was not served"
 
 
 # ---- someone outside the cluster's keys ---------------------------------------------------
@@ -301,14 +329,15 @@ def test_outsider_cannot_register_or_submit(netns_cluster, figures):
     cluster.settle()
     routed_before = routed(cluster)
     attempts, answered, refusals = 0, [], Counter()
-    for who, curve in cluster.keys.outsiders().items():
+    for who, curve in cluster.keys.outsiders("tokenizer").items():
         attempts += 1
-        with Client(cluster.sdk, curve=curve, connect_timeout_s=1.5, timeout_s=3) as client:
+        with Client(cluster.sdk, curve=curve, connect_timeout_s=1.5, timeout_s=3, retry_unavailable=False) as client:
             try:
                 client.generate("let me in", max_tokens=2)
                 answered.append(f"{who}: served through the SDK")
             except BatonError as error:
                 refusals[type(error).__name__] += 1
+    for who, curve in cluster.keys.outsiders("router").items():
         for what, message in [("hello", impostor_hello()), ("generate", impostor_generate(cluster))]:
             attempts += 1
             reply = raw_exchange(cluster.router, curve, message)
@@ -326,7 +355,7 @@ def test_outsider_cannot_register_or_submit(netns_cluster, figures):
             control_with_cluster_keys={"sdk": "served" if served else "refused",
                                        "router hello": "answered" if member_answered else "unanswered"})
     assert not answered, answered
-    assert refusals == {ServerUnavailable.__name__: len(cluster.keys.outsiders())}, refusals
+    assert refusals == {ServerUnavailable.__name__: len(cluster.keys.outsiders("tokenizer"))}, refusals
     assert workers == {"worker-0", "worker-1"}, workers
     assert routed_after == routed_before
     assert served and member_answered
