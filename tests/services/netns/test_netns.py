@@ -190,6 +190,41 @@ def test_cut_worker_link_fails_over_within_the_timeout_and_the_worker_rejoins(ne
     assert after is not None and all(o.kind == "served" for o in after)
 
 
+def test_a_blip_shorter_than_the_timeout_fails_nothing(netns_cluster, figures):
+    """Worker-0's cable out for 0.5 s: TCP retransmits once the link is back, well inside
+    worker_timeout_s, so no stream may fail and the router must not drop the worker."""
+    cluster = netns_cluster
+    cluster.settle()
+    blip_s = 0.5
+
+    async def run():
+        async with cluster.client(timeout_s=60) as client:
+            await client.status()
+            started = [asyncio.Event() for _ in range(4)]  # round robin: two on each worker
+            streams = [asyncio.create_task(stream(client, f"blip stream {i}", 30, started[i], 400)) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            cut_at = time.monotonic()
+            cluster.net.cut("worker-0")
+            await asyncio.sleep(blip_s)
+            cluster.net.heal("worker-0")
+            dropped = False
+            while not all(task.done() for task in streams):
+                try:
+                    workers = {w.worker_id for w in (await client.status(timeout_s=1)).workers if w.healthy}
+                    dropped = dropped or "worker-0" not in workers
+                except BatonError:
+                    pass
+                await asyncio.sleep(0.1)
+            return cut_at, dropped, await asyncio.gather(*streams)
+
+    cut_at, dropped, outcomes = asyncio.run(run())
+    silences = [longest_gap([cut_at, *(t for t in o.token_times if t > cut_at), o.ended_at]) for o in outcomes]
+    counts = tally(outcomes)
+    figures(**counts, blip_s=blip_s, longest_silence_s=round(max(silences), 2), router_dropped_worker0=dropped)
+    assert counts["served"] == counts["sent"], counts
+    assert not dropped, "the router dropped worker-0 over a 0.5 s blip"
+
+
 def serve_on_both_workers(cluster) -> list[Outcome]:
     """Six requests after the rejoin, all served, and worker-0 among the servers."""
     wait_for(lambda: cluster.worker_health(0)["running"] + cluster.worker_health(0)["waiting"] == 0, 10,
