@@ -201,7 +201,8 @@ def test_a_blip_shorter_than_the_timeout_fails_nothing(netns_cluster, figures):
         async with cluster.client(timeout_s=60) as client:
             await client.status()
             started = [asyncio.Event() for _ in range(4)]  # round robin: two on each worker
-            streams = [asyncio.create_task(stream(client, f"blip stream {i}", 30, started[i], 400)) for i in range(4)]
+            streams = [asyncio.create_task(stream(client, f"blip stream {i}", 30, started[i], 400))
+                       for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
             cut_at = time.monotonic()
             cluster.net.cut("worker-0")
@@ -274,7 +275,8 @@ def test_latency_and_loss_between_tokenizer_and_router(netns_cluster, figures):
     everything = tally(baseline + slow + burst)
     figures(**everything, ttft_median_s={"no delay": round(near, 3), "100 ms + 5 % loss": round(far, 3)},
             ttft_growth_s=round(far - near, 3),
-            relay={"chunks": after.chunks - before.chunks, "lost_chunks_retransmitted": after.lost_chunks - before.lost_chunks})
+            relay={"chunks": after.chunks - before.chunks,
+                   "lost_chunks_retransmitted": after.lost_chunks - before.lost_chunks})
     assert everything["lost"] == 0 and everything["served"] == everything["sent"], everything
     # The request crosses the slow link once before its first token (tokenizer -> router).
     assert 0.8 * delay_s <= far - near <= 3.5 * delay_s, (near, far)
