@@ -3,26 +3,33 @@
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import time
 
 import pytest
 
-from common.cost_model import TINY_CPU
+from services.local_cluster import REPO, child_env
 from services.client import AsyncClient, Client, Rejected
 
 PREFIX_TOKENS = 512  # 32 blocks: well over half of each prompt, so e2 exploits the holder
 SLO = {"ttft_s": 3.0, "tpot_s": 1.0}
-# The router's profile is this machine's (one quiet core per worker) slowed down: here three
-# workers, the tokenizer, the router and the test share two cores, and in a burst prefill
-# chunks of several requests share each step.
+# The router's profile is this machine's, measured first (`svc profile --quick`, one thread as
+# each worker has, float32 as the workers run: CPUs without AVX-512 run bf16 ~40x slower),
+# then slowed down: three workers, the tokenizer, the router and the test share two cores,
+# and in a burst prefill chunks of several requests share each step.
 SAFETY = 6.0
 
 
 @pytest.fixture(scope="module")
-def e2_cluster(make_cluster, tmp_path_factory):
+def e2_cluster(make_cluster, tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("e2")
     profile = folder / "profile.json"
-    slow = TINY_CPU.to_json()
+    measured = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--quick", "--threads", "1",
+                               "--dtype", "float32", "--model", str(tiny_model_dir), "--out", str(profile)],
+                              capture_output=True, text=True, cwd=REPO, timeout=300, env=child_env())
+    assert measured.returncode == 0, measured.stderr
+    slow = json.loads(profile.read_text(encoding="utf-8"))
     for phase in ("prefill", "decode"):
         slow[phase] = {key: value * SAFETY for key, value in slow[phase].items()}
     profile.write_text(json.dumps(slow), encoding="utf-8")
@@ -30,7 +37,7 @@ def e2_cluster(make_cluster, tmp_path_factory):
     config.write_text(f"[slo_classes.interactive]\nttft_s = {SLO['ttft_s']}\ntpot_s = {SLO['tpot_s']}\n",
                       encoding="utf-8")
     running = make_cluster(workers=3, extra=["--policy", "e2", "--admission", "true", "--config", str(config),
-                                             "--profile", str(profile)])
+                                             "--profile", str(profile), "--dtype", "float32"])
     yield running
     running.stop()
 

@@ -10,8 +10,8 @@ import zmq
 import zmq.asyncio
 
 from common.config import ClusterConfig, SloClass
-from common.errors import InvalidRequest
-from common.protocol import Generate, decode
+from common.errors import InvalidRequest, ServerUnavailable
+from common.protocol import Abort, Generate, Tokens, decode
 from common.sampling_params import SamplingParams
 from services.local_cluster import free_port_base
 from services.tokenizer.service import TokenizerService
@@ -62,3 +62,46 @@ async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant
         service.close()
         router.close(0)
         context.term()
+
+
+def test_while_the_router_is_unreachable_requests_are_refused_at_once_and_leave_nothing(tiny_model_dir):
+    async def run():
+        service = TokenizerService(ClusterConfig(port_base=free_port_base()), tiny_model_dir)
+        try:  # no router ever answered a status request
+            events = service.generate("r-1", [5, 6, 7], SamplingParams(max_tokens=1), "")
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailable) as refused:
+                await asyncio.wait_for(anext(events), 5)
+            return refused.value, time.monotonic() - started, len(service.requests)
+        finally:
+            service.close()
+
+    error, elapsed, in_flight = asyncio.run(run())
+    assert error.retry_after_s > 0 and elapsed < 1.0 and in_flight == 0
+
+
+def test_tokens_for_a_request_it_does_not_know_are_aborted_upstream_once(tiny_model_dir):
+    """A worker streaming to a tokenizer that restarted (or already ended the request)
+    would otherwise compute for nobody."""
+    config = ClusterConfig(port_base=free_port_base())
+
+    async def run():
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(config.router)
+        service = TokenizerService(config, tiny_model_dir)
+        try:
+            for _ in range(3):
+                service._on_tokens(Tokens(request_id="orphan", token_ids=[9], worker_id="worker-0"))
+            service._on_tokens(Tokens(request_id="ended", token_ids=[9], finished=True, worker_id="worker-0"))
+            message, _ = decode((await asyncio.wait_for(router.recv_multipart(), 10))[1:])
+            extra = await router.poll(500)
+            return message, extra
+        finally:
+            service.close()
+            context.destroy(linger=0)
+
+    message, extra = asyncio.run(run())
+    assert isinstance(message, Abort) and message.request_id == "orphan"
+    assert not extra  # once, and nothing for a stream that had finished anyway
