@@ -156,7 +156,7 @@ class TokenizerService:
     def health(self) -> dict:
         fresh = self.router_reachable()
         workers = len(self.last_status.workers) if self.last_status and fresh else 0
-        return {"ok": fresh and workers > 0, "role": "tokenizer", "router_reachable": fresh,
+        return {"ok": fresh and workers > 0, "role": "tokenizer", "pid": os.getpid(), "router_reachable": fresh,
                 "workers": workers, "in_flight": len(self.requests)}
 
     def metrics_text(self) -> str:

@@ -1,8 +1,10 @@
 """Faults on a real cluster: dead and hung workers, departing clients, bad frames, overload."""
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.request
 
 import msgspec
 import pytest
@@ -281,3 +283,38 @@ def test_a_garbage_stream_address_is_refused_and_wedges_no_worker(cluster):
     assert all(cluster.worker_health(i)["ok"] for i in range(cluster.workers))
     with Client(cluster.sdk, timeout_s=30) as client:
         assert client.generate("not wedged", max_tokens=2).token_ids
+
+
+def test_every_role_stops_promptly_mid_stream_and_is_restarted(make_cluster):
+    """A role that must stop, stops: a socket left open once kept a worker in zmq_ctx_term
+    for good, and the supervisor never restarted it."""
+    lone = make_cluster(workers=1)
+    try:
+        with urllib.request.urlopen(f"{lone.http}/health", timeout=5) as response:
+            pids = {"tokenizer": json.loads(response.read())["pid"], "router": lone.router_health()["pid"],
+                    "worker": lone.worker_health(0)["pid"]}
+        with Client(lone.sdk, timeout_s=60) as client:
+            stream = client.stream("keep going", max_tokens=400, ignore_eos=True)
+            next(stream)
+            for role in ("worker", "router", "tokenizer"):
+                os.kill(pids[role], signal.SIGTERM)
+                deadline = time.monotonic() + 5.0
+                while _alive(pids[role]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert not _alive(pids[role]), f"{role} still running 5 s after SIGTERM"
+            stream.close()
+        lone.wait_for(lambda: lone.worker_health(0)["ok"] and lone.router_health()["ok"], 60, "the restarts")
+        with Client(lone.sdk, timeout_s=60) as client:
+            lone.wait_for(lambda: client.status().workers, 30, "the worker to register")
+            assert client.generate("after the restarts", max_tokens=2).token_ids
+    finally:
+        lone.stop()
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie awaiting its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
