@@ -9,6 +9,7 @@ is retried transparently; after that the client gets a typed error.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import uuid
@@ -22,13 +23,13 @@ import zmq.asyncio
 from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.checkpoint import load_model_config, load_tokenizer
-from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUnavailable, Unauthorized,
-                           error_from_code)
+from common.errors import (BatonError, InternalError, InvalidRequest, RequestTimeout, ServerUnavailable,
+                           Unauthorized, error_from_code)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, ProtocolError, Status,
-                             StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
-                             sampling_from_params)
+from common.protocol import (MAX_BODY_BYTES, Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, ProtocolError,
+                             Status, StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
+                             peek_request_id, sampling_from_params)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import Auth, client_socket, server_socket, split_routed
 from services.tokenizer.frontend_api import StreamEvent
@@ -154,9 +155,12 @@ class TokenizerService:
                slo_class: str = "") -> RequestState:
         """Validate, register and place a request; its events go to `sink` if given,
         else to its queue. Every admitted request ends with `_release`."""
+        if not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
+            raise InvalidRequest(f"timeout_s: must be a finite number >= 0 (0 = the server's default), "
+                                 f"got {timeout_s!r}")
         timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         try:
-            params.validate()
+            params.validate(self.vocab_size)
             validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
             slo_class = self._resolve_slo_class(slo_class, tenant)
         except (InvalidRequestError, UnknownSloClass) as error:
@@ -168,13 +172,49 @@ class TokenizerService:
                              IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
                              deadline=time.monotonic() + timeout_s, slo_class=slo_class)
         state.sink = sink
-        # One timer per request delivers the timeout, rather than a timed wait per token.
-        state.timer = asyncio.get_running_loop().call_later(
-            timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         self.requests[request_id] = state
         self.metrics.running.set(len(self.requests))
-        self._place(state)
+        try:
+            self._arm_first_token_timer(state, timeout_s)
+            self._place(state)
+        except Exception as error:  # a registered request never leaks: it ends, typed
+            state.done = True  # the router never took it: nothing to abort
+            self._release(state)
+            raise self._typed(error) from None
         return state
+
+    # One timer per request, rather than a timed wait per token: until the first token it
+    # holds the first-token deadline, then the request's own.
+
+    def _arm_first_token_timer(self, state: RequestState, timeout_s: float) -> None:
+        first_token_s = self.config.first_token_timeout_s
+        if first_token_s >= timeout_s:
+            self._arm_request_timer(state)
+            return
+        state.timer = asyncio.get_running_loop().call_later(first_token_s, self._first_token_expired,
+                                                            state, first_token_s)
+
+    def _arm_request_timer(self, state: RequestState) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+        timeout_s = state.deadline - state.arrival
+        state.timer = asyncio.get_running_loop().call_later(
+            max(state.deadline - time.monotonic(), 0.0), self._deliver, state,
+            RequestTimeout(f"no result within {timeout_s:.1f} s"))
+
+    def _first_token_expired(self, state: RequestState, first_token_s: float) -> None:
+        if state.done or state.first_token_at is not None:
+            return
+        state.done = True
+        asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="first token timeout")))
+        self._deliver(state, RequestTimeout(f"no token within first_token_timeout_s ({first_token_s:g} s)"))
+
+    @staticmethod
+    def _typed(error: Exception) -> BatonError:
+        if isinstance(error, BatonError):
+            return error
+        log.error("request_failed", error=f"{type(error).__name__}: {error}", exc_info=error)
+        return InternalError(f"the request could not be sent: {type(error).__name__}")
 
     def _resolve_slo_class(self, name: str, tenant: str) -> str:
         """The name of the request's SLO class ("" for none); the router gets it resolved,
@@ -184,7 +224,8 @@ class TokenizerService:
 
     def _release(self, state: RequestState) -> None:
         """Forget a request; one that did not finish is aborted on its worker."""
-        state.timer.cancel()
+        if state.timer is not None:
+            state.timer.cancel()
         self.requests.pop(state.request_id, None)
         self.metrics.running.set(len(self.requests))
         if not state.done:
@@ -197,7 +238,11 @@ class TokenizerService:
                             arrival_time=time.time(),
                             deadline=time.time() + max(state.deadline - time.monotonic(), 0.0),
                             slo_class=state.slo_class)
-        self.router.send_multipart(encode(generate, [state.prompt_ids]), copy=False)
+        frames = encode(generate, [state.prompt_ids])
+        if len(frames[1]) > MAX_BODY_BYTES:
+            raise InvalidRequest(f"sampling: the request's message is {len(frames[1])} bytes, over the "
+                                 f"protocol's limit of {MAX_BODY_BYTES}")
+        self.router.send_multipart(frames, copy=False)
 
     async def _send_router(self, message) -> None:
         try:
@@ -219,6 +264,7 @@ class TokenizerService:
             return
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
+            self._arm_request_timer(state)
             self.metrics.ttft.observe(state.first_token_at - state.arrival)
         state.tokens_sent += len(message.token_ids)
         detokenizer = state.detokenizer
@@ -263,7 +309,10 @@ class TokenizerService:
             state.retries += 1
             self.metrics.retries.inc()
             log.warning("request_replaced", request_id=state.request_id, why=message.message)
-            self._place(state)
+            try:
+                self._place(state)
+            except Exception as error:
+                self._deliver(state, self._typed(error))
             return
         self._deliver(state, error_from_code(message.code, message.message, message.retry_after_s))
 
@@ -358,11 +407,14 @@ class TokenizerService:
                 identity, body = split_routed(frames)
             except ProtocolError:
                 continue
-            message, payloads = self._decode(body, "client")
-            if message is None:
-                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
-                                                  message="malformed message"))
-            elif isinstance(message, Submit):
+            try:
+                message, payloads = decode(body)
+            except ProtocolError as error:  # answered to the request it names, when it names one
+                self.metrics.bad_messages.inc()
+                await self._reply(identity, Error(request_id=peek_request_id(body), code=ErrorCode.INVALID_REQUEST,
+                                                  message=str(error)))
+                continue
+            if isinstance(message, Submit):
                 self._on_submit(identity, message, payloads)
             elif isinstance(message, Abort):
                 self._abort_sdk_request((identity, message.request_id))
