@@ -39,10 +39,18 @@ def row_bucket(rows: int) -> int:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT); without it (an AMD EPYC
+    with AVX2 only, say) the reorder raises, and F.linear is what runs."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _onednn_bf16_supported())
+
+
+def _onednn_bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
