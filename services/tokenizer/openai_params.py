@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,23 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if _LONE_SURROGATE_ESCAPE.search(body) and not _is_unicode_text(value):
+        raise ApiError(400, "the request body is not valid JSON: a \\u escape names a lone surrogate, "
+                       "which is not a character")
     return value
+
+
+# json.loads joins escaped surrogate pairs but lets a lone one through, and a str holding it
+# cannot be tokenised, encoded to UTF-8 or sent on the wire.
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
