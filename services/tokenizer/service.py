@@ -411,6 +411,7 @@ class TokenizerService:
                 message, payloads = decode(body)
             except ProtocolError as error:  # answered to the request it names, when it names one
                 self.metrics.bad_messages.inc()
+                log.warning("bad_message", source="client", error=str(error))
                 await self._reply(identity, Error(request_id=peek_request_id(body), code=ErrorCode.INVALID_REQUEST,
                                                   message=str(error)))
                 continue
