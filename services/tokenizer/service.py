@@ -282,6 +282,21 @@ class TokenizerService:
             asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="stop string")))
         self._deliver(state, event)
 
+    def _on_tokens_checked(self, message: Tokens) -> None:
+        """Tokens that cannot be detokenised (ids outside the vocabulary, say) fail their
+        request, typed, rather than the loop that serves every request."""
+        try:
+            bad = [token_id for token_id in message.token_ids if not 0 <= token_id < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            self._on_tokens(message)
+        except Exception as error:
+            log.error("bad_tokens", request_id=message.request_id, worker_id=message.worker_id,
+                      error=f"{type(error).__name__}: {error}")
+            state = self.requests.get(message.request_id)
+            if state is not None and not state.done:
+                self._deliver(state, InternalError(f"the worker's tokens could not be decoded: {error}"))
+
     @staticmethod
     def _releasable_text(state: RequestState, finished: bool) -> str:
         """New text, less a tail that could be the start of a stop string."""
@@ -371,7 +386,7 @@ class TokenizerService:
             message, _ = self._decode(frames, "worker stream")
             if isinstance(message, TokensBatch):
                 for item in message.items:
-                    self._on_tokens(item)
+                    self._on_tokens_checked(item)
             elif isinstance(message, Error):
                 self._on_error(message)
 
@@ -449,8 +464,8 @@ class TokenizerService:
             params = params_from_sampling(submit.sampling)
             state = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant, submit.timeout_s,
                                 sink=lambda item: self._on_sdk_event(key, item), slo_class=submit.slo_class)
-        except BatonError as error:
-            self._send_error(identity, submit.request_id, error)
+        except Exception as error:  # typed for the client; the loop serves the others
+            self._send_error(identity, submit.request_id, self._typed(error))
             return
         self.sdk_requests[key] = state
 

@@ -91,12 +91,12 @@ def assert_cluster_serves(cluster) -> None:
 def zmq_socket(kind: int, address: str):
     context = zmq.Context()
     sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, 1000)  # what was sent last (aborts, say) still leaves, bounded
     sock.connect(address)
     try:
         yield sock
     finally:
-        sock.close(0)
+        sock.close()
         context.term()
 
 
@@ -467,6 +467,22 @@ def test_an_oversized_generate_is_refused_to_its_request_by_the_router(live):
         reply = receive_until(sock, lambda m: isinstance(m, Error))
     assert (reply.request_id, reply.code) == ("big-3", ErrorCode.INVALID_REQUEST)
     assert "over the" in reply.message
+
+
+def test_tokens_the_tokenizer_cannot_decode_fail_their_request_not_the_tokenizer(live):
+    conn = http.client.HTTPConnection("127.0.0.1", live.http_port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+            {"prompt": "hi", "max_tokens": 900, "ignore_eos": True, "stream": True}))
+        response = conn.getresponse()
+        request_id = response.getheader("X-Request-Id")
+        with zmq_socket(zmq.PUSH, f"tcp://127.0.0.1:{live.port_base + 2}") as sock:
+            sock.send_multipart(frames_of(TokensBatch(items=[Tokens(request_id=request_id, token_ids=[2**63])])))
+            body = response.read()
+    finally:
+        conn.close()
+    assert b'"code":"internal"' in body and b"outside the vocabulary" in body, body[-300:]
+    assert_cluster_serves(live)
 
 
 def test_no_first_token_in_time_is_a_typed_timeout(live):
