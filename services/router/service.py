@@ -140,7 +140,7 @@ class RouterService:
             return
         handler = self.handlers.get(type(message))
         if handler is None:
-            self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
+            self._reply(identity, Error(request_id=getattr(message, "request_id", ""), code=ErrorCode.INVALID_REQUEST,
                                         message=f"the router does not take {type(message).__name__}"))
             return
         handler(identity, message, payloads)

@@ -437,7 +437,8 @@ class TokenizerService:
             elif isinstance(message, StatusRequest):
                 await self._reply(identity, self._status_for_client(message))
             else:
-                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
+                await self._reply(identity, Error(request_id=getattr(message, "request_id", ""),
+                                                  code=ErrorCode.INVALID_REQUEST,
                                                   message=f"clients may not send {type(message).__name__}"))
 
     def _status_for_client(self, _request) -> Status | Error:

@@ -29,7 +29,7 @@ from services.client import Client, InvalidRequest, RequestTimeout
 FIRST_TOKEN_TIMEOUT_S = 5.0
 # The fuzz must not lose the worker to the router's heartbeat timeout while it is stopped.
 FLAGS = ["--first-token-timeout-s", str(FIRST_TOKEN_TIMEOUT_S), "--worker-timeout-s", "30"]
-REPLY_TIMEOUT_S = 5.0
+REPLY_TIMEOUT_S = 15.0  # only a failing run waits this long
 
 
 def fuzz_settings(examples: int):
@@ -70,6 +70,11 @@ def in_flight(cluster) -> int:
     return get_json(f"{cluster.http}/health")[1]["in_flight"]
 
 
+def worker_idle(cluster) -> bool:
+    health = cluster.worker_health(0)
+    return health["running"] + health["waiting"] == 0
+
+
 def assert_cluster_serves(cluster) -> None:
     """No role died, each answers its probe, a valid request is served, nothing is in flight."""
     assert not [line for line in cluster.lines if " died " in line], cluster.lines[-20:]
@@ -79,8 +84,7 @@ def assert_cluster_serves(cluster) -> None:
     assert status == 200, body
     assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length")
     cluster.wait_for(lambda: in_flight(cluster) == 0, 10, "the tokenizer's in_flight to return to 0")
-    cluster.wait_for(lambda: (lambda h: h["running"] + h["waiting"] == 0)(cluster.worker_health(0)), 20,
-                     "the worker to finish or drop every fuzzed request")
+    cluster.wait_for(lambda: worker_idle(cluster), 20, "the worker to finish or drop every fuzzed request")
     assert get_json(f"{cluster.http}/health")[1]["ok"]
 
 
@@ -198,12 +202,12 @@ def test_fuzzed_frames_to_the_sdk_socket_are_each_answered(live):
             if isinstance(message, Abort):
                 return  # aborts are not answered
             if isinstance(message, Submit):
-                reply = receive_until(sock, lambda m: getattr(m, "request_id", None) == message.request_id)
+                receive_until(sock, lambda m: getattr(m, "request_id", None) == message.request_id)
                 sock.send_multipart(frames_of(Abort(request_id=message.request_id)))
             elif isinstance(message, StatusRequest):
                 receive_until(sock, lambda m: isinstance(m, Status))
             else:  # refused, naming the request when the body names one
-                expected = peek_request_id(frames) if message is None else ""
+                expected = peek_request_id(frames) if message is None else getattr(message, "request_id", "")
                 reply = receive_until(sock, lambda m: isinstance(m, Error) and m.request_id == expected)
                 assert reply.code == ErrorCode.INVALID_REQUEST
 
@@ -240,19 +244,29 @@ def test_fuzzed_frames_to_the_router_socket(live):
     assert_cluster_serves(live)
 
 
-def test_fuzzed_frames_pushed_to_the_tokenizer_stream(live):
-    tokens = Tokens(request_id="x-1", token_ids=[1, 2], finished=True, worker_id="w-0",
-                    logprobs=[{"token_id": 1, "logprob": -1.0}])
-    valid = [frames_of(TokensBatch(items=[tokens])),
-             frames_of(Error(request_id="x-1", code=ErrorCode.WORKER_LOST, message="gone", worker_id="w-0")),
-             frames_of(Error(request_id="", code=ErrorCode.INTERNAL, message="peer"))]
-    with zmq_socket(zmq.PUSH, f"tcp://127.0.0.1:{live.port_base + 2}") as sock:
-        @fuzz_settings(250)
-        @given(messages(valid))
-        def push(frames):
-            sock.send_multipart(frames)
+def test_fuzzed_frames_pushed_to_the_tokenizer_stream_and_at_a_live_request(live):
+    conn = http.client.HTTPConnection("127.0.0.1", live.http_port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+            {"prompt": "a live stream", "max_tokens": 300, "ignore_eos": True, "stream": True}))
+        response = conn.getresponse()
+        live_id = response.getheader("X-Request-Id")
+        tokens = Tokens(request_id=live_id, token_ids=[1, 2], worker_id="worker-0",
+                        logprobs=[{"token_id": 1, "logprob": -1.0}])
+        valid = [frames_of(TokensBatch(items=[tokens, Tokens(request_id="x-1", token_ids=[3], finished=True)])),
+                 frames_of(Error(request_id="x-1", code=ErrorCode.WORKER_LOST, message="gone", worker_id="w-0")),
+                 frames_of(Error(request_id="", code=ErrorCode.INTERNAL, message="peer"))]
+        with zmq_socket(zmq.PUSH, f"tcp://127.0.0.1:{live.port_base + 2}") as sock:
+            @fuzz_settings(250)
+            @given(messages(valid))
+            def push(frames):
+                sock.send_multipart(frames)
 
-        push()
+            push()
+        body = response.read()  # the live stream ends, finished or with an error event
+    finally:
+        conn.close()
+    assert body.endswith(b"data: [DONE]\n\n") or b'data: {"error"' in body, body[-300:]
     assert_cluster_serves(live)
 
 
