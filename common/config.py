@@ -72,6 +72,7 @@ class ClusterConfig:
     max_queued_requests: int = 256  # per worker, beyond its running batch
     max_queued_tokens: int = 262144  # per worker, prompt tokens waiting
     request_timeout_s: float = 600.0
+    first_token_timeout_s: float = 120.0  # a request with no token by then times out (capped by its own timeout)
     admission: bool = False  # SLO-aware admission control
     index_mode: str = "events"  # how the router knows workers' prefix caches: KV events or its own guess
     index_ttl_s: float = 120.0  # approximate index: how long a routed prefix is assumed cached
@@ -154,7 +155,7 @@ def _validate(config: ClusterConfig) -> None:
     if not 0 < config.http_port < 65536:
         raise ConfigError(f"http_port: must be a port number in 1..65535, got {config.http_port}")
     for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "worker_stall_timeout_s",
-                 "request_timeout_s", "index_ttl_s", "load_window_s"):
+                 "request_timeout_s", "first_token_timeout_s", "index_ttl_s", "load_window_s"):
         if not getattr(config, name) > 0:
             raise ConfigError(f"{name}: must be > 0, got {getattr(config, name)}")
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",

@@ -304,6 +304,26 @@ def decode(frames: list[bytes]) -> tuple[msgspec.Struct, list[np.ndarray]]:
     return message, [_token_array(kind, frame) for frame in payload_frames]
 
 
+class _RequestIdOnly(msgspec.Struct):
+    request_id: str = ""
+
+
+_PEEK_DECODER = msgspec.msgpack.Decoder(_RequestIdOnly)
+MAX_PEEKED_ID_CHARS = 256  # a longer id is not worth echoing in the refusal
+
+
+def peek_request_id(frames: list[bytes]) -> str:
+    """The str `request_id` of a body `decode` refused, when a loose look finds one ("" if
+    not), so that the refusal reaches the request it is about."""
+    if len(frames) < 2:
+        return ""
+    try:
+        request_id = _PEEK_DECODER.decode(frames[1]).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+    return request_id if len(request_id) <= MAX_PEEKED_ID_CHARS else ""
+
+
 def _token_array(kind: MessageType, frame: bytes) -> np.ndarray:
     if len(frame) % 4:
         raise ProtocolError(f"{kind.name} token payload of {len(frame)} bytes is not a uint32 array")

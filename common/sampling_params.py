@@ -8,6 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# Counts and sizes are bounded so a request always fits one protocol message (1 MiB body)
+# and costs little per token. OpenAI allows 4 stop strings; 16 of at most 1,024 characters
+# leave room for real uses (chat markers, code fences) while every stop string is searched
+# after every token and the longest one is held back from the stream: 16 x 1,024 is at
+# most 64 KiB of UTF-8 on the wire and a bounded search.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_INT32 = 2**31 - 1  # max_tokens and top_k: far beyond any context window or vocabulary
+MAX_TOKEN_ID = 2**32 - 1  # token ids travel as uint32
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 
 
 class InvalidRequestError(ValueError):
@@ -40,25 +51,45 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise InvalidRequestError naming the first bad parameter."""
-        _check_int("max_tokens", self.max_tokens, low=1)
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad parameter; stop token ids must be
+        in the vocabulary when its size is given (else they must fit a uint32)."""
+        _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise InvalidRequestError("temperature", "must be a number")
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
             raise InvalidRequestError("temperature", f"must be >= 0 and finite, got {self.temperature}")
-        _check_int("top_k", self.top_k, low=0)
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, low=0, high=MAX_INT32)
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
+                or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        self._validate_stop_token_ids(vocab_size)
+        self._validate_stop_strings()
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} are accepted, "
+                                      f"got {len(self.stop_token_ids)}")
+        high = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, low=0)
+            _check_int("stop_token_ids", token_id, low=0, high=high)
+
+    def _validate_stop_strings(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted, "
+                                      f"got {len(self.stop)}")
         for stop_string in self.stop:
             if not isinstance(stop_string, str) or not stop_string:
                 raise InvalidRequestError("stop", "every stop string must be a non-empty string")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            if len(stop_string) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                          f"characters, got {len(stop_string)}")
 
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:

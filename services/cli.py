@@ -120,6 +120,7 @@ ROLE_FLAGS = [
     ("--worker-timeout-s", float, "a worker silent this long is dropped"),
     ("--heartbeat-interval-s", float, "how often workers report"),
     ("--request-timeout-s", float, "default deadline of a request"),
+    ("--first-token-timeout-s", float, "a request with no token by then ends with a timeout"),
     ("--log-level", str, "debug, info, warning or error"),
 ]
 

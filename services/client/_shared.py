@@ -1,14 +1,16 @@
 """What the sync and async clients share: building requests, reading replies."""
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import BatonError, InvalidRequest, error_from_code
-from common.protocol import Chunk, Error, ProtocolError, Submit, decode, encode, sampling_from_params
-from common.sampling_params import InvalidRequestError, SamplingParams
+from common.protocol import (MAX_BODY_BYTES, MAX_TOKENS_PER_FRAME, Chunk, Error, ProtocolError, Submit, decode,
+                             encode, sampling_from_params)
+from common.sampling_params import MAX_TOKEN_ID, InvalidRequestError, SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"
 
@@ -44,8 +46,12 @@ def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
     (the server checks that `slo_class` names a configured class)."""
     if (prompt is None) == (token_ids is None):
         raise InvalidRequest("prompt: give exactly one of prompt and token_ids")
-    if not isinstance(slo_class, str):
-        raise InvalidRequest(f"slo_class: must be a string, got {type(slo_class).__name__}")
+    for name, value in (("prompt", "" if prompt is None else prompt), ("api_key", api_key),
+                        ("slo_class", slo_class)):
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{name}: must be a string, got {type(value).__name__}")
+    if not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
+        raise InvalidRequest(f"timeout_s: must be a finite number >= 0, got {timeout_s!r}")
     try:
         params = SamplingParams(**_tuples(sampling))
         params.validate()
@@ -56,8 +62,22 @@ def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
     request_id = uuid.uuid4().hex
     submit = Submit(request_id=request_id, sampling=sampling_from_params(params), prompt=prompt,
                     api_key=api_key, timeout_s=timeout_s, slo_class=slo_class)
-    payloads = None if token_ids is None else [list(token_ids)]
-    return request_id, encode(submit, payloads)
+    payloads = None if token_ids is None else [_token_ids(token_ids)]
+    frames = encode(submit, payloads)
+    if len(frames[1]) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"prompt: the request's message is {len(frames[1])} bytes, over the "
+                             f"protocol's limit of {MAX_BODY_BYTES}")
+    return request_id, frames
+
+
+def _token_ids(token_ids) -> list[int]:
+    """Token ids as the uint32 payload takes them; InvalidRequest otherwise."""
+    ids = list(token_ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise InvalidRequest(f"token_ids: must be integers in [0, {MAX_TOKEN_ID}]")
+    if len(ids) > MAX_TOKENS_PER_FRAME:
+        raise InvalidRequest(f"token_ids: at most {MAX_TOKENS_PER_FRAME} tokens, got {len(ids)}")
+    return ids
 
 
 def _tuples(sampling: dict) -> dict:

@@ -30,7 +30,8 @@ from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
 from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
-                             KvEvents, Placed, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode)
+                             KvEvents, Placed, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode,
+                             peek_request_id)
 from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
@@ -143,7 +144,8 @@ class RouterService:
             self.metrics.bad_messages.inc()
             log.warning("bad_message", error=str(error))
             if len(frames) >= 2:
-                self._reply(frames[0], Error(request_id="", code=ErrorCode.INVALID_REQUEST, message=str(error)))
+                self._reply(frames[0], Error(request_id=peek_request_id(frames[1:]), code=ErrorCode.INVALID_REQUEST,
+                                             message=str(error)))
             return
         handler = self.handlers.get(type(message))
         if handler is None or (role is not None and type(message) not in ROLE_MESSAGES.get(role, ())):

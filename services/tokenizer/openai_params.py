@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,6 @@ from services.tokenizer.http_server import HttpError, Response, json_bytes, json
 
 log = get_logger("openai_api")
 
-MAX_STOP_STRINGS = 16  # every stop string is searched after every token
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 SLO_CLASS_HEADER = "X-Baton-SLO-Class"
 
@@ -84,7 +84,23 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if _LONE_SURROGATE_ESCAPE.search(body) and not _is_unicode_text(value):
+        raise ApiError(400, "the request body is not valid JSON: a \\u escape names a lone surrogate, "
+                       "which is not a character")
     return value
+
+
+# json.loads joins escaped surrogate pairs but lets a lone one through, and a str holding it
+# cannot be tokenised, encoded to UTF-8 or sent on the wire.
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -241,9 +257,7 @@ def _stop_strings(body: Fields) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise InvalidRequestError("stop", "must be a string or an array of strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted")
-    return tuple(stop)
+    return tuple(stop)  # counts and lengths: SamplingParams.validate
 
 
 def _int_list(body: Fields, name: str) -> list[int]:

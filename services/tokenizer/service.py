@@ -15,6 +15,7 @@ here first) make it abort that request upstream, so no worker computes for nobod
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import uuid
@@ -29,13 +30,13 @@ import zmq.asyncio
 from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.checkpoint import load_model_config, load_tokenizer
-from common.errors import (BatonError, InvalidRequest, RequestTimeout, ServerUnavailable, Unauthorized,
-                           error_from_code)
+from common.errors import (BatonError, InternalError, InvalidRequest, RequestTimeout, ServerUnavailable,
+                           Unauthorized, error_from_code)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, Placed, ProtocolError, Status,
-                             StatusRequest, Submit, Tokens, TokensBatch, decode, encode, params_from_sampling,
-                             sampling_from_params)
+from common.protocol import (MAX_BODY_BYTES, Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, Placed,
+                             ProtocolError, Status, StatusRequest, Submit, Tokens, TokensBatch, decode, encode,
+                             params_from_sampling, peek_request_id, sampling_from_params)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent
@@ -169,9 +170,12 @@ class TokenizerService:
                slo_class: str = "") -> RequestState:
         """Validate, register and place a request; its events go to `sink` if given,
         else to its queue. Every admitted request ends with `_release`."""
+        if not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
+            raise InvalidRequest(f"timeout_s: must be a finite number >= 0 (0 = the server's default), "
+                                 f"got {timeout_s!r}")
         timeout_s = timeout_s if timeout_s > 0 else self.config.request_timeout_s
         try:
-            params.validate()
+            params.validate(self.vocab_size)
             validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
             slo_class = self._resolve_slo_class(slo_class, tenant)
         except (InvalidRequestError, UnknownSloClass) as error:
@@ -183,19 +187,49 @@ class TokenizerService:
                              IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop),
                              deadline=time.monotonic() + timeout_s, slo_class=slo_class)
         state.sink = sink
-        # One timer per request delivers the timeout, rather than a timed wait per token.
-        state.timer = asyncio.get_running_loop().call_later(
-            timeout_s, self._deliver, state, RequestTimeout(f"no result within {timeout_s:.1f} s"))
         self.requests[request_id] = state
         self.metrics.running.set(len(self.requests))
         try:
+            self._arm_first_token_timer(state, timeout_s)
             self._place(state)
-        except ServerUnavailable:
-            self.metrics.requests.inc(outcome="unavailable")
-            state.done = True  # nothing reached the router: there is nothing to abort
+        except Exception as error:  # a registered request never leaks: it ends, typed
+            state.done = True  # the router never took it: nothing to abort
             self._release(state)
-            raise
+            raise self._typed(error) from None
         return state
+
+    # One timer per request, rather than a timed wait per token: until the first token it
+    # holds the first-token deadline, then the request's own.
+
+    def _arm_first_token_timer(self, state: RequestState, timeout_s: float) -> None:
+        first_token_s = self.config.first_token_timeout_s
+        if first_token_s >= timeout_s:
+            self._arm_request_timer(state)
+            return
+        state.timer = asyncio.get_running_loop().call_later(first_token_s, self._first_token_expired,
+                                                            state, first_token_s)
+
+    def _arm_request_timer(self, state: RequestState) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+        timeout_s = state.deadline - state.arrival
+        state.timer = asyncio.get_running_loop().call_later(
+            max(state.deadline - time.monotonic(), 0.0), self._deliver, state,
+            RequestTimeout(f"no result within {timeout_s:.1f} s"))
+
+    def _first_token_expired(self, state: RequestState, first_token_s: float) -> None:
+        if state.done or state.first_token_at is not None:
+            return
+        state.done = True
+        asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="first token timeout")))
+        self._deliver(state, RequestTimeout(f"no token within first_token_timeout_s ({first_token_s:g} s)"))
+
+    @staticmethod
+    def _typed(error: Exception) -> BatonError:
+        if isinstance(error, BatonError):
+            return error
+        log.error("request_failed", error=f"{type(error).__name__}: {error}", exc_info=error)
+        return InternalError(f"the request could not be sent: {type(error).__name__}")
 
     def _resolve_slo_class(self, name: str, tenant: str) -> str:
         """The name of the request's SLO class ("" for none); the router gets it resolved,
@@ -205,7 +239,8 @@ class TokenizerService:
 
     def _release(self, state: RequestState) -> None:
         """Forget a request; one that did not finish is aborted on its worker."""
-        state.timer.cancel()
+        if state.timer is not None:
+            state.timer.cancel()
         self.requests.pop(state.request_id, None)
         self.metrics.running.set(len(self.requests))
         if not state.done:
@@ -221,14 +256,18 @@ class TokenizerService:
                             arrival_time=time.time(),
                             deadline=time.time() + max(state.deadline - time.monotonic(), 0.0),
                             slo_class=state.slo_class)
+        frames = encode(generate, [state.prompt_ids])
+        if len(frames[1]) > MAX_BODY_BYTES:
+            raise InvalidRequest(f"sampling: the request's message is {len(frames[1])} bytes, over the "
+                                 f"protocol's limit of {MAX_BODY_BYTES}")
         state.placed = False
-        if not self._send_now(generate, [state.prompt_ids]):
+        if not self._send_now(frames):
             raise ServerUnavailable("the router is not reachable", UNAVAILABLE_RETRY_AFTER_S)
 
-    def _send_now(self, message, payloads=None) -> bool:
+    def _send_now(self, frames: list) -> bool:
         """Send to the router unless no connection to it is up (IMMEDIATE): never queued
         for a router that is not there."""
-        sent = self.router.send_multipart(encode(message, payloads), flags=zmq.NOBLOCK, copy=False)
+        sent = self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         return not (sent.done() and sent.exception() is not None)
 
     def _fail_unplaced(self) -> None:
@@ -262,6 +301,7 @@ class TokenizerService:
         state.placed = True
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
+            self._arm_request_timer(state)
             self.metrics.ttft.observe(state.first_token_at - state.arrival)
         state.tokens_sent += len(message.token_ids)
         detokenizer = state.detokenizer
@@ -278,6 +318,21 @@ class TokenizerService:
         if stopped and not message.finished:
             asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="stop string")))
         self._deliver(state, event)
+
+    def _on_tokens_checked(self, message: Tokens) -> None:
+        """Tokens that cannot be detokenised (ids outside the vocabulary, say) fail their
+        request, typed, rather than the loop that serves every request."""
+        try:
+            bad = [token_id for token_id in message.token_ids if not 0 <= token_id < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            self._on_tokens(message)
+        except Exception as error:
+            log.error("bad_tokens", request_id=message.request_id, worker_id=message.worker_id,
+                      error=f"{type(error).__name__}: {error}")
+            state = self.requests.get(message.request_id)
+            if state is not None and not state.done:
+                self._deliver(state, InternalError(f"the worker's tokens could not be decoded: {error}"))
 
     def _abort_unknown(self, request_id: str) -> None:
         if request_id in self.aborted_unknown:
@@ -316,10 +371,9 @@ class TokenizerService:
             log.warning("request_replaced", request_id=state.request_id, why=message.message)
             try:
                 self._place(state)
-                return
-            except ServerUnavailable as error:
-                self._deliver(state, error)
-                return
+            except Exception as error:
+                self._deliver(state, self._typed(error))
+            return
         self._deliver(state, error_from_code(message.code, message.message, message.retry_after_s))
 
     def _deliver(self, state: RequestState, item) -> None:
@@ -375,7 +429,7 @@ class TokenizerService:
             message, _ = self._decode(frames, "worker stream")
             if isinstance(message, TokensBatch):
                 for item in message.items:
-                    self._on_tokens(item)
+                    self._on_tokens_checked(item)
             elif isinstance(message, Error):
                 self._on_error(message)
 
@@ -396,7 +450,7 @@ class TokenizerService:
         """Ask the router for its status every interval; while it does not answer, fail
         what it has not placed."""
         while True:
-            self._send_now(StatusRequest())
+            self._send_now(encode(StatusRequest()))
             if not self.router_reachable():
                 self._fail_unplaced()
             await asyncio.sleep(self.config.heartbeat_interval_s)
@@ -419,18 +473,23 @@ class TokenizerService:
                 identity, body = split_routed(frames)
             except ProtocolError:
                 continue
-            message, payloads = self._decode(body, "client")
-            if message is None:
-                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
-                                                  message="malformed message"))
-            elif isinstance(message, Submit):
+            try:
+                message, payloads = decode(body)
+            except ProtocolError as error:  # answered to the request it names, when it names one
+                self.metrics.bad_messages.inc()
+                log.warning("bad_message", source="client", error=str(error))
+                await self._reply(identity, Error(request_id=peek_request_id(body), code=ErrorCode.INVALID_REQUEST,
+                                                  message=str(error)))
+                continue
+            if isinstance(message, Submit):
                 self._on_submit(identity, message, payloads)
             elif isinstance(message, Abort):
                 self._abort_sdk_request((identity, message.request_id))
             elif isinstance(message, StatusRequest):
                 await self._reply(identity, self._status_for_client(message))
             else:
-                await self._reply(identity, Error(request_id="", code=ErrorCode.INVALID_REQUEST,
+                await self._reply(identity, Error(request_id=getattr(message, "request_id", ""),
+                                                  code=ErrorCode.INVALID_REQUEST,
                                                   message=f"clients may not send {type(message).__name__}"))
 
     def _status_for_client(self, _request) -> Status | Error:
@@ -458,8 +517,8 @@ class TokenizerService:
             params = params_from_sampling(submit.sampling)
             state = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant, submit.timeout_s,
                                 sink=lambda item: self._on_sdk_event(key, item), slo_class=submit.slo_class)
-        except BatonError as error:
-            self._send_error(identity, submit.request_id, error)
+        except Exception as error:  # typed for the client; the loop serves the others
+            self._send_error(identity, submit.request_id, self._typed(error))
             return
         self.sdk_requests[key] = state
 
