@@ -31,8 +31,6 @@ from common.protocol import ProtocolError, decode, encode
 HIGH_WATER_MARK = 10000
 MAX_MESSAGE_BYTES = 64 << 20
 ROLES = ("router", "worker", "tokenizer", "client")
-HEARTBEAT_IVL_MS = 1000  # ZMTP pings: a peer silent this long, plus the timeout, is disconnected
-HEARTBEAT_TIMEOUT_MS = 3000
 USER_ID = "User-Id"
 
 
@@ -277,8 +275,6 @@ def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
     socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
     socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     return socket
 
 

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.protocol import (MAX_BODY_BYTES, MESSAGE_CLASSES, Abort, Chunk, ChunkBatch, Error, ErrorCode,
-                             FinishedRequest, Generate, Heartbeat, Hello, KvEvents, MessageType, ProtocolError,
-                             Sampling, Status, StatusRequest, Submit, Tokens, TokensBatch, Welcome, WorkerStatus,
-                             decode, encode, peek_request_id)
+                             FinishedRequest, Generate, Heartbeat, Hello, KvEvents, MessageType, Placed,
+                             ProtocolError, RunningRequest, Sampling, Status, StatusRequest, Submit, Tokens,
+                             TokensBatch, Welcome, WorkerStatus, decode, encode, peek_request_id)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -19,8 +19,9 @@ TOKENS = Tokens(request_id="r-1", token_ids=[1, 2, 3], finished=True, finish_rea
 CHUNK = Chunk(request_id="r-1", token_ids=[7], text="hé", finished=True, finish_reason="stop")
 VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.HELLO: (Hello(1, "w-0", "worker", "m", "t", 64, 16, 1024, "tcp://127.0.0.1:1",
-                              "http://127.0.0.1:2", instance_id="i"), []),
-    MessageType.WELCOME: (Welcome(accepted=False, reason="version"), []),
+                              "http://127.0.0.1:2", instance_id="i",
+                              running=[RunningRequest("r-1", "tokenizer-1", 12, 3, 16)]), []),
+    MessageType.WELCOME: (Welcome(accepted=True, abort=["r-1"]), []),
     MessageType.HEARTBEAT: (Heartbeat("w-0", 1, 2, 3, 4, 64, finished=[FinishedRequest("r-1", 0.1, 3)]), []),
     MessageType.GENERATE: (Generate(request_id="r-1", sampling=Sampling(max_tokens=4, stop=["x"], seed=3),
                                     stream_address="tcp://127.0.0.1:9", deadline=1.5),
@@ -35,6 +36,7 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.CHUNK: (CHUNK, []),
     MessageType.TOKENS_BATCH: (TokensBatch(items=[TOKENS, TOKENS]), []),
     MessageType.CHUNK_BATCH: (ChunkBatch(items=[CHUNK]), []),
+    MessageType.PLACED: (Placed(request_id="r-1", worker_id="w-0"), []),
 }
 
 

@@ -56,13 +56,17 @@ class StandIn:
 
 @contextlib.asynccontextmanager
 async def running_tokenizer(model_dir, **config_fields):
-    config = ClusterConfig(port_base=free_port_base(), **config_fields)
+    # One status answer keeps the stand-in router "reachable" for worker_timeout_s.
+    config = ClusterConfig(port_base=free_port_base(), worker_timeout_s=30.0, **config_fields)
     stand_in = StandIn(config)
     service = TokenizerService(config, model_dir)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
         await stand_in.answer_status()
+        deadline = time.monotonic() + 5
+        while not service.router_reachable() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         yield service, stand_in
     finally:
         stop.set()
