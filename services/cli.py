@@ -148,11 +148,12 @@ def _load_config(config_path: Path | None, flags: dict):
 
 
 def _check_bind_policy(config, role: str) -> None:
-    """Refuse a non-loopback bind without CURVE unless insecure, and warn on every
-    insecure start."""
+    """Refuse a non-loopback ZeroMQ bind without CURVE unless insecure, and warn on every
+    insecure start. The HTTP gateway is the public door, guarded by API keys rather than
+    CURVE: a public one without keys is warned of."""
     from common.config import ConfigError
     from common.logs import get_logger
-    from common.sockets import check_bind_policy
+    from common.sockets import check_bind_policy, is_loopback
 
     try:
         check_bind_policy(config)
@@ -163,6 +164,9 @@ def _check_bind_policy(config, role: str) -> None:
                                   why="CURVE is off: any peer that reaches this role's sockets is believed")
         click.echo(f"svc: WARNING: {role} runs insecure: CURVE is off on {config.host}, so any peer that "
                    "reaches its sockets is believed", err=True)
+    if role in ("tokenizer", "cluster") and not config.api_keys and not is_loopback(config.http_host):
+        click.echo(f"svc: WARNING: the HTTP gateway on {config.http_host} takes requests from anyone who reaches "
+                   "it: set [api_keys]", err=True)
 
 
 @main.command()

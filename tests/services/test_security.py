@@ -174,3 +174,11 @@ def test_the_tenant_comes_from_the_api_key_only(curve_cluster, keys_dir):
         with pytest.raises(Exception) as refused:
             client.generate("whose tenant?", max_tokens=2)
     assert type(refused.value).__name__ == "Unauthorized" and time.monotonic() - started < 10
+
+
+def test_a_public_http_gateway_without_api_keys_is_warned_of(tiny_model_dir):
+    done = _start("tokenizer", "--http-host", "0.0.0.0", "--model", str(tiny_model_dir), "--check-config")
+    assert done.returncode == 0, done.stderr
+    assert "HTTP gateway on 0.0.0.0 takes requests from anyone" in done.stderr
+    quiet = _start("tokenizer", "--model", str(tiny_model_dir), "--check-config")
+    assert "HTTP gateway" not in quiet.stderr
