@@ -36,12 +36,18 @@ def test_an_unknown_slo_class_is_an_invalid_request_naming_the_known_ones(tiny_m
         asyncio.run(_routed_slo_class(config, tiny_model_dir, "bulk", ""))
 
 
-async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant: str) -> str:
-    """The slo_class of the Generate the tokenizer sends for one request."""
+def _stand_in_router(config: ClusterConfig) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket]:
+    """A ROUTER socket bound where the tokenizer expects the router."""
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(config.router)
+    return context, router
+
+
+async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant: str) -> str:
+    """The slo_class of the Generate the tokenizer sends for one request."""
+    context, router = _stand_in_router(config)
     service = TokenizerService(config, model_dir)
     service.last_status_at = time.monotonic()  # as if the router had just answered a status request
     events = service.generate("r-1", [5, 6, 7], SamplingParams(max_tokens=1), tenant, slo_class=named)
@@ -86,10 +92,7 @@ def test_tokens_for_a_request_it_does_not_know_are_aborted_upstream_once(tiny_mo
     config = ClusterConfig(port_base=free_port_base())
 
     async def run():
-        context = zmq.asyncio.Context()
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(config.router)
+        context, router = _stand_in_router(config)
         service = TokenizerService(config, tiny_model_dir)
         try:
             for _ in range(3):
@@ -123,10 +126,7 @@ def test_when_the_router_is_lost_what_it_never_placed_fails_as_unavailable(tiny_
                 await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
 
     async def run():
-        context = zmq.asyncio.Context()
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(config.router)
+        context, router = _stand_in_router(config)
         service = TokenizerService(config, tiny_model_dir)
         answering = asyncio.Event()
         answering.set()

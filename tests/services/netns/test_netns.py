@@ -18,6 +18,7 @@ import zmq
 
 from common.protocol import PROTOCOL_VERSION, Generate, Hello, Sampling, encode
 from services.client import BatonError, Client, ServerUnavailable, WorkerLost
+from services.client._shared import connect_dealer
 from tests.services.netns.hosts import PORT_BASE, wait_for
 
 AT_ONCE_S = 0.5  # "at once": a refusal this quick is not a timeout in disguise
@@ -425,14 +426,8 @@ def impostor_generate(cluster) -> list[bytes]:
 def raw_exchange(address: str, curve: dict | None, frames: list[bytes], wait_s: float = 1.5):
     """Send `frames` on a DEALER presenting `curve` (or nothing); the reply, or None."""
     context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    if curve:
-        socket.curve_serverkey = curve["server_public"].encode()
-        socket.curve_publickey = curve["client_public"].encode()
-        socket.curve_secretkey = curve["client_secret"].encode()
+    socket = connect_dealer(context, address, curve)
     try:
-        socket.connect(address)
         socket.send_multipart(frames)
         return socket.recv_multipart() if socket.poll(int(wait_s * 1000)) else None
     finally:
