@@ -228,8 +228,11 @@ class RouterService:
         abort = []
         now = time.monotonic()
         for running in hello.running:
-            if running.request_id in failed or running.request_id in self.cluster.placements:
+            placement = self.cluster.placements.get(running.request_id)
+            if running.request_id in failed or (placement and placement.worker_id != hello.worker_id):
                 abort.append(running.request_id)
+                continue
+            if placement is not None:  # still known here: nothing to take back
                 continue
             self.cluster.resume(running.request_id, hello.worker_id, running.num_prompt_tokens,
                                 max(running.max_tokens - running.output_tokens, 1), now)

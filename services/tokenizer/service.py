@@ -8,7 +8,8 @@ is retried transparently; after that the client gets a typed error.
 
 While the router is unreachable (no status answer within `worker_timeout_s`, or no
 connection to it at all) new requests are refused at once with ServerUnavailable and a
-retry_after_s; streams already running go on, since workers push tokens here directly.
+retry_after_s, and so are those sent that it never acknowledged as placed (Placed);
+streams already running go on, since workers push tokens here directly.
 Tokens for a request this tokenizer does not know (it restarted, or the request ended
 here first) make it abort that request upstream, so no worker computes for nobody.
 """
