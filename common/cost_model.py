@@ -1,4 +1,4 @@
-"""Step-time cost model (DESIGN §7): what prefill and decode cost on one worker.
+"""Step-time cost model (docs/evaluation.md §1): what prefill and decode cost on one worker.
 
 Both phases use Preble's form T = a + b·n + c·ctx + d·n·ctx, in seconds, plus e·n²:
   prefill: n = new tokens computed, ctx = cached context they attend to; e·n² is the new

@@ -1,4 +1,4 @@
-"""The one chained block hash that names KV state everywhere (DESIGN §3).
+"""The one chained block hash that names KV state everywhere (docs/kv-identity.md §1).
 
 root     = H(namespace, model_fp, tokenizer_fp, adapter_id, kv_dtype, block_size, tenant_salt)
 block[0] = H(root, tokens[0:B])

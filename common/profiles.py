@@ -1,4 +1,4 @@
-"""Built-in cost profiles by name (DESIGN §7): analytic ones for GPUs we do not have, and
+"""Built-in cost profiles by name (docs/evaluation.md §1): analytic ones for GPUs we do not have, and
 published fits to check them against.
 
 Analytic names are "<gpu>/<model>[/tp<N>]": gpus h100, h200, a100, a6000; models

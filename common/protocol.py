@@ -203,7 +203,7 @@ class Status(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class KvEvents(msgspec.Struct, forbid_unknown_fields=True):
-    """Blocks (by DESIGN §3 hash) that entered or left a worker's prefix cache."""
+    """Blocks (by the hash of docs/kv-identity.md §1) that entered or left a worker's prefix cache."""
 
     worker_id: str
     stored: list[int] = []

@@ -20,7 +20,7 @@ class Sequence:
 
     `token_ids` holds the prompt followed by every generated token; the first
     `num_computed` of them have KV in `block_ids`. `block_hashes[i]` names block i once
-    all of its tokens are known (DESIGN §3); it is extended as tokens arrive.
+    all of its tokens are known (docs/kv-identity.md §1); it is extended as tokens arrive.
     """
 
     request_id: str

@@ -1,5 +1,5 @@
 """The live load generator behind `svc bench`: send a workload to a running cluster at
-its arrival times and record what the clients observed (DESIGN §9).
+its arrival times and record what the clients observed (docs/evaluation.md §6).
 
 Open loop: each request is sent at its own arrival time, in its own asyncio task, whether
 or not earlier requests have answered, so a slow cluster builds a queue instead of slowing

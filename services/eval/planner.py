@@ -1,4 +1,4 @@
-"""`svc plan`: DistServe's search for the prefill/decode split with the best goodput per GPU (DESIGN §8).
+"""`svc plan`: DistServe's search for the prefill/decode split with the best goodput per GPU (docs/evaluation.md §4).
 
 A plan is a prefill pool of g_p GPUs and a decode pool of g_d GPUs (instances × tensor-
 parallel degree each). With Γ_p and Γ_d the per-GPU goodputs of one instance of each

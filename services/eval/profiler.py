@@ -1,5 +1,5 @@
 """`svc profile`: time this machine's engine over a grid of steps and fit its cost profile
-(DESIGN §7).
+(docs/evaluation.md §2).
 
 A prefill point times the one engine step that computes `n` new tokens of a prompt whose
 first `ctx` tokens an earlier request left in the prefix cache. A decode point times steps

@@ -2,7 +2,7 @@
 
 Both kinds of run hand `summarize` one `RequestRecord` per request (times in seconds,
 relative to the start of the run) and the run's `RunTotals`; the summary is a plain,
-JSON-serialisable dict per request class and overall (DESIGN §9).
+JSON-serialisable dict per request class and overall (docs/evaluation.md §6).
 
 Conventions, the same for every metric:
   * Latencies (TTFT, TPOT, end-to-end, the time breakdown) are taken over completed

@@ -1,4 +1,4 @@
-"""A discrete-event simulator of a Baton cluster on virtual time (DESIGN §8).
+"""A discrete-event simulator of a Baton cluster on virtual time (docs/evaluation.md §3).
 
 Nothing here re-implements a policy. The router side is the live router's own objects
 (ClusterState with its prefix index and loads, the placement policy, AdmissionControl);

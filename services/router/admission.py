@@ -1,4 +1,4 @@
-"""Admission control: take a request only where it can meet its SLO (DESIGN §6.5).
+"""Admission control: take a request only where it can meet its SLO (docs/router.md §5).
 
 Walking the policy's preference order, a worker admits a request when its queue bounds
 hold and, with admission on and an SLO class given, the predicted TTFT (the prefills

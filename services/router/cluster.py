@@ -1,7 +1,7 @@
 """The router's picture of the cluster: workers, their windowed loads, the prefix index.
 
 Policies read it, the router (or the simulator) writes it. Loads are seconds of work
-from the cost model (DESIGN §6.1, §7), not request counts:
+from the cost model (docs/router.md §3, docs/evaluation.md §1), not request counts:
   * prefill: the prefill time of every request placed in the last window;
   * decode: requests in flight × their expected output length × the TPOT of the batch
     they share.
@@ -302,7 +302,7 @@ class ClusterState:
         return costs
 
     def _update_decode_work(self, worker: WorkerState) -> None:
-        """Σ over requests in flight of expected output × the batch's TPOT (DESIGN §6.1)."""
+        """Σ over requests in flight of expected output × the batch's TPOT (docs/router.md §3)."""
         batch = len(worker.in_flight)
         worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
             batch, worker.prompt_tokens_sum / batch) if batch else 0.0

@@ -1,6 +1,6 @@
-"""The cluster prefix index: which worker holds which KV block (DESIGN §6.1).
+"""The cluster prefix index: which worker holds which KV block (docs/router.md §2).
 
-Blocks are named by the chained hash of DESIGN §3. Workers report the names they store
+Blocks are named by the chained hash of docs/kv-identity.md §1. Workers report the names they store
 and evict (KV events); in approximate mode the router instead records what it placed,
 and each entry expires after a TTL. With events, a placed prompt's blocks are held on
 credit until its events arrive (`expect`, `settle`): a long prefill takes seconds, and

@@ -362,6 +362,6 @@ class RouterService:
 
 
 def _hash_root(hello: Hello) -> tuple:
-    """The fields (besides the tenant) that root a worker's block hashes (DESIGN §3)."""
+    """The fields (besides the tenant) that root a worker's block hashes (docs/kv-identity.md §3)."""
     return (hello.model_fingerprint, hello.tokenizer_fingerprint, hello.adapter_id, hello.kv_dtype,
             hello.block_size)

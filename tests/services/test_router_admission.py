@@ -1,4 +1,4 @@
-"""Admission control decisions on constructed cluster states (DESIGN §6.5)."""
+"""Admission control decisions on constructed cluster states (docs/router.md §5)."""
 import numpy as np
 
 from common.config import SloClass

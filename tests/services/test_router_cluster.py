@@ -1,5 +1,5 @@
 """The router's cluster state: matching, the prefill queue model, windowed loads and
-eviction cost (DESIGN §6.1, §7), on constructed states with caller-given times."""
+eviction cost (docs/router.md §3, docs/evaluation.md §1), on constructed states with caller-given times."""
 import numpy as np
 import pytest
 

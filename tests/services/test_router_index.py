@@ -1,4 +1,4 @@
-"""The router's prefix index (DESIGN §6.1) on hand-built KV event streams."""
+"""The router's prefix index (docs/router.md §2) on hand-built KV event streams."""
 import numpy as np
 
 from common.hashing import chain_hashes, root_hash

@@ -1,4 +1,4 @@
-"""Placement decisions on constructed cluster states, one test per rule (DESIGN §6.2)."""
+"""Placement decisions on constructed cluster states, one test per rule (docs/router.md §4)."""
 import numpy as np
 import pytest
 

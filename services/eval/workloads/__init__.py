@@ -1,4 +1,4 @@
-"""Workloads (DESIGN §9): seeded generators of token-id requests, one per workload shape.
+"""Workloads (docs/evaluation.md §5): seeded generators of token-id requests, one per workload shape.
 
 Preble's five prompt-heavy shapes, a chat shape and Mooncake trace replay, by name:
 

@@ -1,4 +1,4 @@
-"""Arrival processes: when each request of a workload is sent (DESIGN §9).
+"""Arrival processes: when each request of a workload is sent (docs/evaluation.md §5).
 
 Each returns new requests (the inputs are frozen and left alone) sorted by arrival.
 Poisson and bursty arrivals follow the requests' list order, so a conversation's turns

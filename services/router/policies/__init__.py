@@ -1,4 +1,4 @@
-"""Placement policies, one module each, selectable by name (DESIGN §6.2)."""
+"""Placement policies, one module each, selectable by name (docs/router.md §4)."""
 from __future__ import annotations
 
 from services.router.policies.base import PlacementPolicy

@@ -1,4 +1,4 @@
-"""`e2`: Preble's exploit / explore placement with rebalancing and replication (DESIGN §6.2).
+"""`e2`: Preble's exploit / explore placement with rebalancing and replication (docs/router.md §4.6).
 
 With T prompt tokens and h the longest prefix any worker holds:
   * exploit (h > T − h): among the workers holding h (and replicas of that prefix), the

@@ -1,4 +1,4 @@
-"""`least_load`: cache-blind, the least windowed work (DESIGN §6.1) first."""
+"""`least_load`: cache-blind, the least windowed work (docs/router.md §3) first."""
 from __future__ import annotations
 
 from services.router.cluster import ClusterState, Request

@@ -24,7 +24,7 @@ from services.eval.planner import (
 from services.eval.report import RequestRecord, Slo
 from services.eval.workloads import make_workload
 
-LECTURE = "prefill=5.6,decode=10,colocated=1.6"  # 13B, 512 in / 64 out, A100 (DESIGN §8)
+LECTURE = "prefill=5.6,decode=10,colocated=1.6"  # 13B, 512 in / 64 out, A100 (docs/evaluation.md §4)
 
 
 def plan_json(*args: str) -> dict:
