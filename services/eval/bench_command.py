@@ -49,7 +49,7 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
     from common.cost_model import ProfileError
     from common.errors import BatonError
     from services.eval.loadgen import Target, WorkloadSpec, bench as run_bench, plan_requests
-    from services.eval.progress import Progress
+    from tqdm import tqdm
     from services.eval.report import json_line, print_table
 
     if address and url:
@@ -70,11 +70,11 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
         raise click.UsageError(str(error)) from error
     labels = {slo_class} if slo_class else {request.slo_class for request in requests}
     slos = _slos(ttft_slo, tpot_slo, labels)
-    with Progress(len(requests), f"bench {workload}") as progress:
+    with tqdm(total=len(requests), desc=f"bench {workload}", unit="req", disable=None) as progress:
         try:
             result = asyncio.run(run_bench(target, requests, slo_class=slo_class, slos=slos,
                                            drain_timeout_s=drain_timeout, gpus=workers or 1,
-                                           on_done=progress.advance))
+                                           on_done=progress.update))
         except BatonError as error:
             raise click.ClickException(f"{type(error).__name__}: {error}") from error
     if result.run.errors:

@@ -71,7 +71,7 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
     """
     from common.cost_model import ProfileError, load_cost_model
     from services.eval import sim_runner as runner
-    from services.eval.progress import Progress
+    from tqdm import tqdm
 
     try:
         sweep = runner.parse_sweep(sweep_text) if sweep_text else None
@@ -90,8 +90,9 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
         raise click.UsageError(str(error)) from error
     except ValueError as error:
         raise click.ClickException(str(error)) from error
-    with Progress(runner.total_requests(points), "sim") as progress:
-        results = runner.run_points(points, progress.advance)
+    # disable=None: a bar on a terminal, nothing in logs and pipes.
+    with tqdm(total=runner.total_requests(points), desc="sim", unit="req", disable=None) as progress:
+        results = runner.run_points(points, progress.update)
     variable = sweep.variable if sweep is not None else None
     runner.print_results(points, results, variable)
     if plot_dir is not None:

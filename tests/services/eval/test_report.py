@@ -1,12 +1,19 @@
 """Run metrics against hand-computed values, and the report's outputs."""
 from __future__ import annotations
 
+import fcntl
 import io
 import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
-from services.eval.progress import Progress
+from services.local_cluster import REPO, child_env
 from services.eval.report import (
     RequestRecord,
     RunTotals,
@@ -187,37 +194,30 @@ def test_plot_sweep_writes_pngs(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_progress_is_silent_when_not_a_tty():
-    out = io.StringIO()
-    with Progress(10, "sim", file=out) as bar:
-        bar.advance(10)
-    assert out.getvalue() == ""
-    out = io.StringIO()
-    with Progress(10, "sim", file=out, enabled=False, force=True) as bar:
-        bar.advance(10)
-    assert out.getvalue() == ""
+def _sim_stderr(stderr) -> str:
+    argv = [sys.executable, "-m", "services.cli", "sim", "--workload", "toolbench", "--workers", "2",
+            "--num-requests", "30", "--profile", "a6000/mistral-7b", "--policy", "round_robin"]
+    done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO, timeout=120, env=child_env())
+    assert done.returncode == 0
+    return done.stderr.decode() if done.stderr is not None else ""
 
 
-def test_progress_redraws_at_most_ten_times_a_second():
-    out, clock = io.StringIO(), _Clock()
-    bar = Progress(100, "sim", file=out, force=True, clock=clock)
-    for _ in range(5):
-        bar.advance(10)  # same instant: drawn once
-    clock.now = 0.05
-    bar.advance(10)  # too soon
-    clock.now = 0.2
-    bar.advance(10)
-    assert out.getvalue().count("\r") == 2
-    bar.close()
-    bar.close()
-    text = out.getvalue()
-    assert text.count("\r") == 3 and text.endswith("\n")
-    assert "70/100" in text.rsplit("\r", 1)[1] and "70%" in text
+def test_progress_is_drawn_on_a_terminal_and_silent_otherwise():
+    assert "sim:" not in _sim_stderr(subprocess.PIPE)  # a pipe: nothing
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal has a size
+    try:
+        _sim_stderr(terminal)
+        os.close(terminal)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the terminal's other end is closed: all is read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(controller)
+    assert b"sim: 100%" in drawn and b"30/30" in drawn
