@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from common.config import ROUTER_POLICIES
+from common.engine.config import DTYPES, QUEUE_POLICIES
 from common.logs import configure_logging
 
 
@@ -54,7 +56,7 @@ def model_init(directory: Path, size: str, seed: int) -> None:
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--logprobs", type=int, default=None)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)
 @click.option("--kv-cache-gb", type=float, default=1.0, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
@@ -103,16 +105,16 @@ ROLE_FLAGS = [
     ("--router-address", str, "the router's ZeroMQ endpoint"),
     ("--model", str, "checkpoint directory (default: the tiny embedded model)"),
     ("--model-name", str, "the model's name in the OpenAI API"),
-    ("--dtype", str, "bfloat16 or float32"),
+    ("--dtype", str, ", ".join(DTYPES)),
     ("--device", str, "cpu, cuda (worker N on GPU N modulo the GPUs it sees) or cuda:K"),
     ("--kv-cache-gb", float, "size of each worker's KV pool"),
     ("--max-num-batched-tokens", int, "per-step token budget"),
     ("--max-num-seqs", int, "most requests in a worker's batch"),
     ("--max-model-len", int, "context limit (0 = the model's)"),
-    ("--queue-policy", str, "worker waiting queue: fcfs, lpm or priority (Preble's quotas)"),
+    ("--queue-policy", str, f"worker waiting queue: {', '.join(QUEUE_POLICIES)} (priority: Preble's quotas)"),
     ("--threads", int, "torch threads per worker (0 = torch's default)"),
     ("--step-log-dir", str, "each worker appends its engine steps (sizes, seconds) to DIR/worker-N.steps.jsonl"),
-    ("--policy", str, "placement: round_robin, least_load, lpm, cache_aware, dynamo or e2"),
+    ("--policy", str, f"placement: {', '.join(ROUTER_POLICIES)}"),
     ("--admission", bool, "refuse early what would miss its SLO class (true/false)"),
     ("--index-mode", str, "prefix index from KV events, or approximate (from placements)"),
     ("--profile", str, "JSON cost profile for the router (default: the built-in tiny-model one)"),
@@ -333,7 +335,7 @@ def keys_generate(directory: Path, keep: bool) -> None:
               help="Hugging Face checkpoint directory (default: the tiny embedded model)")
 @click.option("--out", type=click.Path(path_type=Path), help="write the profile here (default: print it)")
 @click.option("--name", help="the profile's name (default: <model directory>-<device>)")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0 = torch's default)")
 @click.option("--kv-cache-gb", type=float, default=1.0, show_default=True)

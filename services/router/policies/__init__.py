@@ -1,6 +1,7 @@
 """Placement policies, one module each, selectable by name (docs/router.md §4)."""
 from __future__ import annotations
 
+from common.config import ROUTER_POLICIES
 from services.router.policies.base import PlacementPolicy
 from services.router.policies.cache_aware import CacheAware
 from services.router.policies.dynamo import Dynamo
@@ -11,6 +12,10 @@ from services.router.policies.round_robin import RoundRobin
 
 POLICIES: dict[str, type] = {policy.name: policy for policy in
                              (RoundRobin, LeastLoad, LongestPrefixMatch, CacheAware, Dynamo, E2)}
+# The config validates names against ROUTER_POLICIES (common/ cannot import this package):
+# the two lists must be one.
+if tuple(POLICIES) != ROUTER_POLICIES:
+    raise ImportError(f"policies {tuple(POLICIES)} differ from common.config.ROUTER_POLICIES {ROUTER_POLICIES}")
 
 
 def make_policy(name: str) -> PlacementPolicy:
