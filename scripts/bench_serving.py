@@ -8,7 +8,8 @@
 With neither --address nor --url it starts its own `svc up` cluster (one worker, the tiny
 default model) and stops it afterwards. Every request: a random prompt of --prompt-len
 tokens, --max-tokens new tokens, greedy, EOS ignored. In this process the engine alone
-runs the same requests, --concurrency at a time. The two alternate, --repeats rounds of
+runs the same requests, --concurrency at a time, on as many torch threads (--threads) as
+the served worker has, so the ratio isolates what the services themselves cost. The two alternate, --repeats rounds of
 each (the machine's noise then falls on both alike), and the medians are reported:
 generated tokens per second, TTFT and TPOT percentiles (as the clients saw them),
 `ratio_vs_inprocess` (of the medians) and `ttft_overhead_ms` (median TTFT through the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+                        help="torch threads of the served worker and of the in-process engine alike "
+                             "(default: what svc up gives one worker, the cores but one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5, help="rounds of served then in-process runs")
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
@@ -168,8 +173,11 @@ def main() -> None:
     if not args.address and not args.url:
         from services.local_cluster import start_cluster
 
-        cluster = start_cluster(model_dir, workers=1, extra=["--dtype", args.dtype])
+        cluster = start_cluster(model_dir, workers=1, extra=["--dtype", args.dtype, "--threads", str(args.threads)])
         args.address = cluster.sdk
+    import torch
+
+    torch.set_num_threads(args.threads)  # like for like: the served worker has as many
     engine = make_engine(model_dir, args.dtype)
     rounds: list[tuple[dict, dict]] = []
     try:
@@ -186,6 +194,7 @@ def main() -> None:
               "ttft_overhead_ms": served["ttft_p50_ms"] - inprocess["ttft_p50_ms"],
               "served": served, "inprocess": inprocess, "concurrency": args.concurrency,
               "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "threads": args.threads,
               "repeats": args.repeats, "rounds": [{"served_tok_s": a["tok_s"], "inprocess_tok_s": b["tok_s"]}
                                                   for a, b in rounds]}
     if args.vllm_url:

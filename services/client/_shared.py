@@ -89,12 +89,15 @@ def _tuples(sampling: dict) -> dict:
     return converted
 
 
-def connect_dealer(context, address: str, curve: dict | None):
-    """The client's DEALER socket; `curve` holds Z85 keys when the cluster uses CURVE."""
+def connect_dealer(context, address: str, curve: dict | None, send_timeout_s: float = 5.0):
+    """The client's DEALER socket; `curve` holds Z85 keys when the cluster uses CURVE. A
+    send that finds no connection to queue on for `send_timeout_s` (the server is down, or
+    refused our key) raises zmq.Again instead of waiting for ever."""
     import zmq
 
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
     if curve:
         socket.curve_serverkey = curve["server_public"].encode()
         socket.curve_publickey = curve["client_public"].encode()

@@ -24,7 +24,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.context = zmq.asyncio.Context()
-        self.socket = connect_dealer(self.context, address, curve)
+        self.socket = connect_dealer(self.context, address, curve, send_timeout_s=connect_timeout_s)
         self.queues: dict[str, asyncio.Queue] = {}  # streams
         self.collectors: dict[str, tuple[Accumulator, asyncio.Future]] = {}  # generate() calls
         self.status_waiters: list[asyncio.Future] = []
@@ -50,7 +50,7 @@ class AsyncClient:
         self._ensure_reader()
         waiter = asyncio.get_running_loop().create_future()
         self.status_waiters.append(waiter)
-        await self.socket.send_multipart(encode(StatusRequest()))
+        await self._send(encode(StatusRequest()))
         try:
             message = await asyncio.wait_for(waiter, timeout_s or self.connect_timeout_s)
         except TimeoutError:
@@ -86,7 +86,7 @@ class AsyncClient:
         done = asyncio.get_running_loop().create_future()
         self.collectors[request_id] = (Accumulator(request_id), done)
         try:
-            await self.socket.send_multipart(frames, copy=False)
+            await self._send(frames)
             try:
                 message = await asyncio.wait_for(asyncio.shield(done), timeout_s + 1.0)
             except TimeoutError:
@@ -108,7 +108,10 @@ class AsyncClient:
         self.queues.pop(request_id, None)
         self.collectors.pop(request_id, None)
         if not self.socket.closed:
-            await self.socket.send_multipart(encode(Abort(request_id=request_id)))
+            try:
+                await self.socket.send_multipart(encode(Abort(request_id=request_id)))
+            except zmq.Again:  # nothing reaches the server: nothing runs there to abort
+                pass
 
     async def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
@@ -132,7 +135,7 @@ class AsyncClient:
         request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
-        await self.socket.send_multipart(frames, copy=False)
+        await self._send(frames)
         accumulator = Accumulator(request_id)
         deadline = asyncio.get_running_loop().time() + timeout_s + 1.0
         finished = False
@@ -153,6 +156,12 @@ class AsyncClient:
             if not finished:
                 await self.abort(request_id)
             self.queues.pop(request_id, None)
+
+    async def _send(self, frames: list) -> None:
+        try:
+            await self.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise ServerUnavailable(f"cannot reach {self.address}: no connection took the request") from None
 
     def _ensure_reader(self) -> None:
         if self.reader is None:

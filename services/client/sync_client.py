@@ -24,7 +24,7 @@ class Client:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.context = zmq.Context()
-        self.socket = connect_dealer(self.context, address, curve)
+        self.socket = connect_dealer(self.context, address, curve, send_timeout_s=connect_timeout_s)
         self.active: str | None = None
         self.checked = False
         self.retry_unavailable = retry_unavailable
@@ -52,7 +52,7 @@ class Client:
 
     def status(self, timeout_s: float | None = None) -> Status:
         """The cluster's workers as the router sees them; ServerUnavailable if no answer."""
-        self.socket.send_multipart(encode(StatusRequest()))
+        self._send(encode(StatusRequest()))
         deadline = time.monotonic() + (timeout_s or self.connect_timeout_s)
         while True:
             message = self._receive(deadline, ServerUnavailable(f"no answer from {self.address}"))
@@ -78,9 +78,12 @@ class Client:
             yield chunk
 
     def abort(self, request_id: str) -> None:
-        self.socket.send_multipart(encode(Abort(request_id=request_id)))
         if self.active == request_id:
             self.active = None
+        try:
+            self.socket.send_multipart(encode(Abort(request_id=request_id)))
+        except zmq.Again:  # nothing reaches the server: nothing runs there to abort
+            pass
 
     def _run(self, prompt, token_ids, timeout_s, slo_class, sampling):
         """The request's chunks; a ServerUnavailable that asks for a retry (the router is
@@ -104,7 +107,7 @@ class Client:
 
     def _attempt(self, prompt, token_ids, timeout_s, slo_class, sampling):
         request_id, frames = build_submit(prompt, token_ids, self.api_key, timeout_s, sampling, slo_class)
-        self.socket.send_multipart(frames, copy=False)
+        self._send(frames)
         self.active = request_id
         accumulator = Accumulator(request_id)
         deadline = time.monotonic() + timeout_s + 1.0  # the server's own deadline fires first
@@ -127,6 +130,12 @@ class Client:
         finally:
             if self.active == request_id:
                 self.abort(request_id)
+
+    def _send(self, frames: list) -> None:
+        try:
+            self.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise ServerUnavailable(f"cannot reach {self.address}: no connection took the request") from None
 
     def _receive(self, deadline: float, on_timeout: Exception):
         remaining_ms = int((deadline - time.monotonic()) * 1000)

@@ -61,8 +61,12 @@ def _config(keys_dir: Path) -> ClusterConfig:
 
 
 def _exchange(server: zmq.Socket, client: zmq.Socket, timeout_ms: int = 1500) -> str | None:
-    """Send from `client`; the role the server saw, or None if nothing got through."""
-    client.send(b"ping")
+    """Send from `client`; the role the server saw, or None if nothing got through (a
+    refused peer's connection is dropped, so its send can find none to queue on)."""
+    try:
+        client.send(b"ping", flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return None
     if not server.poll(timeout_ms):
         return None
     *_, frame = server.recv_multipart(copy=False)

@@ -430,6 +430,8 @@ def raw_exchange(address: str, curve: dict | None, frames: list[bytes], wait_s: 
     try:
         socket.send_multipart(frames)
         return socket.recv_multipart() if socket.poll(int(wait_s * 1000)) else None
+    except zmq.Again:  # a refused key's connection is dropped: the send found none to queue on
+        return None
     finally:
         socket.close(0)
         context.term()
