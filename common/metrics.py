@@ -21,8 +21,11 @@ from collections.abc import Callable, Iterable
 
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+# What render() writes: the classic text format, as prometheus_client's own /metrics
+# answers a scraper that asks for nothing newer.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 # From 1 ms (one decode step of a small model on a GPU) to a minute (a long generation).
 DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (

@@ -1,12 +1,14 @@
-"""A tiny HTTP server for one role's `/metrics` and `/health`, in a daemon thread.
+"""One role's `/metrics` and `/health` over HTTP, in a daemon thread.
 
     server = MetricsServer("127.0.0.1", 0, registry, health=lambda: {"ok": True})
     server.start()          # binds now; MetricsServerError names host:port if taken
     server.port             # the bound port (port 0 picks a free one)
     server.stop()
 
-GET /metrics -> registry.render() as the Prometheus text format; GET /health -> health()
-as JSON, 200 when its "ok" is true and 503 otherwise; anything else -> 404.
+GET /metrics is prometheus_client's own WSGI app over the role's registry (content
+negotiation and compression included); GET /health -> health() as JSON, 200 when its
+"ok" is true and 503 otherwise; anything else -> 404. The server is the WSGI server that
+prometheus_client's `start_http_server` runs, wrapped so that /health sits beside it.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import json
 import logging
 import socketserver
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from common.metrics import CONTENT_TYPE, Registry
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from common.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -31,62 +35,48 @@ class MetricsServerError(OSError):
     """The metrics server could not bind its address; the message names host:port."""
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], registry: Registry, health: HealthCheck):
-        self.registry = registry
-        self.health = health
-        super().__init__(address, _Handler)
-
+class _Server(ThreadingWSGIServer):
     def server_bind(self) -> None:
         # HTTPServer.server_bind resolves socket.getfqdn(host), a reverse-DNS lookup
         # that can stall start-up for seconds on hosts without working DNS.
         socketserver.TCPServer.server_bind(self)
         host, port = self.server_address[:2]
         self.server_name, self.server_port = str(host), port
+        self.setup_environ()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        path = urlsplit(self.path).path
-        if path == "/metrics":
-            self._metrics()
-        elif path == "/health":
-            self._health()
-        else:
-            self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /health\n")
-
-    def _metrics(self) -> None:
-        try:
-            body = self.server.registry.render().encode()
-        except Exception:  # answer 500 rather than dropping the connection
-            log.exception("metrics: render failed")
-            self._send(500, "text/plain; charset=utf-8", b"metrics render failed\n")
-            return
-        self._send(200, CONTENT_TYPE, body)
-
-    def _health(self) -> None:
-        try:
-            report = dict(self.server.health())
-        except Exception as error:  # a failing check is itself unhealthy
-            report = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        status = 200 if report.get("ok") else 503
-        body = json.dumps(report, default=str).encode()
-        self._send(status, "application/json", body)
-
-    def _send(self, status: int, content_type: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
+class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         # Scrapes arrive every few seconds; access lines would drown the role's logs.
         log.debug("metrics http: " + format, *args)
+
+
+def _app(registry: Registry, health: HealthCheck):
+    metrics = make_wsgi_app(registry.collectors)
+
+    def app(environ: dict, start_response) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/health":
+            report = _health_report(health)
+            body = json.dumps(report, default=str).encode()
+            start_response("200 OK" if report.get("ok") else "503 Service Unavailable",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        body = b"not found: try /metrics or /health\n"
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                         ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def _health_report(health: HealthCheck) -> dict:
+    try:
+        return dict(health())
+    except Exception as error:  # a failing check is itself unhealthy
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
 
 
 class MetricsServer:
@@ -112,7 +102,8 @@ class MetricsServer:
         if self._server is not None:
             raise RuntimeError(f"metrics server on {self.host}:{self.port} already started")
         try:
-            server = _Server((self.host, self._requested_port), self.registry, self.health)
+            server = make_server(self.host, self._requested_port, _app(self.registry, self.health),
+                                 server_class=_Server, handler_class=_QuietHandler)
         except OSError as error:
             raise MetricsServerError(
                 error.errno, f"metrics server cannot listen on {self.host}:{self._requested_port}: "
