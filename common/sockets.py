@@ -257,8 +257,8 @@ def check_bind_policy(config: ClusterConfig) -> None:
 
 def is_loopback(host: str) -> bool:
     host = host.strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: loopback only if every address it resolves to is

@@ -180,7 +180,7 @@ class WorkerService:
                 continue
             message, payloads = self._receive()
             if not isinstance(message, Welcome):
-                self._handle(message, payloads)
+                self._handle_safely(message, payloads)
                 continue
             if not message.accepted:
                 raise WorkerRefused(f"router refused {self.worker_id}: {message.reason}")
