@@ -1,43 +1,41 @@
-"""A small HTTP/1.1 server on asyncio streams: what the OpenAI gateway needs, no framework.
+"""Serving an ASGI app with uvicorn (httptools' parser; uvloop when the role runs on it),
+plus the guards uvicorn leaves to a proxy in front of it.
 
-Scope: request line + headers + a Content-Length body (chunked request bodies are refused
-with 411), keep-alive, JSON responses and streamed responses (Server-Sent Events over
-chunked transfer, or connection-close framing for HTTP/1.0 clients).
-
-Robustness contract:
-- every malformed or over-limit request gets a 4xx JSON error (then the connection
-  closes) or, when nothing sensible can be sent, a closed connection; never a crash;
-- every read has a deadline (idle keep-alive, request head, body) and every write one
-  too, so a slow or stuck client cannot hold a connection forever;
-- while a handler runs or a response streams, the connection is watched: when the client
-  goes away (EOF or reset) the handler's task is cancelled, so async generators behind
-  it get closed and the request is aborted upstream.
+uvicorn bounds the idle time between requests and the shutdown, and streams with flow
+control, but it lets a request head and body grow without limit and take as long as the
+client likes, and it accepts any number of connections. `GuardedProtocol` adds those
+bounds to uvicorn's own protocol (a subclass: no library offers them for uvicorn, and a
+proxy is not part of every deployment):
+- a request head larger than `max_header_bytes`, or with more than `max_headers` fields,
+  is answered 431; one not complete within `header_timeout_s` of its first byte, 408;
+- a body over `max_body_bytes`, declared or sent (chunked), is answered 413;
+- a connection beyond `max_connections` is answered 503 and closed at once;
+- a fresh connection that sends nothing for `idle_timeout_s` is closed (uvicorn arms its
+  keep-alive timer only after a first response);
+- protocol errors are answered in the app's JSON error shape (`error_body`), not text;
+- a client that half-closes after its request still gets the answer; one that half-closes
+  in the middle of its body gets a 400.
+The body deadline, write deadlines and client disconnects are the app's to watch: the
+ASGI interface gives it what it needs for those.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
-import json
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.logs import get_logger
 
 log = get_logger("http")
 
-T = TypeVar("T")
-
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (method, header name)
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # forbidden in field values (tab allowed)
-_VERSION = re.compile(r"HTTP/\d\.\d")
-_HEAD_END = b"\r\n\r\n"
-_MAX_CONTENT_LENGTH_DIGITS = 15
-_READ_SIZE = 65536
+ErrorBody = Callable[[int, str], bytes]  # (status, message) -> a JSON error body
 
 
 @dataclass(frozen=True)
@@ -47,533 +45,185 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024
     max_headers: int = 100
     max_body_bytes: int = 8 * 2**20
-    idle_timeout_s: float = 75.0  # keep-alive: waiting for the next request's first byte
+    idle_timeout_s: float = 75.0  # a connection with no request in progress
     header_timeout_s: float = 30.0  # from a request's first byte to its blank line
     body_timeout_s: float = 60.0  # the whole body
     write_timeout_s: float = 60.0  # one write to drain (a client that stopped reading)
     max_connections: int = 1024
     shutdown_grace_s: float = 10.0  # busy connections may finish this long after stop
-    linger_s: float = 2.0  # after an error response, drain what the client still sends
 
 
-@dataclass
-class Request:
-    method: str
-    target: str
-    path: str
-    query: str
-    version: str  # "HTTP/1.1" or "HTTP/1.0"
-    headers: dict[str, str]  # lower-case names; repeated fields joined with ", "
-    body: bytes = b""
-
-    def header(self, name: str, default: str | None = None) -> str | None:
-        return self.headers.get(name.lower(), default)
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop parsing a request that breaks a limit."""
 
 
-@dataclass
-class Response:
-    status: int = 200
-    body: bytes = b""
-    content_type: str = "application/json"
-    headers: list[tuple[str, str]] = field(default_factory=list)
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the head limits, connection cap, idle deadline
+    and JSON protocol errors described in the module docstring. `limits` and `error_body`
+    are set on a subclass per server (uvicorn builds protocols from a class)."""
 
+    limits: HttpLimits = HttpLimits()
+    error_body: ErrorBody = staticmethod(lambda status, message: message.encode())
 
-@dataclass
-class StreamResponse:
-    """A streamed body: each chunk is written (and flushed) as soon as it is produced.
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._head_open = False  # between a request's first byte and its blank line
+        self._head_bytes = 0  # received while the head is open (bounds what the parser buffers)
+        self._head_size = 0  # the parsed head's own bytes
+        self._head_fields = 0
+        self._body_bytes = 0
+        self._app_started = False  # the current request reached the app
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str] | None = None
 
-    The server closes `chunks` (aclose) when the stream ends for any reason, including the
-    client disconnecting, so a generator's `finally` blocks always run.
-    """
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, f"the server is at its limit of {self.limits.max_connections} connections")
+            return
+        self.timeout_keep_alive_task = self.loop.call_later(self.limits.idle_timeout_s,
+                                                            self.timeout_keep_alive_handler)
 
-    chunks: AsyncIterator[bytes]
-    status: int = 200
-    content_type: str = "text/event-stream"
-    headers: list[tuple[str, str]] = field(default_factory=list)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
 
-
-class HttpError(Exception):
-    """A request the server answers with an error status; `close` ends the connection."""
-
-    def __init__(self, status: int, message: str, headers: Iterable[tuple[str, str]] = (),
-                 close: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = list(headers)
-        self.close = close
-
-
-Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
-ErrorRenderer = Callable[[HttpError], Response]
-
-
-def json_response(value: Any, status: int = 200,
-                  headers: Iterable[tuple[str, str]] = ()) -> Response:
-    return Response(status, json_bytes(value), "application/json", list(headers))
-
-
-def json_bytes(value: Any) -> bytes:
-    """Compact UTF-8 JSON; NaN and infinities are refused (they are not JSON)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
-def sse_event(data: str) -> bytes:
-    """One Server-Sent Event carrying `data` (multi-line data becomes several fields)."""
-    return b"".join(b"data: " + line.encode() + b"\n" for line in data.split("\n")) + b"\n"
-
-
-def default_error_response(error: HttpError) -> Response:
-    return json_response({"error": {"message": error.message, "type": reason_phrase(error.status),
-                                    "code": error.status}},
-                         error.status, error.headers)
-
-
-class Router:
-    """Exact (method, path) → handler; unknown paths are 404, known paths with another
-    method 405 with an Allow header. HEAD runs the GET handler (the server sends no body)."""
-
-    def __init__(self) -> None:
-        self._routes: dict[str, dict[str, Handler]] = {}
-
-    def add(self, method: str, path: str, handler: Handler) -> None:
-        self._routes.setdefault(path, {})[method.upper()] = handler
-
-    def resolve(self, method: str, path: str) -> Handler:
-        by_method = self._routes.get(path)
-        if by_method is None:
-            raise HttpError(404, f"no route for {path}")
-        handler = by_method.get(method)
-        if handler is None and method == "HEAD":
-            handler = by_method.get("GET")
-        if handler is None:
-            allowed = ", ".join(sorted(by_method))
-            raise HttpError(405, f"method {method} is not allowed on {path} (allowed: {allowed})",
-                            headers=[("Allow", allowed)])
-        return handler
-
-
-class _ClientGone(Exception):
-    """The client closed or reset the connection while its request was in progress."""
-
-
-class _HeadTooLarge(Exception):
-    pass
-
-
-class _Input:
-    """The connection's read side with its own buffer, so that the disconnect watcher can
-    read ahead (a pipelined next request) without losing bytes."""
-
-    def __init__(self, reader: asyncio.StreamReader):
-        self.reader = reader
-        self.buffer = bytearray()
-        self.eof = False
-
-    async def fill(self) -> bool:
-        """Append what arrives next to the buffer; False at EOF or on a reset."""
-        if self.eof:
-            return False
-        try:
-            data = await self.reader.read(_READ_SIZE)
-        except (ConnectionError, OSError):
-            data = b""
-        if not data:
-            self.eof = True
-            return False
-        self.buffer += data
+    def eof_received(self) -> bool | None:
+        # A client may half-close once its request is sent (HTTP allows it; `nc -N` does):
+        # keep the transport open to answer, then close.
+        if self.cycle is None or self.cycle.response_complete:
+            return None
+        if self.cycle.more_body:
+            self._refuse(400, "the request body ended before its declared length")
+            return None
+        self.cycle.keep_alive = False
         return True
 
-    async def wait_for_request(self) -> bool:
-        """Wait for a request's first byte (blank lines before it are skipped, as RFC 9112
-        allows); False if the peer closed first."""
-        while True:
-            while self.buffer[:2] == b"\r\n":
-                del self.buffer[:2]
-            if self.buffer and self.buffer != b"\r":
-                return True
-            if not await self.fill():
-                return False
+    def data_received(self, data: bytes) -> None:
+        if self._head_open:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._head_open and self._head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+            self._refuse(431, f"the request head exceeds {self.limits.max_header_bytes} bytes")
 
-    async def read_head(self, limit: int) -> bytes:
-        """Bytes up to and including the blank line ending a request head; raises
-        _HeadTooLarge past `limit`, IncompleteReadError at EOF."""
-        searched = 0
-        while True:
-            end = self.buffer.find(_HEAD_END, max(0, searched - len(_HEAD_END) + 1))
-            size = end + len(_HEAD_END) if end >= 0 else len(self.buffer)
-            if size > limit:
-                raise _HeadTooLarge()
-            if end >= 0:
-                return self.take(size)
-            searched = len(self.buffer)
-            if not await self.fill():
-                raise asyncio.IncompleteReadError(bytes(self.buffer), None)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open, self._head_bytes, self._head_size, self._head_fields = True, 0, 0, 0
+        self._body_bytes, self._app_started = 0, False
+        self._head_deadline = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
-    async def read_exactly(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            if not await self.fill():
-                raise asyncio.IncompleteReadError(bytes(self.buffer), size)
-        return self.take(size)
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
 
-    def take(self, size: int) -> bytes:
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_fields += 1
+        if self._head_fields > self.limits.max_headers:
+            self._stop_parsing(431, f"the request has more than {self.limits.max_headers} header fields")
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        self._cancel_head_deadline()
+        declared = dict(self.headers).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+            self._stop_parsing(413, f"the request body ({int(declared)} bytes) exceeds {self.limits.max_body_bytes}")
+        super().on_headers_complete()
+        self._app_started = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.limits.max_body_bytes:
+            self._stop_parsing(413, f"the request body exceeds {self.limits.max_body_bytes} bytes")
+        super().on_body(body)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to input the parser refused (or a guard stopped)."""
+        status, message = self._refusal or (400, f"malformed HTTP request: {msg}")
+        self._refuse(status, message)
+
+    def _count_head(self, size: int) -> None:
+        self._head_size += size
+        if self._head_size > self.limits.max_header_bytes:
+            self._stop_parsing(431, f"the request head exceeds {self.limits.max_header_bytes} bytes")
+
+    def _stop_parsing(self, status: int, message: str) -> None:
+        """From a parser callback: httptools stops and uvicorn calls send_400_response."""
+        self._refusal = (status, message)
+        raise _HeadRefused()
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self._head_open and not self.transport.is_closing():
+            self._refuse(408, f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` with a JSON error and close the connection; only close it if
+        the app has begun answering this request already (a 401 before the body, say)."""
+        self._head_open = False
+        self._cancel_head_deadline()
+        self._unset_keepalive_if_required()
+        if not (self._app_started and self.cycle is not None and self.cycle.response_started):
+            body = self.error_body(status, message)
+            head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
+            self.transport.write(head + body)
+        self.transport.close()
+        log.info("http_refused", status=status, reason=message)
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 task: asyncio.Task | None):
-        self.input = _Input(reader)
-        self.writer = writer
-        self.task = task
-        self.busy = False
+def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedProtocol]:
+    return type("BoundGuardedProtocol", (GuardedProtocol,),
+                {"limits": limits, "error_body": staticmethod(error_body)})
 
 
-class HttpServer:
-    """Serves a Router until a stop event; see the module docstring for the contract."""
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn's server inside a role's own event loop: the role owns the signals."""
 
-    def __init__(self, router: Router, limits: HttpLimits = HttpLimits(),
-                 render_error: ErrorRenderer = default_error_response, server_name: str = "baton"):
-        self.router = router
-        self.limits = limits
-        self.render_error = render_error
-        self.server_name = server_name
-        self._connections: set[_Connection] = set()
-        self._stopping = False
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
-    async def serve(self, host: str, port: int, stop: asyncio.Event,
-                    ready: Callable[[int], None] | None = None) -> None:
-        """Listen on (host, port) until `stop` is set, then close gracefully: idle
-        connections at once, busy ones after their response (at most shutdown_grace_s).
-        `ready(bound_port)` is called once listening (port 0 picks a free port)."""
-        server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
-        bound_port = server.sockets[0].getsockname()[1]
-        log.info("http_listening", host=host, port=bound_port)
-        try:
+
+async def serve(app: Any, host: str, port: int, stop: asyncio.Event, limits: HttpLimits,
+                error_body: ErrorBody, ready: Callable[[int], None] | None = None) -> None:
+    """Serve `app` on (host, port) until `stop` is set, then close gracefully: idle
+    connections at once, busy ones after their response (at most shutdown_grace_s).
+    `ready(bound_port)` is called once listening (port 0 picks a free port). A port that
+    cannot be bound raises OSError here."""
+    config = uvicorn.Config(
+        app, http=guarded_protocol(limits, error_body), lifespan="off", log_config=None,
+        access_log=False, server_header=False,
+        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=max(1, round(limits.shutdown_grace_s)))
+    listener = listen(host, port)
+    bound_port = listener.getsockname()[1]
+    server = _EmbeddedServer(config)
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            log.info("http_listening", host=host, port=bound_port)
             if ready is not None:
                 ready(bound_port)
-            await stop.wait()
-        finally:
-            server.close()
-            await self._close_connections()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), self.limits.shutdown_grace_s)
-            log.info("http_stopped", port=bound_port)
-
-    async def _close_connections(self) -> None:
-        self._stopping = True
-        for conn in list(self._connections):
-            if not conn.busy and conn.task is not None:
-                conn.task.cancel()
-        tasks = {conn.task for conn in self._connections if conn.task is not None}
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=self.limits.shutdown_grace_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-    # ---- one connection --------------------------------------------------------------
-
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(reader, writer, asyncio.current_task())
-        try:
-            if len(self._connections) >= self.limits.max_connections or self._stopping:
-                await self._send_error_and_close(conn, HttpError(503, "server busy", close=True))
-                return
-            self._connections.add(conn)
-            await self._serve_connection(conn)
-        except (ConnectionError, asyncio.TimeoutError, asyncio.CancelledError, _ClientGone):
-            pass  # the client went away, was too slow, or the server is stopping
-        except Exception:  # a bug here must cost one connection, never the server
-            log.exception("http_connection_failed")
-        finally:
-            self._connections.discard(conn)
-            writer.close()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-
-    async def _serve_connection(self, conn: _Connection) -> None:
-        while not self._stopping:
-            try:
-                request = await self._read_request(conn)
-            except HttpError as error:
-                await self._send_error_and_close(conn, error)
-                return
-            if request is None:
-                return
-            conn.busy = True
-            try:
-                keep_alive = await self._respond(conn, request)
-            finally:
-                conn.busy = False
-            if not keep_alive:
-                return
-
-    # ---- reading -------------------------------------------------------------------
-
-    async def _read_request(self, conn: _Connection) -> Request | None:
-        """The next request, None on a clean close or idle timeout; HttpError if bad."""
-        limits = self.limits
-        try:
-            if not await asyncio.wait_for(conn.input.wait_for_request(), limits.idle_timeout_s):
-                return None
-        except asyncio.TimeoutError:
-            return None
-        try:
-            head = await asyncio.wait_for(conn.input.read_head(limits.max_header_bytes),
-                                          limits.header_timeout_s)
-        except _HeadTooLarge:
-            raise HttpError(431, f"request head exceeds {limits.max_header_bytes} bytes",
-                            close=True) from None
-        except asyncio.IncompleteReadError:
-            raise HttpError(400, "connection closed before the end of the request head",
-                            close=True) from None
-        except asyncio.TimeoutError:
-            raise HttpError(408, "timed out reading the request head", close=True) from None
-        method, target, version, headers = parse_head(head, limits)
-        parts = urlsplit(target)
-        request = Request(method, target, parts.path or "/", parts.query, version, headers)
-        request.body = await self._read_body(conn, request)
-        return request
-
-    async def _read_body(self, conn: _Connection, request: Request) -> bytes:
-        length = body_length(request.headers, self.limits.max_body_bytes)
-        if length == 0:
-            return b""
-        expect = request.headers.get("expect")
-        if expect is not None:
-            if expect.lower() != "100-continue":
-                raise HttpError(417, f"unsupported Expect: {expect}", close=True)
-            conn.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            await self._drain(conn)
-        try:
-            return await asyncio.wait_for(conn.input.read_exactly(length),
-                                          self.limits.body_timeout_s)
-        except asyncio.IncompleteReadError as error:
-            raise HttpError(400, f"body ended after {len(error.partial)} of {length} bytes",
-                            close=True) from None
-        except asyncio.TimeoutError:
-            raise HttpError(408, "timed out reading the request body", close=True) from None
-
-    # ---- responding ------------------------------------------------------------------
-
-    async def _respond(self, conn: _Connection, request: Request) -> bool:
-        """Run the handler and send its response; True to keep the connection open."""
-        keep_alive = wants_keep_alive(request) and not self._stopping
-        try:
-            handler = self.router.resolve(request.method, request.path)
-            result = await self._run_watched(conn, handler(request))
-        except HttpError as error:
-            result = self.render_error(error)
-            result.headers.extend(h for h in error.headers if h not in result.headers)
-            keep_alive = keep_alive and not error.close
-        except (_ClientGone, asyncio.CancelledError):
-            raise
-        except Exception:
-            log.exception("http_handler_failed", method=request.method, path=request.path)
-            result = self.render_error(HttpError(500, "internal server error"))
-        if request.method == "HEAD" and isinstance(result, StreamResponse):
-            await aclose(result.chunks)
-            result = Response(result.status, b"", result.content_type, result.headers)
-        if isinstance(result, StreamResponse):
-            return await self._send_stream(conn, request, result, keep_alive)
-        await self._send(conn, result, keep_alive, with_body=request.method != "HEAD")
-        return keep_alive
-
-    async def _send(self, conn: _Connection, response: Response, keep_alive: bool,
-                    with_body: bool = True) -> None:
-        headers = [("Content-Type", response.content_type),
-                   ("Content-Length", str(len(response.body))),
-                   ("Connection", "keep-alive" if keep_alive else "close"), *response.headers]
-        conn.writer.write(self._head(response.status, headers)
-                          + (response.body if with_body else b""))
-        await self._drain(conn)
-
-    async def _send_stream(self, conn: _Connection, request: Request, response: StreamResponse,
-                           keep_alive: bool) -> bool:
-        chunked = request.version == "HTTP/1.1"
-        keep_alive = keep_alive and chunked  # without chunking, only close ends the body
-        headers = [("Content-Type", response.content_type), ("Cache-Control", "no-cache"),
-                   ("X-Accel-Buffering", "no"),
-                   ("Connection", "keep-alive" if keep_alive else "close"), *response.headers]
-        if chunked:
-            headers.append(("Transfer-Encoding", "chunked"))
-
-        async def pump() -> None:
-            try:
-                conn.writer.write(self._head(response.status, headers))
-                await self._drain(conn)
-                async for chunk in response.chunks:
-                    if chunk:
-                        framed = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk
-                        conn.writer.write(framed)
-                        await self._drain(conn)
-                if chunked:
-                    conn.writer.write(b"0\r\n\r\n")
-                    await self._drain(conn)
-            finally:
-                await aclose(response.chunks)
-
-        try:
-            await self._run_watched(conn, pump())
-        except (_ClientGone, ConnectionError, asyncio.TimeoutError):
-            return False
-        except Exception:  # the body generator failed after the head was sent
-            log.exception("http_stream_failed", path=request.path)
-            return False
-        return keep_alive
-
-    async def _send_error_and_close(self, conn: _Connection, error: HttpError) -> None:
-        """Answer a request the server could not frame, then linger: closing with unread
-        input would make the kernel send a reset that can destroy the response."""
-        response = self.render_error(error)
-        response.headers.extend(h for h in error.headers if h not in response.headers)
-        with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-            await self._send(conn, response, keep_alive=False)
-            if conn.writer.can_write_eof():
-                conn.writer.write_eof()
-            await asyncio.wait_for(_discard_until_eof(conn.input), self.limits.linger_s)
-
-    async def _drain(self, conn: _Connection) -> None:
-        await asyncio.wait_for(conn.writer.drain(), self.limits.write_timeout_s)
-
-    def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
-        lines = [f"HTTP/1.1 {status} {reason_phrase(status)}",
-                 f"Date: {email.utils.formatdate(usegmt=True)}", f"Server: {self.server_name}",
-                 *(f"{name}: {value}" for name, value in headers)]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    # ---- disconnect detection --------------------------------------------------------
-
-    async def _run_watched(self, conn: _Connection, work: Awaitable[T]) -> T:
-        """Await `work` while watching the connection; if the client goes away, cancel
-        `work` (its generators get closed) and raise _ClientGone.
-
-        The watcher reads ahead into the connection's buffer, so a pipelined next request
-        is kept; once a full read-ahead is buffered it stops (back-pressure), and from then
-        on only the write timeout notices a vanished client."""
-        work_task = asyncio.ensure_future(work)
-        try:
-            while not work_task.done():
-                if conn.input.eof:
-                    raise _ClientGone()
-                if len(conn.input.buffer) >= _READ_SIZE:
-                    await asyncio.wait({work_task})
-                    break
-                watch_task = asyncio.ensure_future(conn.input.fill())
-                try:
-                    await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    # A StreamReader admits one waiter: the watcher must be gone before
-                    # anyone reads the connection again.
-                    watch_task.cancel()
-                    await asyncio.wait({watch_task})
-            return work_task.result()
-        finally:
-            if not work_task.done():
-                work_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await work_task
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        server.should_exit = True
+        await serving
+        listener.close()
+    log.info("http_stopped", host=host, port=bound_port)
 
 
-# ---- parsing (pure functions) -----------------------------------------------------------
-
-
-def parse_head(head: bytes, limits: HttpLimits) -> tuple[str, str, str, dict[str, str]]:
-    """(method, target, version, headers) of a request head ending in CRLF CRLF; raises
-    HttpError(400/431/505) naming what is wrong."""
-    lines = head.decode("latin-1").removesuffix("\r\n\r\n").split("\r\n")
-    method, target, version = parse_request_line(lines[0])
-    if len(lines) - 1 > limits.max_headers:
-        raise HttpError(431, f"more than {limits.max_headers} header fields", close=True)
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, value = parse_header_line(line)
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return method, target, version, headers
-
-
-def parse_request_line(line: str) -> tuple[str, str, str]:
-    parts = line.split(" ")
-    if len(parts) != 3:
-        raise HttpError(400, "malformed request line", close=True)
-    method, target, version = parts
-    if not _TOKEN.fullmatch(method):
-        raise HttpError(400, "malformed method in the request line", close=True)
-    if not _VERSION.fullmatch(version):
-        raise HttpError(400, "malformed HTTP version in the request line", close=True)
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise HttpError(505, f"{version} is not supported; use HTTP/1.1", close=True)
-    if not target or _CONTROL.search(target) or " " in target or "\t" in target:
-        raise HttpError(400, "malformed request target", close=True)
-    if not (target.startswith("/") or target.startswith(("http://", "https://")) or target == "*"):
-        raise HttpError(400, "malformed request target", close=True)
-    return method, target, version
-
-
-def parse_header_line(line: str) -> tuple[str, str]:
-    if line[:1] in (" ", "\t"):
-        raise HttpError(400, "obsolete header line folding is not accepted", close=True)
-    name, colon, value = line.partition(":")
-    if not colon or not _TOKEN.fullmatch(name):
-        raise HttpError(400, "malformed header field", close=True)
-    value = value.strip(" \t")
-    if _CONTROL.search(value):
-        raise HttpError(400, f"control character in header {name}", close=True)
-    return name.lower(), value
-
-
-def body_length(headers: dict[str, str], max_body_bytes: int) -> int:
-    """The body's length from Content-Length; chunked or other transfer codings are
-    refused (411/400), over-size bodies 413."""
-    coding = headers.get("transfer-encoding")
-    if coding is not None:
-        if "chunked" in coding.lower():
-            raise HttpError(411, "chunked request bodies are not supported; send Content-Length",
-                            close=True)
-        raise HttpError(400, f"unsupported Transfer-Encoding: {coding}", close=True)
-    declared = headers.get("content-length")
-    if declared is None:
-        return 0
-    values = {value.strip() for value in declared.split(",")}
-    if len(values) != 1:
-        raise HttpError(400, "conflicting Content-Length values", close=True)
-    value = values.pop()
-    if not value.isascii() or not value.isdigit():
-        raise HttpError(400, "malformed Content-Length", close=True)
-    if len(value) > _MAX_CONTENT_LENGTH_DIGITS or int(value) > max_body_bytes:
-        raise HttpError(413, f"body exceeds the limit of {max_body_bytes} bytes", close=True)
-    return int(value)
-
-
-def reason_phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
-
-
-def wants_keep_alive(request: Request) -> bool:
-    tokens = {token.strip().lower() for token in request.headers.get("connection", "").split(",")}
-    if request.version == "HTTP/1.0":
-        return "keep-alive" in tokens
-    return "close" not in tokens
-
-
-# ---- stream helpers --------------------------------------------------------------------
-
-
-async def aclose(iterator: Any) -> None:
-    """Close an async iterator if it can be closed (async generators can)."""
-    close = getattr(iterator, "aclose", None)
-    if close is not None:
-        await close()
-
-
-async def _discard_until_eof(conn_input: _Input) -> None:
-    while await conn_input.fill():
-        conn_input.buffer.clear()
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), IPv4 or IPv6 as the host is written."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)

@@ -20,24 +20,32 @@ Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from common.errors import BatonError
 from common.logs import get_logger
 from common.sampling_params import InvalidRequestError, SamplingParams
+from services.tokenizer import http_server
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import FrontendApi, StreamEvent
-from services.tokenizer.http_server import (
-    HttpError, HttpLimits, HttpServer, Request, Response, Router, StreamResponse, aclose, json_response,
-)
+from services.tokenizer.http_server import HttpLimits
 from services.tokenizer.openai_params import (
-    SLO_CLASS_HEADER, ApiError, Fields, as_api_error, chat_logprobs_param, finite_logprob, json_type,
-    parse_json_object, prompt_token_ids, refuse_unsupported, requested_max_tokens, sampling_params,
-    slo_class_param, sse_json, stream_flags,
+    SLO_CLASS_HEADER, ApiError, ChatCompletionRequest, CompletionRequest, as_api_error, chat_logprobs_param,
+    error_body, finite_logprob, parse_request, prompt_token_ids, refuse_unsupported, requested_max_tokens,
+    sampling_params, slo_class_param, stream_flags,
 )
 
 log = get_logger("openai_api")
@@ -46,6 +54,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenised off the event loop
 DONE_EVENT = b"data: [DONE]\n\n"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,129 @@ def finish_reason(reason: str | None) -> str:
             None: "stop"}.get(reason, reason)
 
 
+# ---- responses ----------------------------------------------------------------------------
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(value), status, headers, "application/json")
+
+
+def error_response(error: ApiError, close: bool = False) -> Response:
+    headers = error.headers()
+    if close:  # the request's body may be left unread: end the connection after the answer
+        headers["Connection"] = "close"
+    return json_response(error.payload(), error.status, headers)
+
+
+def sse_json(value: Any) -> bytes:
+    """One SSE event carrying a JSON value (compact JSON has no newlines to split)."""
+    return b"data: " + msgspec.json.encode(value) + b"\n\n"
+
+
+class EventStream(Response):
+    """A Server-Sent Events body, each event written as soon as it is produced.
+
+    Unlike Starlette's StreamingResponse, every write has a deadline (`write_timeout_s`:
+    a client that stopped reading loses its connection instead of holding it), and the
+    stream ends as soon as the client goes. `events` is closed (aclose) however the
+    stream ends, so the generator's `finally` aborts the request upstream. An HTTP/1.0
+    client, which cannot read chunked framing (uvicorn's for any body of unknown length),
+    gets the events at the end, as one body with its length."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], write_timeout_s: float):
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})  # no length
+        self.events = events
+        self.write_timeout_s = write_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = self._pump_whole if scope["http_version"] == "1.0" else self._pump
+        try:
+            await watch_disconnect(receive, pump(send))
+        except ClientGone:
+            pass
+        except TimeoutError:
+            log.info("client_stopped_reading", path=scope["path"], timeout_s=self.write_timeout_s)
+        finally:
+            await aclose(self.events)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.events:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump_whole(self, send: Send) -> None:
+        body = b"".join([event async for event in self.events])
+        headers = [*self.raw_headers, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        async with asyncio.timeout(self.write_timeout_s):
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request ran."""
+
+
+async def watch_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientGone.
+    Call only once the request's body has been read (this takes the next messages)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work_task.done():
+            raise ClientGone()
+        return work_task.result()
+    finally:
+        for task in (work_task, watcher):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def aclose(iterator: Any) -> None:
+    closer = getattr(iterator, "aclose", None)
+    if closer is not None:
+        with contextlib.suppress(Exception):
+            await closer()
+
+
+async def read_body(request: Request, limits: HttpLimits) -> bytes:
+    """The request's body, at most `max_body_bytes` (413) and within `body_timeout_s` (408)."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
+    return b"".join(chunks)
+
+
 # ---- the gateway ------------------------------------------------------------------------
 
 
 class OpenAIGateway:
-    """OpenAI's HTTP API on a FrontendApi. `serve` runs it until a stop event."""
+    """OpenAI's HTTP API on a FrontendApi, as an ASGI app (`app`) that `serve` runs on
+    uvicorn until a stop event."""
 
     def __init__(self, frontend: FrontendApi, chat_template: ChatTemplate | None = None,
                  limits: HttpLimits = HttpLimits()):
@@ -106,74 +233,79 @@ class OpenAIGateway:
         self.limits = limits
         self.created = int(time.time())
         self._tokenizer_adds_bos: bool | None = None
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self._api(self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._api(self._chat_completions), methods=["POST"]),
+            Route("/v1/models", self._api(self._models), methods=["GET"]),
+            Route("/health", self._api(self._health), methods=["GET"]),
+            Route("/metrics", self._api(self._metrics), methods=["GET"]),
+        ], exception_handlers={HTTPException: self._routing_error})
 
     async def serve(self, host: str, port: int, stop: asyncio.Event,
                     ready: Callable[[int], None] | None = None) -> None:
         """Listen on (host, port) until `stop` is set; `ready(bound_port)` once listening
         (port 0 picks a free port)."""
-        server = HttpServer(self.router(), self.limits, render_error=self._render_http_error)
-        await server.serve(host, port, stop, ready)
-
-    def router(self) -> Router:
-        router = Router()
-        router.add("POST", "/v1/completions", self._api(self._completions))
-        router.add("POST", "/v1/chat/completions", self._api(self._chat_completions))
-        router.add("GET", "/v1/models", self._api(self._models))
-        router.add("GET", "/health", self._api(self._health))
-        router.add("GET", "/metrics", self._api(self._metrics))
-        return router
+        await http_server.serve(self.app, host, port, stop, self.limits, error_body, ready)
 
     @staticmethod
-    def _api(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        async def route(request: Request) -> Response | StreamResponse:
+    def _api(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except Exception as exc:  # CancelledError (client gone) passes through
-                return as_api_error(exc).response()
+            except ClientGone:  # nobody reads this answer: uvicorn drops it
+                return error_response(ApiError(400, "the client closed the connection"))
+            except Exception as exc:  # CancelledError passes through
+                error = as_api_error(exc)
+                return error_response(error, close=error.status in (408, 413))
         return route
 
     @staticmethod
-    def _render_http_error(error: HttpError) -> Response:
-        return ApiError(error.status, error.message).response()
+    async def _routing_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: f"no route for {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        response = error_response(ApiError(exc.status_code, message))
+        response.headers.update(exc.headers or {})
+        return response
 
     # ---- routes ----------------------------------------------------------------------
 
     # Every check that does not need the prompt's tokens runs before tokenising it.
 
-    async def _completions(self, request: Request) -> Response | StreamResponse:
+    async def _completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = Fields(parse_json_object(request.body))
-        model = self._model(body)
-        refuse_unsupported(body, chat=False)
-        slo_class = slo_class_param(body, request.header(SLO_CLASS_HEADER))
+        body = parse_request(await read_body(request, self.limits), CompletionRequest)
+        model = self._model(body.model)
+        refuse_unsupported(body)
+        slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
         stream, include_usage = stream_flags(body)
-        params = sampling_params(body, body.get("logprobs", "integer"))
-        requested_max = requested_max_tokens(body, "max_tokens")
-        prompt_ids = await self._completion_prompt(body.raw("prompt"))
+        params = sampling_params(body, body.logprobs)
+        requested_max = requested_max_tokens("max_tokens", body.max_tokens)
+        prompt_ids = await self._completion_prompt(body.prompt)
         params = replace(params, max_tokens=self._max_tokens(
             "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
-        return await self._run(Job(False, f"cmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, stream, include_usage, slo_class))
+        return await self._run(request, Job(False, f"cmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
+                                            tenant, stream, include_usage, slo_class))
 
-    async def _chat_completions(self, request: Request) -> Response | StreamResponse:
+    async def _chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = Fields(parse_json_object(request.body))
-        model = self._model(body)
-        refuse_unsupported(body, chat=True)
-        slo_class = slo_class_param(body, request.header(SLO_CLASS_HEADER))
+        body = parse_request(await read_body(request, self.limits), ChatCompletionRequest)
+        model = self._model(body.model)
+        refuse_unsupported(body)
+        slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
         stream, include_usage = stream_flags(body)
         params = sampling_params(body, chat_logprobs_param(body))
-        requested_max_tokens(body, "max_tokens")  # checked even when the newer name wins
-        max_name = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
-        requested_max = requested_max_tokens(body, max_name)
-        rendered = self.chat_template.render(body.raw("messages"))
+        requested_max_tokens("max_tokens", body.max_tokens)  # checked even when the newer name wins
+        max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested_max = requested_max_tokens(max_name, getattr(body, max_name))
+        rendered = self.chat_template.render(body.messages)
         text = self.chat_template.text_for_tokenizer(rendered, self._adds_bos())
         prompt_ids = await self._tokenize(text)
         self._check_context(prompt_ids, "messages")
         params = replace(params, max_tokens=self._max_tokens(max_name, requested_max,
                                                              len(prompt_ids), None))
-        return await self._run(Job(True, f"chatcmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
-                                   tenant, stream, include_usage, slo_class))
+        return await self._run(request, Job(True, f"chatcmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
+                                            tenant, stream, include_usage, slo_class))
 
     async def _models(self, request: Request) -> Response:
         self._tenant(request)
@@ -189,12 +321,12 @@ class OpenAIGateway:
         return json_response(health, 200 if health.get("ok") else 503)
 
     async def _metrics(self, request: Request) -> Response:
-        return Response(200, self.frontend.metrics_text().encode(), METRICS_CONTENT_TYPE)
+        return Response(self.frontend.metrics_text().encode(), 200, media_type=METRICS_CONTENT_TYPE)
 
-    # ---- request building ------------------------------------------------------------
+# ---- request building ------------------------------------------------------------
 
     def _tenant(self, request: Request) -> str:
-        header = request.header("authorization")
+        header = request.headers.get("authorization")
         key = None
         if header is not None:
             scheme, _, token = header.partition(" ")
@@ -210,8 +342,8 @@ class OpenAIGateway:
                                code="invalid_api_key") from None
             raise
 
-    def _model(self, body: Fields) -> str:
-        model = body.get("model", "string", self.frontend.model_name)
+    def _model(self, requested: str | None) -> str:
+        model = requested or self.frontend.model_name
         if model != self.frontend.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.frontend.model_name!r}", param="model", code="model_not_found")
@@ -224,11 +356,8 @@ class OpenAIGateway:
             prompt_ids = await self._tokenize(prompt)
         elif isinstance(prompt, list):
             prompt_ids = prompt_token_ids(prompt)
-        elif prompt is None:
-            raise InvalidRequestError("prompt", "is required")
         else:
-            raise InvalidRequestError("prompt", f"must be a string or an array of token ids, got "
-                                      f"{json_type(prompt)}")
+            raise InvalidRequestError("prompt", "is required")
         self._check_context(prompt_ids, "prompt")
         return prompt_ids
 
@@ -267,24 +396,24 @@ class OpenAIGateway:
 
     # ---- running ---------------------------------------------------------------------
 
-    async def _run(self, job: Job) -> Response | StreamResponse:
+    async def _run(self, request: Request, job: Job) -> Response:
         events = self.frontend.generate(job.request_id, job.prompt_ids, job.params, job.tenant,
                                         slo_class=job.slo_class)
-        headers = [("X-Request-Id", job.request_id)]
+        headers = {"X-Request-Id": job.request_id}
         if not job.stream:
             try:
-                output = await _collect(events)
+                output = await watch_disconnect(request.receive, _collect(events))
             finally:
                 await aclose(events)
             return json_response(self._final_body(job, output), headers=headers)
         try:  # the first event decides the status (admission, validation by the worker)
-            first = await anext(events, None)
+            first = await watch_disconnect(request.receive, anext(events, None))
         except BaseException:
             await aclose(events)
             raise
         if first is None:
             raise ApiError(500, "the request ended without output", code="internal")
-        return StreamResponse(self._stream_chunks(job, first, events), headers=headers)
+        return EventStream(self._stream_chunks(job, first, events), headers, self.limits.write_timeout_s)
 
     async def _stream_chunks(self, job: Job, first: StreamEvent,
                              events: AsyncIterator[StreamEvent]) -> AsyncIterator[bytes]:

@@ -1,23 +1,31 @@
-"""Parsing and checking OpenAI request bodies: typed field access, sampling parameters,
-unsupported features, and the error type every failure becomes."""
+"""OpenAI request bodies as typed models, the checks types cannot say, and the error type
+every failure becomes.
+
+The models are msgspec Structs: the body is parsed and typed in one pass (msgspec is a
+dependency already, and faster than json + pydantic), strictly (no "7" for an integer, no
+true for a number); a value of the wrong type is a 400 whose `param` is the field's path
+(`stream_options.include_usage`, `stop[0]`). Absent and null fields take the default;
+unknown fields are ignored, as OpenAI does. NaN, Infinity, invalid UTF-8 and lone
+surrogate escapes are not JSON and are refused as such.
+"""
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from common.config import SLO_CLASS_NAME_MAX_CHARS
 from common.errors import BatonError
 from common.logs import get_logger
 from common.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from services.tokenizer.http_server import HttpError, Response, json_bytes, json_response
 
 log = get_logger("openai_api")
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 SLO_CLASS_HEADER = "X-Baton-SLO-Class"
+
 
 class ApiError(Exception):
     """A request failure in OpenAI's error shape."""
@@ -35,15 +43,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": error_type(self.status),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> Response:
-        return json_response(self.payload(), self.status, self.headers())
-
-    def headers(self) -> list[tuple[str, str]]:
+    def headers(self) -> dict[str, str]:
         if self.status == 429 or (self.status == 503 and self.retry_after_s):
             seconds = max(self.retry_after_s or 0.0, 0.0)
-            return [("Retry-After", str(max(1, math.ceil(seconds)))),
-                    ("retry-after-ms", str(int(seconds * 1000)))]
-        return []
+            return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(int(seconds * 1000))}
+        return {}
 
 
 def error_type(status: int) -> str:
@@ -55,14 +59,17 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
+def error_body(status: int, message: str) -> bytes:
+    """The JSON body of an error that has no more to say than its status and message."""
+    return msgspec.json.encode(ApiError(status, message).payload())
+
+
 def as_api_error(exc: BaseException) -> ApiError:
     """Map any failure to an ApiError (unexpected ones become a logged 500)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param)
-    if isinstance(exc, HttpError):
-        return ApiError(exc.status, exc.message)
     if isinstance(exc, BatonError):
         return ApiError(exc.http_status, exc.message, code=exc.code.value,
                         retry_after_s=exc.retry_after_s)
@@ -70,153 +77,167 @@ def as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, "internal server error", code="internal")
 
 
-# ---- request bodies ---------------------------------------------------------------------
+# ---- the request models ---------------------------------------------------------------
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object; ApiError 400 otherwise (NaN and Infinity refused)."""
-    def refuse_constant(name: str) -> None:
-        raise ValueError(f"{name} is not valid JSON")
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
 
+
+class ResponseFormat(msgspec.Struct):
+    type: str | None = None
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True):
+    """What completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Baton's (and vLLM's) extensions
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    slo_class: str | None = None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/completions. `prompt` is a string or an array of token ids (one prompt)."""
+
+    prompt: str | list[Any] | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions. `messages` is checked by the chat template, which names
+    the message and field at fault."""
+
+    messages: list[Any] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+RequestModel = TypeVar("RequestModel", CompletionRequest, ChatCompletionRequest)
+_DECODERS: dict[type, msgspec.json.Decoder] = {
+    model: msgspec.json.Decoder(model) for model in (CompletionRequest, ChatCompletionRequest)}
+_ERROR_PATH = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+
+
+def parse_request(body: bytes, model: type[RequestModel]) -> RequestModel:
+    """The body as `model`; ApiError 400 naming the field (or the JSON fault) otherwise."""
     try:
-        value = json.loads(body, parse_constant=refuse_constant)
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        return _DECODERS[model].decode(body)
+    except msgspec.ValidationError as error:
+        message, path = _ERROR_PATH.match(str(error)).group("message", "path")  # type: ignore[union-attr]
+        if not path:
+            raise ApiError(400, "the request body must be a JSON object") from None
+        param = path.lstrip(".").replace("[...]", "")
+        raise ApiError(400, f"{param}: {_described(message)}", param=param) from None
+    except msgspec.DecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    if _LONE_SURROGATE_ESCAPE.search(body) and not _is_unicode_text(value):
-        raise ApiError(400, "the request body is not valid JSON: a \\u escape names a lone surrogate, "
-                       "which is not a character")
-    return value
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
 
 
-# json.loads joins escaped surrogate pairs but lets a lone one through, and a str holding it
-# cannot be tokenised, encoded to UTF-8 or sent on the wire.
-_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+def _described(message: str) -> str:
+    """msgspec's "Expected `int | null`, got `str`" in the words of OpenAI's errors."""
+    expected = re.match(r"Expected `(?P<kinds>[^`]*)`, got `(?P<got>[^`]*)`", message)
+    if expected is None:
+        return message[:1].lower() + message[1:]
+    kinds = [kind for kind in expected["kinds"].split(" | ") if kind != "null"]
+    names = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string",
+             "array": "an array", "object": "an object"}
+    wanted = " or ".join(names.get(kind, kind) for kind in kinds)
+    return f"must be {wanted}, got {names.get(expected['got'], expected['got'])}"
 
 
-def _is_unicode_text(value: Any) -> bool:
-    try:
-        json.dumps(value, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+# ---- checks beyond types ---------------------------------------------------------------
 
 
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "boolean": (lambda v: isinstance(v, bool), "a boolean"),
-    "string": (lambda v: isinstance(v, str), "a string"),
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "array": (lambda v: isinstance(v, list), "an array"),
-}
-
-
-class Fields:
-    """Typed access to a request body: a value of the wrong type is a 400 naming the field;
-    absent and null fields take the default; unknown fields are ignored (as OpenAI does)."""
-
-    def __init__(self, body: dict[str, Any]):
-        self.body = body
-
-    def raw(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def has(self, name: str) -> bool:
-        return self.body.get(name) is not None
-
-    def get(self, name: str, kind: str, default: Any = None) -> Any:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        accepts, described = _KINDS[kind]
-        if not accepts(value):
-            raise InvalidRequestError(name, f"must be {described}, got {json_type(value)}")
-        if kind == "number":
-            try:
-                return float(value)
-            except OverflowError:
-                raise InvalidRequestError(name, "is out of range") from None
-        return value
-
-
-def sse_json(value: Any) -> bytes:
-    """One SSE event carrying a JSON value (compact JSON has no newlines to split)."""
-    return b"data: " + json_bytes(value) + b"\n\n"
-
-
-def json_type(value: Any) -> str:
-    for name, kind in (("null", type(None)), ("a boolean", bool), ("an integer", int),
-                       ("a number", float), ("a string", str), ("an array", list),
-                       ("an object", dict)):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
-
-
-def sampling_params(body: Fields, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: _SamplingRequest, logprobs: int | None) -> SamplingParams:
     """Validated sampling parameters; max_tokens is set once the prompt is tokenised."""
     params = SamplingParams(
         max_tokens=1,
-        temperature=body.get("temperature", "number", 1.0),
-        top_p=body.get("top_p", "number", 1.0),
-        top_k=_top_k(body),
-        seed=body.get("seed", "integer"),
-        stop=_stop_strings(body),
-        stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
-        ignore_eos=body.get("ignore_eos", "boolean", False),
+        temperature=_number("temperature", body.temperature, 1.0),
+        top_p=_number("top_p", body.top_p, 1.0),
+        top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM's -1 also means "disabled"
+        seed=body.seed,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs)
     params.validate()
     return params
 
 
-def requested_max_tokens(body: Fields, name: str) -> int | None:
-    requested = body.get(name, "integer")
+def _number(name: str, value: float | None, default: float) -> float:
+    if value is None:
+        return default
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, "is out of range")
+    return value
+
+
+def requested_max_tokens(name: str, requested: int | None) -> int | None:
     if requested is not None and requested < 1:
         raise InvalidRequestError(name, f"must be >= 1, got {requested}")
     return requested
 
 
-def stream_flags(body: Fields) -> tuple[bool, bool]:
+def stream_flags(body: _SamplingRequest) -> tuple[bool, bool]:
     """(stream, include_usage)."""
-    stream = body.get("stream", "boolean", False)
-    options = Fields(body.get("stream_options", "object", {}))
-    include_usage = options.get("include_usage", "boolean", False) if stream else False
+    stream = bool(body.stream)
+    include_usage = stream and body.stream_options is not None and bool(body.stream_options.include_usage)
     return stream, include_usage
 
 
-def refuse_unsupported(body: Fields, chat: bool) -> None:
+def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """OpenAI parameters Baton does not implement: refused when they would change the
     result, accepted at their neutral value (clients often send those explicitly)."""
-    if body.get("n", "integer", 1) != 1:
+    if body.n not in (None, 1):
         raise InvalidRequestError("n", "only n=1 is supported")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, "number", 0.0) != 0.0:
+        if getattr(body, name) not in (None, 0.0):
             raise InvalidRequestError(name, "is not supported (only 0)")
-    if body.get("logit_bias", "object", {}):
+    if body.logit_bias:
         raise InvalidRequestError("logit_bias", "is not supported")
-    if chat:
+    if isinstance(body, ChatCompletionRequest):
         for name in ("tools", "functions"):
-            if body.get(name, "array", []):
+            if getattr(body, name):
                 raise InvalidRequestError(name, "tool calling is not supported")
-        response_format = Fields(body.get("response_format", "object", {}))
-        if response_format.get("type", "string", "text") != "text":
+        if body.response_format is not None and body.response_format.type not in (None, "text"):
             raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
         return
-    if body.get("best_of", "integer", 1) != 1:
+    if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of", "only best_of=1 is supported")
-    if body.get("echo", "boolean", False):
+    if body.echo:
         raise InvalidRequestError("echo", "is not supported")
-    if body.get("suffix", "string", ""):
+    if body.suffix:
         raise InvalidRequestError("suffix", "is not supported")
 
 
-def slo_class_param(body: Fields, header: str | None) -> str:
+def slo_class_param(body: _SamplingRequest, header: str | None) -> str:
     """The SLO class a request names, by the X-Baton-SLO-Class header or the body's
     `slo_class` extension (both may be given if they agree); "" when neither names one.
     Whether the class is configured is the frontend's check."""
-    from_body = _slo_class_name("slo_class", body.get("slo_class", "string", ""))
+    from_body = _slo_class_name("slo_class", body.slo_class or "")
     from_header = _slo_class_name(SLO_CLASS_HEADER, header or "")
     if from_body and from_header and from_body != from_header:
         raise InvalidRequestError("slo_class", f"{from_body!r} disagrees with the {SLO_CLASS_HEADER} "
@@ -231,40 +252,16 @@ def _slo_class_name(param: str, name: str) -> str:
     return name
 
 
-def chat_logprobs_param(body: Fields) -> int | None:
+def chat_logprobs_param(body: ChatCompletionRequest) -> int | None:
     """SamplingParams.logprobs for chat's (logprobs: bool, top_logprobs: int)."""
-    wanted = body.get("logprobs", "boolean", False)
-    top = body.get("top_logprobs", "integer")
-    if top is not None and not wanted:
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs", "requires logprobs: true")
-    if not wanted:
+    if not body.logprobs:
         return None
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
     return top or 0
-
-
-def _top_k(body: Fields) -> int:
-    top_k = body.get("top_k", "integer", 0)
-    return 0 if top_k == -1 else top_k  # vLLM's -1 also means "disabled"
-
-
-def _stop_strings(body: Fields) -> tuple[str, ...]:
-    stop = body.raw("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequestError("stop", "must be a string or an array of strings")
-    return tuple(stop)  # counts and lengths: SamplingParams.validate
-
-
-def _int_list(body: Fields, name: str) -> list[int]:
-    values = body.get(name, "array", [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise InvalidRequestError(name, "must be an array of integers")
-    return values
 
 
 def prompt_token_ids(prompt: list[Any]) -> list[int]:
