@@ -15,20 +15,23 @@ proxy is not part of every deployment):
 - protocol errors are answered in the app's JSON error shape (`error_body`), not text;
 - a client that half-closes after its request still gets the answer; one that half-closes
   in the middle of its body gets a 400.
-The body deadline, write deadlines and client disconnects are the app's to watch: the
-ASGI interface gives it what it needs for those.
+The body deadline, write deadlines and client disconnects are the app's to watch, with
+the helpers at the end of this module: `read_body`, `EventStream`, `watch_disconnect`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common.logs import get_logger
@@ -36,6 +39,7 @@ from common.logs import get_logger
 log = get_logger("http")
 
 ErrorBody = Callable[[int, str], bytes]  # (status, message) -> a JSON error body
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -227,3 +231,106 @@ def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port), IPv4 or IPv6 as the host is written."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=2048)
+
+
+# ---- what the app watches: body limits, write deadlines, disconnects ---------------------
+
+
+class EventStream(Response):
+    """A Server-Sent Events body, each event written as soon as it is produced.
+
+    Unlike Starlette's StreamingResponse, every write has a deadline (`write_timeout_s`:
+    a client that stopped reading loses its connection instead of holding it), and the
+    stream ends as soon as the client goes. `events` is closed (aclose) however the
+    stream ends, so the generator's `finally` aborts the request upstream. An HTTP/1.0
+    client, which cannot read chunked framing (uvicorn's for any body of unknown length),
+    gets the events at the end, as one body with its length."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], write_timeout_s: float):
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})  # no length
+        self.events = events
+        self.write_timeout_s = write_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = self._pump_whole if scope["http_version"] == "1.0" else self._pump
+        try:
+            await watch_disconnect(receive, pump(send))
+        except ClientGone:
+            pass
+        except TimeoutError:
+            log.info("client_stopped_reading", path=scope["path"], timeout_s=self.write_timeout_s)
+        finally:
+            await aclose(self.events)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.events:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump_whole(self, send: Send) -> None:
+        body = b"".join([event async for event in self.events])
+        headers = [*self.raw_headers, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        async with asyncio.timeout(self.write_timeout_s):
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request ran."""
+
+
+async def watch_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientGone.
+    Call only once the request's body has been read (this takes the next messages)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work_task.done():
+            raise ClientGone()
+        return work_task.result()
+    finally:
+        for task in (work_task, watcher):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def aclose(iterator: Any) -> None:
+    closer = getattr(iterator, "aclose", None)
+    if closer is not None:
+        with contextlib.suppress(Exception):
+            await closer()
+
+
+class BodyRefused(Exception):
+    """A request body the app will not wait for: `status` is the answer (408)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_body(request: Request, timeout_s: float) -> bytes:
+    """The request's body, whole within `timeout_s` (else 408). Its size is bounded
+    already: GuardedProtocol refuses a body over max_body_bytes."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+    except TimeoutError:
+        raise BodyRefused(408, f"the request body did not arrive within {timeout_s:g} s") from None

@@ -20,12 +20,11 @@ Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -33,7 +32,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from common.errors import BatonError
 from common.logs import get_logger
@@ -41,7 +39,7 @@ from common.sampling_params import InvalidRequestError, SamplingParams
 from services.tokenizer import http_server
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import FrontendApi, StreamEvent
-from services.tokenizer.http_server import HttpLimits
+from services.tokenizer.http_server import ClientGone, EventStream, HttpLimits, aclose, read_body, watch_disconnect
 from services.tokenizer.openai_params import (
     SLO_CLASS_HEADER, ApiError, ChatCompletionRequest, CompletionRequest, as_api_error, chat_logprobs_param,
     error_body, finite_logprob, parse_request, prompt_token_ids, refuse_unsupported, requested_max_tokens,
@@ -54,7 +52,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenised off the event loop
 DONE_EVENT = b"data: [DONE]\n\n"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -121,104 +118,6 @@ def sse_json(value: Any) -> bytes:
     return b"data: " + msgspec.json.encode(value) + b"\n\n"
 
 
-class EventStream(Response):
-    """A Server-Sent Events body, each event written as soon as it is produced.
-
-    Unlike Starlette's StreamingResponse, every write has a deadline (`write_timeout_s`:
-    a client that stopped reading loses its connection instead of holding it), and the
-    stream ends as soon as the client goes. `events` is closed (aclose) however the
-    stream ends, so the generator's `finally` aborts the request upstream. An HTTP/1.0
-    client, which cannot read chunked framing (uvicorn's for any body of unknown length),
-    gets the events at the end, as one body with its length."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], write_timeout_s: float):
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})  # no length
-        self.events = events
-        self.write_timeout_s = write_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = self._pump_whole if scope["http_version"] == "1.0" else self._pump
-        try:
-            await watch_disconnect(receive, pump(send))
-        except ClientGone:
-            pass
-        except TimeoutError:
-            log.info("client_stopped_reading", path=scope["path"], timeout_s=self.write_timeout_s)
-        finally:
-            await aclose(self.events)
-
-    async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for event in self.events:
-            async with asyncio.timeout(self.write_timeout_s):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _pump_whole(self, send: Send) -> None:
-        body = b"".join([event async for event in self.events])
-        headers = [*self.raw_headers, (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-        async with asyncio.timeout(self.write_timeout_s):
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class ClientGone(Exception):
-    """The client closed its connection while its request ran."""
-
-
-async def watch_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise ClientGone.
-    Call only once the request's body has been read (this takes the next messages)."""
-    work_task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work_task.done():
-            raise ClientGone()
-        return work_task.result()
-    finally:
-        for task in (work_task, watcher):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def aclose(iterator: Any) -> None:
-    closer = getattr(iterator, "aclose", None)
-    if closer is not None:
-        with contextlib.suppress(Exception):
-            await closer()
-
-
-async def read_body(request: Request, limits: HttpLimits) -> bytes:
-    """The request's body, at most `max_body_bytes` (413) and within `body_timeout_s` (408)."""
-    declared = request.headers.get("content-length")
-    too_large = ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(limits.body_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
-    return b"".join(chunks)
-
-
 # ---- the gateway ------------------------------------------------------------------------
 
 
@@ -256,7 +155,7 @@ class OpenAIGateway:
                 return error_response(ApiError(400, "the client closed the connection"))
             except Exception as exc:  # CancelledError passes through
                 error = as_api_error(exc)
-                return error_response(error, close=error.status in (408, 413))
+                return error_response(error, close=error.status == 408)
         return route
 
     @staticmethod
@@ -274,7 +173,7 @@ class OpenAIGateway:
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_request(await read_body(request, self.limits), CompletionRequest)
+        body = parse_request(await read_body(request, self.limits.body_timeout_s), CompletionRequest)
         model = self._model(body.model)
         refuse_unsupported(body)
         slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
@@ -289,7 +188,7 @@ class OpenAIGateway:
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_request(await read_body(request, self.limits), ChatCompletionRequest)
+        body = parse_request(await read_body(request, self.limits.body_timeout_s), ChatCompletionRequest)
         model = self._model(body.model)
         refuse_unsupported(body)
         slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
@@ -323,7 +222,7 @@ class OpenAIGateway:
     async def _metrics(self, request: Request) -> Response:
         return Response(self.frontend.metrics_text().encode(), 200, media_type=METRICS_CONTENT_TYPE)
 
-# ---- request building ------------------------------------------------------------
+    # ---- request building ------------------------------------------------------------
 
     def _tenant(self, request: Request) -> str:
         header = request.headers.get("authorization")

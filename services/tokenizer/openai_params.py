@@ -20,6 +20,7 @@ from common.config import SLO_CLASS_NAME_MAX_CHARS
 from common.errors import BatonError
 from common.logs import get_logger
 from common.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from services.tokenizer.http_server import BodyRefused
 
 log = get_logger("openai_api")
 
@@ -70,6 +71,8 @@ def as_api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), param=exc.param)
+    if isinstance(exc, BodyRefused):
+        return ApiError(exc.status, exc.message)
     if isinstance(exc, BatonError):
         return ApiError(exc.http_status, exc.message, code=exc.code.value,
                         retry_after_s=exc.retry_after_s)
