@@ -32,14 +32,15 @@ POSITIVE_INT = Check(lambda value: value > 0, "a positive integer")
 POSITIVE = Check(lambda value: math.isfinite(value) and value > 0, "a finite number > 0")
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple = (),  # noqa: A002
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple = (),
             check: Check | None = None, switch: bool = False,
-            default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+            default_factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field declaring one setting. `choices`: the only values allowed;
     `check`: a condition on the value (None, where that is the default, means unset and
     is not checked); `switch`: a bool whose flag takes no value (given = true)."""
     metadata = {"help": help, "choices": tuple(choices), "check": check, "switch": switch}
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, default_factory=default_factory or dataclasses.MISSING,
+                             metadata=metadata)
 
 
 @functools.cache
