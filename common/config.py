@@ -1,31 +1,39 @@
 """The cluster configuration every role reads: TOML file < BATON_* environment < flags.
 
-One flat, frozen dataclass; each role takes the fields it needs. Addresses default to
-ports counted from `port_base` on `host`, so a whole single-node cluster needs only one
-number. Every value is validated at start; errors name the key and where it came from.
+One flat, frozen dataclass; each role takes the fields it needs. Every field is declared
+once (common/settings.py): the engine's settings in `EngineSettings`, which it inherits,
+the cluster's own here. Its TOML keys, BATON_* variables and `svc` flags are the field
+names. Addresses default to ports counted from `port_base` on `host`, so a whole
+single-node cluster needs only one number. Every value is validated at start; errors name
+the key and where it came from.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
-from common.engine.config import DEVICE_PATTERN, QUEUE_POLICIES
+from common.engine.config import EngineSettings
+from common.settings import POSITIVE, POSITIVE_INT, Check, ConfigError, is_a, setting, setting_types
 
 ENV_PREFIX = "BATON_"
 ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")
 INDEX_MODES = ("events", "approximate")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 SLO_CLASS_NAME_MAX_CHARS = 64  # the longest name a request may carry (HTTP checks it too)
 TABLE_KEYS = ("api_keys", "slo_classes")  # TOML tables that are values, not sections
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing or invalid; the message names the key."""
+PORT_BASE = Check(lambda value: 0 < value <= 65535 - 11, "in 1..65524 (ports up to port_base+11 are derived)")
+PORT = Check(lambda value: 0 < value < 65536, "a port number in 1..65535")
+ENDPOINT = Check(lambda value: not value or "://" in value, "a ZeroMQ endpoint like tcp://host:port")
+DIRECTORY = Check(lambda value: not value or Path(value).is_dir(), "an existing directory")
+NEW_OR_DIRECTORY = Check(lambda value: not (value and Path(value).exists() and not Path(value).is_dir()),
+                         "a directory, or a path with nothing there yet")
+NOT_NEGATIVE = Check(lambda value: value >= 0, ">= 0")
 
 
 class UnknownSloClass(ValueError):
@@ -41,55 +49,65 @@ class SloClass:
     tpot_s: float
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
-    host: str = "127.0.0.1"
-    advertise_host: str = ""  # how other hosts reach this role's bound sockets; default `host`
-    port_base: int = 7100
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    router_address: str = ""  # default tcp://host:port_base
-    sdk_address: str = ""  # default tcp://host:port_base+1
-    stream_address: str = ""  # default tcp://host:port_base+2
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig(EngineSettings):
+    """Every setting of every role: the engine's (inherited) and the cluster's below."""
 
-    model: str = ""  # checkpoint directory; "" = the embedded tiny default
-    model_name: str = "baton-default"
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    kv_cache_gb: float = 1.0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 0  # 0 = the model's own limit
-    queue_policy: str = "fcfs"
-    threads: int = 0  # torch threads per worker; 0 = torch's default (svc up splits the cores)
-    step_log_dir: str = ""  # each worker appends its engine steps to DIR/worker-N.steps.jsonl; "" = off
+    host: str = setting("127.0.0.1", "host the cluster's sockets bind and connect on")
+    advertise_host: str = setting("", "host name peers use to reach this role's sockets (default: host)")
+    port_base: int = setting(7100, "first of the cluster's ZeroMQ ports", check=PORT_BASE)
+    http_host: str = setting("127.0.0.1", "address the HTTP gateway binds")
+    http_port: int = setting(8000, "port of the HTTP gateway", check=PORT)
+    router_address: str = setting("", "the router's ZeroMQ endpoint (default: tcp://host:port_base)",
+                                  check=ENDPOINT)
+    sdk_address: str = setting("", "the client SDK's endpoint (default: tcp://host:port_base+1)", check=ENDPOINT)
+    stream_address: str = setting("", "the token stream's endpoint (default: tcp://host:port_base+2)",
+                                  check=ENDPOINT)
 
-    policy: str = "round_robin"
-    heartbeat_interval_s: float = 0.5
-    worker_timeout_s: float = 3.0
-    worker_stall_timeout_s: float = 30.0  # a worker whose loop has not turned this long stops heartbeating
-    max_queued_requests: int = 256  # per worker, beyond its running batch
-    max_queued_tokens: int = 262144  # per worker, prompt tokens waiting
-    request_timeout_s: float = 600.0
-    first_token_timeout_s: float = 120.0  # a request with no token by then times out (capped by its own timeout)
-    admission: bool = False  # SLO-aware admission control
-    index_mode: str = "events"  # how the router knows workers' prefix caches: KV events or its own guess
-    index_ttl_s: float = 120.0  # approximate index: how long a routed prefix is assumed cached
-    load_window_s: float = 180.0  # how far back the router's load estimates look
-    profile: str = ""  # JSON cost profile; "" = the built-in one
+    model: str = setting("", "checkpoint directory (default: the tiny embedded model)", check=DIRECTORY)
+    model_name: str = setting("baton-default", "the model's name in the OpenAI API")
+    threads: int = setting(0, "torch threads per worker (0: torch's default; svc up splits the cores)",
+                           check=NOT_NEGATIVE)
+    step_log_dir: str = setting("", "each worker appends its engine steps (sizes, seconds) to "
+                                "DIR/worker-N.steps.jsonl (default: off)", check=NEW_OR_DIRECTORY)
 
-    slo_classes: tuple[SloClass, ...] = ()
-    default_slo_class: str = ""  # for requests that name no class and whose tenant has none; "" = no SLO
+    policy: str = setting("round_robin", "how the router places requests", choices=ROUTER_POLICIES)
+    heartbeat_interval_s: float = setting(0.5, "how often workers report", check=POSITIVE)
+    worker_timeout_s: float = setting(3.0, "a worker silent this long is dropped", check=POSITIVE)
+    worker_stall_timeout_s: float = setting(30.0, "a worker whose loop has not turned this long stops "
+                                            "heartbeating", check=POSITIVE)
+    max_queued_requests: int = setting(256, "per worker, beyond its running batch; more are refused",
+                                       check=POSITIVE_INT)
+    max_queued_tokens: int = setting(262144, "per worker, prompt tokens waiting; more are refused",
+                                     check=POSITIVE_INT)
+    request_timeout_s: float = setting(600.0, "default deadline of a request", check=POSITIVE)
+    first_token_timeout_s: float = setting(120.0, "a request with no token by then ends with a timeout "
+                                           "(never later than its own deadline)", check=POSITIVE)
+    admission: bool = setting(False, "refuse at once what would miss its SLO class")
+    index_mode: str = setting("events", "the router's prefix index: from the workers' KV events, or "
+                              "approximate (from its own placements)", choices=INDEX_MODES)
+    index_ttl_s: float = setting(120.0, "approximate index: how long a routed prefix counts as cached",
+                                 check=POSITIVE)
+    load_window_s: float = setting(180.0, "how far back the router's load estimates look", check=POSITIVE)
+    profile: str = setting("", "the router's cost profile: a JSON file or a built-in name (default: the "
+                           "built-in tiny-model one)")
 
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
-    curve_enabled: bool = False
-    curve_keys_dir: str = ""  # per-role CURVE key pairs, as `svc keys generate DIR` writes them
-    insecure: bool = False  # allow binding beyond loopback with CURVE off (warned on every start)
+    slo_classes: tuple[SloClass, ...] = setting((), "latency targets by class: TOML [slo_classes.NAME] "
+                                                "tables, or name:ttft_s:tpot_s,...")
+    default_slo_class: str = setting("", "the class of requests that name none and whose tenant has none "
+                                     "(default: no SLO)")
 
-    log_level: str = "info"
+    api_keys: dict[str, str] = setting(default_factory=dict, help="HTTP bearer key -> tenant: a TOML "
+                                       "[api_keys] table, or key=tenant,...")
+    curve_enabled: bool = setting(False, "encrypt and authenticate every ZeroMQ socket with CURVE")
+    curve_keys_dir: str = setting("", "the cluster's CURVE key pairs, as `svc keys generate DIR` writes them")
+    insecure: bool = setting(False, "allow binding beyond loopback with CURVE off (anyone who reaches a "
+                             "socket can pose as any role; warned on every start)", switch=True)
+
+    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _validate(self)
 
     # ---- derived addresses ---------------------------------------------------------
@@ -149,51 +167,14 @@ def _known_classes(config: ClusterConfig) -> str:
 
 
 def _validate(config: ClusterConfig) -> None:
-    if not 0 < config.port_base <= 65535 - 11:  # room for the derived ports up to worker 0's
-        raise ConfigError(f"port_base: must be in 1..65524 (ports up to port_base+11 are derived), "
-                          f"got {config.port_base}")
-    if not 0 < config.http_port < 65536:
-        raise ConfigError(f"http_port: must be a port number in 1..65535, got {config.http_port}")
-    for name in ("kv_cache_gb", "heartbeat_interval_s", "worker_timeout_s", "worker_stall_timeout_s",
-                 "request_timeout_s", "first_token_timeout_s", "index_ttl_s", "load_window_s"):
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"{name}: must be > 0, got {getattr(config, name)}")
-    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
-                 "max_queued_tokens"):
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"{name}: must be a positive integer, got {getattr(config, name)}")
-    if config.threads < 0:
-        raise ConfigError(f"threads: must be >= 0 (0 = torch's default), got {config.threads}")
-    if config.max_model_len < 0:
-        raise ConfigError(f"max_model_len: must be >= 0 (0 = the model's limit), got {config.max_model_len}")
+    """What no single field's declaration can check: fields together, files' contents."""
     if config.worker_timeout_s <= config.heartbeat_interval_s:
         raise ConfigError("worker_timeout_s: must exceed heartbeat_interval_s "
                           f"({config.worker_timeout_s} <= {config.heartbeat_interval_s})")
-    if config.policy not in ROUTER_POLICIES:
-        raise ConfigError(f"policy: unknown {config.policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
-    if config.queue_policy not in QUEUE_POLICIES:
-        raise ConfigError(f"queue_policy: unknown {config.queue_policy!r}; "
-                          f"choose one of {', '.join(QUEUE_POLICIES)}")
-    if config.dtype not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"dtype: unsupported {config.dtype!r}")
-    if not DEVICE_PATTERN.fullmatch(config.device):
-        raise ConfigError(f"device: {config.device!r} is not cpu, cuda or cuda:N")
-    for name in ("router_address", "sdk_address", "stream_address"):
-        value = getattr(config, name)
-        if value and "://" not in value:
-            raise ConfigError(f"{name}: {value!r} is not a ZeroMQ endpoint like tcp://host:port")
-    if config.model and not Path(config.model).is_dir():
-        raise ConfigError(f"model: {config.model!r} is not a directory")
     keys_dir = Path(config.curve_keys_dir) if config.curve_keys_dir else None
     if config.curve_enabled and not (keys_dir and (keys_dir / "router.key").is_file()):
         raise ConfigError(f"curve_keys_dir: curve_enabled needs the directory of the cluster's keys, "
                           f"got {config.curve_keys_dir!r} (write one with `svc keys generate DIR`)")
-    if config.log_level not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"log_level: unknown {config.log_level!r}")
-    if config.index_mode not in INDEX_MODES:
-        raise ConfigError(f"index_mode: unknown {config.index_mode!r}; choose {' or '.join(INDEX_MODES)}")
-    if config.step_log_dir and Path(config.step_log_dir).exists() and not Path(config.step_log_dir).is_dir():
-        raise ConfigError(f"step_log_dir: {config.step_log_dir!r} exists and is not a directory")
     if config.profile and not Path(config.profile).is_file():
         _validate_profile_name(config.profile)
     _validate_slo_classes(config)
@@ -232,23 +213,32 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
     """Defaults, then the TOML file, then BATON_* variables, then `overrides` (flags;
     None values are ignored). Raises ConfigError naming the bad key and its source."""
-    values: dict[str, Any] = {}
+    given: dict[str, tuple[Any, str]] = {}  # key -> (value, where it was given)
     if path is not None:
-        values.update(_from_toml(Path(path)))
-    values.update(_from_env(os.environ if env is None else env))
-    values.update({k: _check_type(k, v, "overrides") for k, v in (overrides or {}).items() if v is not None})
+        given.update(_from_toml(Path(path)))
+    given.update(_from_env(os.environ if env is None else env))
+    given.update({name: (_check_type(name, value, f"flag {flag_name(name)}"), f"flag {flag_name(name)}")
+                  for name, value in (overrides or {}).items() if value is not None})
     try:
-        return ClusterConfig(**values)
-    except TypeError as error:
-        raise ConfigError(str(error)) from None
+        return ClusterConfig(**{name: value for name, (value, _) in given.items()})
+    except ConfigError as error:
+        key = str(error).split(":", 1)[0].split(".", 1)[0]
+        if key not in given:
+            raise
+        raise ConfigError(f"{error} (from {given[key][1]})") from None
 
 
-def _field_types() -> dict[str, Any]:
-    hints = get_type_hints(ClusterConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(ClusterConfig)}
+def flag_name(key: str) -> str:
+    """The `svc` flag of a configuration key: max_num_seqs -> --max-num-seqs."""
+    return "--" + key.replace("_", "-")
 
 
-def _from_toml(path: Path) -> dict[str, Any]:
+def env_name(key: str) -> str:
+    """The environment variable of a configuration key: max_num_seqs -> BATON_MAX_NUM_SEQS."""
+    return ENV_PREFIX + key.upper()
+
+
+def _from_toml(path: Path) -> dict[str, tuple[Any, str]]:
     try:
         raw = tomllib.loads(path.read_bytes().decode("utf-8"))  # TOML is UTF-8 whatever the locale
     except FileNotFoundError:
@@ -265,22 +255,20 @@ def _from_toml(path: Path) -> dict[str, Any]:
             if name in flat:
                 raise ConfigError(f"{name}: set twice in {path}")
             flat[name] = item
-    return {key: _check_type(key, value, f"{path}") for key, value in flat.items()}
+    return {key: (_check_type(key, value, str(path)), str(path)) for key, value in flat.items()}
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    types = _field_types()
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     values = {}
-    for name, kind in types.items():
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            continue
-        values[name] = _parse_env(name, raw, kind)
+    for name, kind in setting_types(ClusterConfig).items():
+        raw = env.get(env_name(name))
+        if raw is not None:
+            values[name] = (_parse_env(name, raw, kind), f"environment {env_name(name)}")
     return values
 
 
 def _parse_env(name: str, raw: str, kind: Any) -> Any:
-    source = f"environment {ENV_PREFIX}{name.upper()}"
+    source = f"environment {env_name(name)}"
     if name == "slo_classes":
         return _slo_classes_from_env(raw, source)
     try:
@@ -340,17 +328,16 @@ def _slo_class_from_table(name: str, targets: Any, source: str) -> SloClass:
 
 
 def _check_type(name: str, value: Any, source: str) -> Any:
-    types = _field_types()
+    types = setting_types(ClusterConfig)
     if name not in types:
         raise ConfigError(f"{name}: unknown key in {source}")
     if name == "slo_classes":
         return _slo_classes_from_table(value, source)
     kind = types[name]
-    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str)}.get(kind)
-    if ok is None:  # the dict field
+    if name == "api_keys":
         ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    else:
+        ok = is_a(value, kind)
     if not ok:
         raise ConfigError(f"{name}: {source} gives {value!r}, expected {getattr(kind, '__name__', kind)}")
     return float(value) if kind is float else value

@@ -2,6 +2,7 @@
 happen inside the commands that need them so light roles stay light."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -9,14 +10,75 @@ from pathlib import Path
 
 import click
 
-from common.config import ROUTER_POLICIES
-from common.engine.config import DTYPES, QUEUE_POLICIES
+from common.config import LOG_LEVELS, ClusterConfig, flag_name
+from common.engine.config import EngineSettings
 from common.logs import configure_logging
+from common.settings import SCALARS, ConfigError, setting_types
+
+
+# ---- options from the declared settings (common/settings.py) ---------------------------
+
+
+def _flag_settings() -> list[dataclasses.Field]:
+    """The configuration keys a flag can carry: every scalar one (the tables, api_keys and
+    slo_classes, come from the TOML file or the environment)."""
+    types = setting_types(ClusterConfig)
+    return [spec for spec in dataclasses.fields(ClusterConfig) if types[spec.name] in SCALARS]
+
+
+ROLE_SETTINGS = _flag_settings()
+
+
+def _setting_option(spec: dataclasses.Field, kind: type, default=None, show_default: bool = False):
+    """A click option for a declared setting of type `kind`: flag, choices and help from
+    the declaration. With the default None, a flag not given is None and the config's
+    other sources decide."""
+    meta = spec.metadata
+    if meta["switch"]:
+        return click.option(flag_name(spec.name), is_flag=True, default=None, help=meta["help"])
+    help_text = meta["help"]
+    if not show_default and spec.default not in (None, ""):
+        help_text += f" [default: {_shown(spec.default)}]"
+    return click.option(flag_name(spec.name), type=click.Choice(meta["choices"]) if meta["choices"] else kind,
+                        default=default, show_default=show_default, help=help_text)
+
+
+def _shown(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def engine_option(name: str):
+    """An offline command's option for engine setting `name`, defaulting to the declared default."""
+    (spec,) = (spec for spec in dataclasses.fields(EngineSettings) if spec.name == name)
+    return _setting_option(spec, setting_types(EngineSettings)[name], default=spec.default, show_default=True)
+
+
+def role_options(function):
+    types = setting_types(ClusterConfig)
+    for spec in reversed(ROLE_SETTINGS):
+        function = _setting_option(spec, types[spec.name])(function)
+    return click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                        help="TOML config file (BATON_* variables and flags override it)")(function)
+
+
+def _overrides(flags: dict) -> dict:
+    """The settings the flags give: None for a flag not given (a switch: not set)."""
+    return {spec.name: (flags.get(spec.name) or None) if spec.metadata["switch"] else flags.get(spec.name)
+            for spec in ROLE_SETTINGS}
+
+
+def _as_flags(overrides: dict) -> list[str]:
+    """`overrides` as the command line that gives them to a child `svc start`."""
+    args = []
+    for spec in ROLE_SETTINGS:
+        value = overrides.get(spec.name)
+        if value is not None:
+            args += [flag_name(spec.name)] if spec.metadata["switch"] else [flag_name(spec.name), str(value)]
+    return args
 
 
 @click.group()
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="warning", show_default=True, type=click.Choice(LOG_LEVELS))
 def main(log_level: str) -> None:
     """Baton: serve long, heavily shared prompts fast and fairly."""
     configure_logging(log_level)
@@ -56,9 +118,9 @@ def model_init(directory: Path, size: str, seed: int) -> None:
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--logprobs", type=int, default=None)
-@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)
-@click.option("--kv-cache-gb", type=float, default=1.0, show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@engine_option("dtype")
+@engine_option("kv_cache_gb")
+@engine_option("device")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed, stop,
              ignore_eos, logprobs, dtype, kv_cache_gb, device, as_json) -> None:
@@ -78,7 +140,7 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
         engine = Engine(EngineConfig(model_dir=model_dir or default_model_dir(), dtype=dtype,
                                      kv_cache_gb=kv_cache_gb, device=device))
         [result] = engine.generate([prompt_input], params)
-    except (CheckpointError, EngineConfigError, InvalidRequestError) as error:
+    except (CheckpointError, ConfigError, EngineConfigError, InvalidRequestError) as error:
         raise click.ClickException(str(error)) from error
     if as_json:
         click.echo(json.dumps({
@@ -96,55 +158,11 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
 
 # ---- cluster roles ---------------------------------------------------------------------
 
-ROLE_FLAGS = [
-    ("--host", str, "host the cluster's sockets bind and connect on"),
-    ("--advertise-host", str, "host name peers use to reach this role (default: --host)"),
-    ("--port-base", int, "first of the cluster's ZeroMQ ports"),
-    ("--http-host", str, "address the HTTP gateway binds"),
-    ("--http-port", int, "port of the HTTP gateway"),
-    ("--router-address", str, "the router's ZeroMQ endpoint"),
-    ("--model", str, "checkpoint directory (default: the tiny embedded model)"),
-    ("--model-name", str, "the model's name in the OpenAI API"),
-    ("--dtype", str, ", ".join(DTYPES)),
-    ("--device", str, "cpu, cuda (worker N on GPU N modulo the GPUs it sees) or cuda:K"),
-    ("--kv-cache-gb", float, "size of each worker's KV pool"),
-    ("--max-num-batched-tokens", int, "per-step token budget"),
-    ("--max-num-seqs", int, "most requests in a worker's batch"),
-    ("--max-model-len", int, "context limit (0 = the model's)"),
-    ("--queue-policy", str, f"worker waiting queue: {', '.join(QUEUE_POLICIES)} (priority: Preble's quotas)"),
-    ("--threads", int, "torch threads per worker (0 = torch's default)"),
-    ("--step-log-dir", str, "each worker appends its engine steps (sizes, seconds) to DIR/worker-N.steps.jsonl"),
-    ("--policy", str, f"placement: {', '.join(ROUTER_POLICIES)}"),
-    ("--admission", bool, "refuse early what would miss its SLO class (true/false)"),
-    ("--index-mode", str, "prefix index from KV events, or approximate (from placements)"),
-    ("--profile", str, "JSON cost profile for the router (default: the built-in tiny-model one)"),
-    ("--max-queued-requests", int, "per worker, beyond its batch; more are refused"),
-    ("--worker-timeout-s", float, "a worker silent this long is dropped"),
-    ("--heartbeat-interval-s", float, "how often workers report"),
-    ("--request-timeout-s", float, "default deadline of a request"),
-    ("--first-token-timeout-s", float, "a request with no token by then ends with a timeout"),
-    ("--log-level", str, "debug, info, warning or error"),
-]
-
-
-def role_options(function):
-    for flag, kind, help_text in reversed(ROLE_FLAGS):
-        function = click.option(flag, type=kind, default=None, help=help_text)(function)
-    function = click.option("--insecure", is_flag=True, default=False,
-                            help="allow binding beyond loopback with CURVE off (anyone who reaches a "
-                                 "socket can pose as any role)")(function)
-    return click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-                        help="TOML config file (BATON_* variables and flags override it)")(function)
-
-
 def _load_config(config_path: Path | None, flags: dict):
-    from common.config import ConfigError, load_config
+    from common.config import load_config
 
-    overrides = {flag.lstrip("-").replace("-", "_"): flags.get(flag.lstrip("-").replace("-", "_"))
-                 for flag, _, _ in ROLE_FLAGS}
-    overrides["insecure"] = True if flags.get("insecure") else None
     try:
-        return load_config(config_path, overrides=overrides)
+        return load_config(config_path, overrides=_overrides(flags))
     except ConfigError as error:
         raise click.ClickException(f"config: {error}") from error
 
@@ -153,7 +171,6 @@ def _check_bind_policy(config, role: str) -> None:
     """Refuse a non-loopback ZeroMQ bind without CURVE unless insecure, and warn on every
     insecure start. The HTTP gateway is the public door, guarded by API keys rather than
     CURVE: a public one without keys is warned of."""
-    from common.config import ConfigError
     from common.logs import get_logger
     from common.sockets import check_bind_policy, is_loopback
 
@@ -234,12 +251,9 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
         flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // workers)
     base = [sys.executable, "-m", "services.cli", "start"]
-    passed = [arg for flag, _, _ in ROLE_FLAGS if flags.get(key := flag.lstrip("-").replace("-", "_")) is not None
-              for arg in (flag, str(flags[key]))]
+    passed = _as_flags(_overrides(flags))
     if config_path is not None:
         passed += ["--config", str(config_path)]
-    if flags.get("insecure"):
-        passed.append("--insecure")
     children = [Child("router", [*base, "router", *passed])]
     children += [Child(f"worker-{i}", [*base, "worker", "--index", str(i), *passed]) for i in range(workers)]
     children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
@@ -272,7 +286,6 @@ def status(timeout_s: float, as_json: bool, config_path: Path | None, **flags) -
     import msgspec
     import zmq
 
-    from common.config import ConfigError
     from common.protocol import Status, StatusRequest, decode
     from common.sockets import Security, send
 
@@ -335,10 +348,10 @@ def keys_generate(directory: Path, keep: bool) -> None:
               help="Hugging Face checkpoint directory (default: the tiny embedded model)")
 @click.option("--out", type=click.Path(path_type=Path), help="write the profile here (default: print it)")
 @click.option("--name", help="the profile's name (default: <model directory>-<device>)")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@engine_option("dtype")
+@engine_option("device")
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0 = torch's default)")
-@click.option("--kv-cache-gb", type=float, default=1.0, show_default=True)
+@engine_option("kv_cache_gb")
 @click.option("--quick", is_flag=True, help="a small grid: seconds on the tiny model")
 @click.option("--compare-preble", is_flag=True,
               help="print the analytic h100/llama-3-70b prefill against Preble's published fit; measure nothing")
@@ -366,7 +379,7 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, co
                                      kv_cache_gb=kv_cache_gb,
                                      max_num_batched_tokens=grid.max_batched_tokens))
         data = run_profile(engine, grid, name or f"{Path(model_dir).name}-{device}")
-    except (CheckpointError, EngineConfigError, ProfilerError, ProfileError) as error:
+    except (CheckpointError, ConfigError, EngineConfigError, ProfilerError, ProfileError) as error:
         raise click.ClickException(str(error)) from error
     text = json.dumps(data, indent=2)
     if out is None:

@@ -122,14 +122,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
-                  timeout_s: float = 120.0) -> Cluster:
-    """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are."""
+                  timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Cluster:
+    """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are, `env`
+    (BATON_* variables, say) into its environment."""
     base = free_port_base()
     http_port = base + PORTS_PER_CLUSTER - 1
     argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
             "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
-    env = child_env(PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=child_env(PYTHONUNBUFFERED="1", **(env or {})),
                                cwd=REPO, start_new_session=True)
     cluster = Cluster(process, base, http_port, workers)
     up = threading.Event()

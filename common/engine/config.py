@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from common.settings import POSITIVE, POSITIVE_INT, Check, check_settings, setting
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 QUEUE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("bfloat16", "float32", "float16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")  # what an engine runs on: cpu, cuda, cuda:N
 
 
@@ -62,23 +66,55 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """What an engine is built from. `kv_cache_gb` sizes the paged KV pool in bytes;
-    `num_kv_blocks`, when set, overrides it (tests use it to force preemption)."""
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """The engine settings an operator sets, each declared once: `ClusterConfig` inherits
+    them as keys of the TOML file, BATON_* variables and `svc` flags, and a worker builds
+    its engine from all of them. Values are checked on construction (ConfigError naming
+    the key); what depends on the model or the machine is checked by the engine."""
 
-    model_dir: Path
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_gb: float = 1.0
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    queue_policy: str = "fcfs"
-    attention_backend: str = "auto"  # "auto", "sdpa" or "flash"
-    enable_prefix_caching: bool = True
-    wait_for_shared_prefill: bool = True  # common/engine/scheduler.py's docstring
-    tenant_salt: str = ""
-    adapter_id: str = ""
+    dtype: str = setting("bfloat16", "dtype of the weights and the KV cache", choices=DTYPES)
+    device: str = setting("cpu", "cpu, cuda (worker N on GPU N modulo the GPUs it sees) or cuda:K",
+                          check=Check(lambda value: bool(DEVICE_PATTERN.fullmatch(value)), "cpu, cuda or cuda:N"))
+    block_size: int = setting(16, "tokens per KV block", check=POSITIVE_INT)
+    kv_cache_gb: float = setting(1.0, "GiB of the paged KV pool; it must hold one max_model_len sequence",
+                                 check=POSITIVE)
+    max_num_batched_tokens: int = setting(2048, "per-step token budget; longer prefills are chunked",
+                                          check=POSITIVE_INT)
+    max_num_seqs: int = setting(256, "most requests in the running batch", check=POSITIVE_INT)
+    max_model_len: int | None = setting(None, "context limit (unset: the model's own)", check=POSITIVE_INT)
+    queue_policy: str = setting("fcfs", "order of the waiting queue (priority: Preble's per-hit-ratio quotas, "
+                                "which bound lpm's starvation)", choices=QUEUE_POLICIES)
+    attention_backend: str = setting("auto", "attention kernels (auto: flash on CUDA with flash-attn, else sdpa)",
+                                     choices=ATTENTION_BACKENDS)
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes computed before")
+    wait_for_shared_prefill: bool = setting(True, "a request whose next uncached prompt block another request "
+                                            "is prefilling waits a step and reuses it, so a burst of copies "
+                                            "of a long prompt prefills it once")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineSettings):
+    """What an engine is built from: the operator's settings and what only code sets.
+
+    The fields below are no operator settings, so they are not in EngineSettings:
+    `model_dir` is the cluster's `model` ("" there means the embedded default);
+    `num_kv_blocks`, when set, sizes the pool instead of `kv_cache_gb` (tests force
+    preemption with it); a served worker roots each request at its own tenant, as the
+    router does, so `tenant_salt` is only the offline engine's tenant for requests that
+    name none; `adapter_id` is part of every block's name and no adapter is served yet.
+    """
+
+    model_dir: Path = setting(help="the checkpoint directory")
+    num_kv_blocks: int | None = setting(None, "KV pool size in blocks; overrides kv_cache_gb", check=POSITIVE_INT)
+    tenant_salt: str = setting("", "the tenant of requests that name none")
+    adapter_id: str = setting("", "the adapter whose KV this engine computes")
+
+
+def engine_settings(settings: EngineSettings) -> dict[str, Any]:
+    """Every engine setting of `settings` (an EngineSettings, a ClusterConfig or an
+    EngineConfig) by name."""
+    return {spec.name: getattr(settings, spec.name) for spec in fields(EngineSettings)}

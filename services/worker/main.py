@@ -8,11 +8,14 @@ from pathlib import Path
 import torch
 
 from common.config import ClusterConfig
-from common.engine.config import EngineConfig
+from common.engine.config import EngineConfig, engine_settings
 from common.engine.default_model import default_model_dir
 from common.engine.engine import Engine
 from common.engine.step_log import StepLogWriter
+from common.logs import get_logger
 from services.worker.service import KvEventBuffer, WorkerService
+
+log = get_logger("worker")
 
 
 def worker_device(device: str, index: int, visible_gpus: int) -> str:
@@ -25,13 +28,9 @@ def worker_device(device: str, index: int, visible_gpus: int) -> str:
 
 
 def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
-    return EngineConfig(
-        model_dir=Path(config.model) if config.model else default_model_dir(),
-        dtype=config.dtype, device=worker_device(config.device, index, torch.cuda.device_count()),
-        block_size=config.block_size,
-        kv_cache_gb=config.kv_cache_gb, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len or None,
-        queue_policy=config.queue_policy)
+    """Worker `index`'s engine: every engine setting of `config`, on its own device."""
+    settings = engine_settings(config) | {"device": worker_device(config.device, index, torch.cuda.device_count())}
+    return EngineConfig(model_dir=Path(config.model) if config.model else default_model_dir(), **settings)
 
 
 def run(config: ClusterConfig, index: int) -> None:
@@ -42,6 +41,7 @@ def run(config: ClusterConfig, index: int) -> None:
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
     engine = Engine(engine_config(config, index), kv_events=events)
+    log.info("engine_settings", worker_id=f"worker-{index}", **engine_settings(engine.config))
     step_log = None
     if config.step_log_dir:
         path = Path(config.step_log_dir) / f"worker-{index}.steps.jsonl"

@@ -1,11 +1,13 @@
 """ClusterConfig: defaults < TOML file < BATON_* environment < flags, and named errors."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from common.config import ClusterConfig, ConfigError, SloClass, UnknownSloClass, load_config
+from common.engine.config import EngineConfig, EngineSettings
 from common.sockets import generate_curve_keys
 
 
@@ -76,6 +78,62 @@ def _curve_keys_env(tmp_path: Path) -> dict[str, str]:
     return {"BATON_CURVE_KEYS_DIR": str(keys_dir)}
 
 
+# ---- engine settings: declared once, in EngineSettings -------------------------------
+
+
+def test_every_engine_setting_is_a_cluster_key_from_every_source(tmp_path):
+    path = write(tmp_path, "[engine]\nattention_backend = 'sdpa'\nmax_model_len = 512\n")
+    env = {"BATON_ENABLE_PREFIX_CACHING": "false", "BATON_QUEUE_POLICY": "priority", "BATON_DTYPE": "float16"}
+    config = load_config(path, env=env, overrides={"wait_for_shared_prefill": False, "block_size": 32})
+    assert (config.attention_backend, config.max_model_len, config.enable_prefix_caching, config.queue_policy,
+            config.dtype, config.wait_for_shared_prefill, config.block_size) == \
+        ("sdpa", 512, False, "priority", "float16", False, 32)
+    assert isinstance(config, EngineSettings)  # the cluster's keys include the engine's, declared there
+
+
+def test_engine_only_fields_are_no_cluster_keys(tmp_path):
+    code_only = {spec.name for spec in dataclasses.fields(EngineConfig)} - \
+        {spec.name for spec in dataclasses.fields(EngineSettings)}
+    assert code_only == {"model_dir", "num_kv_blocks", "tenant_salt", "adapter_id"}
+    for name in code_only:
+        with pytest.raises(ConfigError, match=rf"^{name}: unknown key in .*baton.toml"):
+            load_config(write(tmp_path, f"{name} = 'x'\n"), env={})
+
+
+def test_every_setting_declares_its_help():
+    for cls in (ClusterConfig, EngineConfig):
+        assert [spec.name for spec in dataclasses.fields(cls) if not spec.metadata.get("help")] == [], cls
+
+
+def test_max_model_len_unset_means_the_model_s_own_and_zero_is_refused():
+    assert ClusterConfig().max_model_len is None and EngineSettings().max_model_len is None
+    with pytest.raises(ConfigError, match="^max_model_len: must be a positive integer, got 0"):
+        load_config(env={"BATON_MAX_MODEL_LEN": "0"})
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"attention_backend": "magic"}, "attention_backend"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"kv_cache_gb": float("inf")}, "kv_cache_gb"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks"),
+])
+def test_an_engine_config_checks_its_settings_when_built(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}:"):
+        EngineConfig(model_dir=Path("."), **overrides)
+
+
+def test_a_bad_value_names_where_it_was_set(tmp_path):
+    with pytest.raises(ConfigError, match=r"^max_num_seqs: .*got 0 \(from environment BATON_MAX_NUM_SEQS\)$"):
+        load_config(env={"BATON_MAX_NUM_SEQS": "0"})
+    path = write(tmp_path, "[engine]\nqueue_policy = 'lifo'\n")
+    with pytest.raises(ConfigError, match=rf"^queue_policy: unknown 'lifo'.*\(from {path}\)$"):
+        load_config(path, env={})
+    with pytest.raises(ConfigError, match=r"^block_size: .*\(from flag --block-size\)$"):
+        load_config(path, env={}, overrides={"block_size": -1, "queue_policy": "lpm"})
+
+
 # ---- derived addresses -------------------------------------------------------------
 
 
@@ -134,7 +192,7 @@ def test_step_log_dir_may_be_new_but_not_a_file(tmp_path):
     new_dir = tmp_path / "steps"
     assert load_config(env={}, overrides={"step_log_dir": str(new_dir)}).step_log_dir == str(new_dir)
     a_file = write(tmp_path, "")
-    with pytest.raises(ConfigError, match="^step_log_dir: .* is not a directory"):
+    with pytest.raises(ConfigError, match="^step_log_dir: must be a directory, .*baton.toml"):
         load_config(env={}, overrides={"step_log_dir": str(a_file)})
 
 

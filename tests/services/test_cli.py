@@ -1,4 +1,5 @@
 """`svc` as a user runs it: real subprocesses, real files."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -64,3 +65,39 @@ def test_generate_with_a_broken_checkpoint_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     done = svc("generate", "--model", str(tmp_path), "--prompt", "x")
     assert done.returncode != 0 and "config.json" in done.stderr
+
+
+# ---- role flags come from the declared settings -------------------------------------
+
+
+def test_every_scalar_config_key_is_a_flag_of_every_role_command_with_its_declared_help():
+    from common.config import ClusterConfig, flag_name
+    from common.engine.config import EngineSettings
+    from services.cli import start, status, up
+
+    declared = {spec.name: spec.metadata["help"] for spec in dataclasses.fields(ClusterConfig)
+                if spec.name not in ("api_keys", "slo_classes")}  # tables: TOML or environment only
+    assert {spec.name for spec in dataclasses.fields(EngineSettings)} <= set(declared)
+    for command in (start, up, status):
+        options = {param.name: param for param in command.params}
+        assert set(declared) <= set(options), command.name
+        for name, help_text in declared.items():
+            assert options[name].opts == [flag_name(name)] and options[name].help.startswith(help_text), name
+
+
+def test_a_bad_engine_setting_is_refused_naming_the_key_and_where_it_was_set(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "services.cli", "start", "worker", "--check-config"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env=child_env(BATON_MAX_NUM_BATCHED_TOKENS="0"))
+    assert done.returncode != 0
+    assert "max_num_batched_tokens: must be a positive integer, got 0 (from environment " \
+           "BATON_MAX_NUM_BATCHED_TOKENS)" in done.stderr
+    done = svc("start", "worker", "--attention-backend", "magic", "--check-config")
+    assert done.returncode != 0 and "--attention-backend" in done.stderr and "'magic'" in done.stderr
+
+
+def test_svc_up_gives_its_children_every_flag_it_was_given():
+    from services.cli import _as_flags
+
+    assert _as_flags({"enable_prefix_caching": False, "max_model_len": 512, "insecure": True, "policy": None}) == \
+        ["--max-model-len", "512", "--enable-prefix-caching", "False", "--insecure"]
