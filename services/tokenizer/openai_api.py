@@ -20,8 +20,8 @@ Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -183,7 +183,7 @@ class OpenAIGateway:
         prompt_ids = await self._completion_prompt(body.prompt)
         params = replace(params, max_tokens=self._max_tokens(
             "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
-        return await self._run(request, Job(False, f"cmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
+        return await self._run(request, Job(False, f"cmpl-{os.urandom(16).hex()}", model, prompt_ids, params,
                                             tenant, stream, include_usage, slo_class))
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -203,7 +203,7 @@ class OpenAIGateway:
         self._check_context(prompt_ids, "messages")
         params = replace(params, max_tokens=self._max_tokens(max_name, requested_max,
                                                              len(prompt_ids), None))
-        return await self._run(request, Job(True, f"chatcmpl-{uuid.uuid4().hex}", model, prompt_ids, params,
+        return await self._run(request, Job(True, f"chatcmpl-{os.urandom(16).hex()}", model, prompt_ids, params,
                                             tenant, stream, include_usage, slo_class))
 
     async def _models(self, request: Request) -> Response:

@@ -20,7 +20,7 @@ from common.errors import BatonError, Rejected, Unauthorized
 from common.sampling_params import InvalidRequestError, SamplingParams
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import StreamEvent
-from services.tokenizer.http_server import HttpLimits
+from services.tokenizer.http_server import EventStream, HttpLimits
 from services.tokenizer.openai_api import OpenAIGateway
 
 API_KEY = "sk-test"
@@ -747,3 +747,36 @@ def http_post(port: int, path: str, body, api_key: str | None = API_KEY,
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = request_bytes("POST", path, data, api_key, extra_headers=headers)
     return parse_response(raw_exchange(port, request, shutdown=False))
+
+
+# ---- the event stream's own deadlines (ASGI level) ------------------------------------------
+
+
+def test_a_client_that_stops_reading_loses_its_stream_after_the_write_timeout():
+    closed = asyncio.Event()
+
+    async def events():
+        try:
+            for n in range(1000):
+                yield b"data: %d\n\n" % n
+        finally:
+            closed.set()
+
+    sent: list[dict] = []
+
+    async def send(message):  # the client reads the head and one event, then nothing
+        if len(sent) == 2:
+            await asyncio.Event().wait()
+        sent.append(message)
+
+    async def receive():  # the client never leaves
+        await asyncio.Event().wait()
+
+    async def run() -> float:
+        stream = EventStream(events(), {}, write_timeout_s=0.2)
+        began = time.monotonic()
+        await asyncio.wait_for(stream({"http_version": "1.1", "path": "/x"}, receive, send), 5)
+        return time.monotonic() - began
+
+    took = asyncio.run(run())
+    assert 0.2 <= took < 1.0 and closed.is_set() and len(sent) == 2
