@@ -11,7 +11,11 @@ tiny default model) and stops it afterwards. Every request: a random prompt of
 line by line, the token count from the final usage chunk), so the figures are the
 gateway's and not a heavy client's. The two sides alternate for --repeats rounds; each figure is
 the median over the rounds: requests/s, TTFT p50/p99 as the clients saw them, and
-`http_vs_sdk` (HTTP requests/s over SDK requests/s).
+`http_vs_sdk` (HTTP requests/s over SDK requests/s). On a 2-core machine shared with
+other work requests/s swing by tens of percent between rounds, so when it started the
+cluster itself it also reports the CPU milliseconds per request that each role's process
+(and this client) spent, read from /proc: `tokenizer_cpu_vs_sdk` is the gateway's cost in
+CPU, which other load on the machine does not move.
 """
 from __future__ import annotations
 
@@ -92,6 +96,39 @@ async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: i
         return summarise(time.perf_counter() - start, records)
 
 
+def role_pids(port_base: int) -> dict[str, int]:
+    """The pids of a local cluster's role processes (svc start ROLE ... --port-base N)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"start" in argv and str(port_base).encode() in argv:
+            role = argv[argv.index(b"start") + 1].decode()
+            pids[role if role not in pids else f"{role}-{entry.name}"] = int(entry.name)
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run, pids: dict[str, int]) -> dict:
+    """Run one load and add the CPU ms per request of each role and of this client."""
+    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    client_before = time.process_time()
+    result = run()
+    for role, pid in pids.items():
+        result[f"{role}_cpu_ms_per_request"] = (cpu_seconds(pid) - before[role]) * 1000 / result["requests"]
+    result["client_cpu_ms_per_request"] = (time.process_time() - client_before) * 1000 / result["requests"]
+    return result
+
+
 def median_of(runs: list[dict]) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
@@ -131,13 +168,16 @@ def main() -> None:
         cluster = start_cluster(default_model_dir(), workers=1, extra=["--dtype", args.dtype])
         args.url, args.address = cluster.http, cluster.sdk
     sdk_runs, http_runs = [], []
+    pids = role_pids(cluster.port_base) if cluster is not None else {}
     try:
         model = served_model(args.url)
         asyncio.run(run_sdk(args.address, prompts[:8], 4, 8))  # warm-up of both doors
         asyncio.run(run_http(args.url, model, prompts[:8], 4, 8))
         for _ in range(args.repeats):
-            sdk_runs.append(asyncio.run(run_sdk(args.address, prompts, args.max_tokens, args.concurrency)))
-            http_runs.append(asyncio.run(run_http(args.url, model, prompts, args.max_tokens, args.concurrency)))
+            sdk_runs.append(measured(lambda: asyncio.run(
+                run_sdk(args.address, prompts, args.max_tokens, args.concurrency)), pids))
+            http_runs.append(measured(lambda: asyncio.run(
+                run_http(args.url, model, prompts, args.max_tokens, args.concurrency)), pids))
     finally:
         if cluster is not None:
             cluster.stop()
@@ -147,10 +187,16 @@ def main() -> None:
                          for s, h in zip(sdk_runs, http_runs)],
               "concurrency": args.concurrency, "requests": args.requests, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "cpus": os.cpu_count()}
-    print(f"{'door':<6}{'req/s':>9}{'ttft p50':>11}{'ttft p99':>11}")
+    if "tokenizer" in pids:
+        report["tokenizer_cpu_vs_sdk"] = http["tokenizer_cpu_ms_per_request"] / sdk["tokenizer_cpu_ms_per_request"]
+    roles = [key for key in sdk if key.endswith("_cpu_ms_per_request")]
+    print(f"{'door':<6}{'req/s':>9}{'ttft p50':>11}{'ttft p99':>11}"
+          + "".join(f"{key.removesuffix('_cpu_ms_per_request') + ' cpu':>15}" for key in roles))
     for name, row in (("sdk", sdk), ("http", http)):
-        print(f"{name:<6}{row['requests_s']:>9.1f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p99_ms']:>9.1f}ms")
-    print(f"http_vs_sdk {report['http_vs_sdk']:.3f}")
+        print(f"{name:<6}{row['requests_s']:>9.1f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p99_ms']:>9.1f}ms"
+              + "".join(f"{row[key]:>13.2f}ms" for key in roles))
+    print(f"http_vs_sdk {report['http_vs_sdk']:.3f}"
+          + (f"   tokenizer_cpu_vs_sdk {report['tokenizer_cpu_vs_sdk']:.2f}" if "tokenizer" in pids else ""))
     if args.json:
         print(json.dumps(report))
 
