@@ -92,7 +92,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._cancel_head_deadline()
         super().connection_lost(exc)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's: True keeps writing
         # A client may half-close once its request is sent (HTTP allows it; `nc -N` does):
         # keep the transport open to answer, then close.
         if self.cycle is None or self.cycle.response_complete:
@@ -305,16 +305,18 @@ async def watch_disconnect(receive: Receive, work: Awaitable[T], guard: Awaitabl
     """Await `work`; if the client disconnects first, cancel it and raise ClientGone; if
     `guard` (a watchdog) raises first, cancel `work` and raise that. Call only once the
     request's body has been read (this takes the next messages)."""
-    tasks = [asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))]
+    work_task: asyncio.Future[T] = asyncio.ensure_future(work)
+    watchers: list[asyncio.Future[None]] = [asyncio.ensure_future(_disconnected(receive))]
     if guard is not None:
-        tasks.append(asyncio.ensure_future(guard))
-    work_task = tasks[0]
+        watchers.append(asyncio.ensure_future(guard))
+    tasks: list[asyncio.Future[Any]] = [work_task, *watchers]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         if work_task.done():
             return work_task.result()
-        if guard is not None and tasks[2].done():
-            tasks[2].result()
+        for watcher in watchers[1:]:
+            if watcher.done():
+                watcher.result()  # the watchdog's error
         raise ClientGone()
     finally:
         for task in tasks:

@@ -41,9 +41,21 @@ from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import FrontendApi, StreamEvent
 from services.tokenizer.http_server import ClientGone, EventStream, HttpLimits, aclose, read_body, watch_disconnect
 from services.tokenizer.openai_params import (
-    SLO_CLASS_HEADER, ApiError, ChatCompletionRequest, CompletionRequest, as_api_error, chat_logprobs_param,
-    error_body, finite_logprob, parse_request, prompt_token_ids, refuse_unsupported, requested_max_tokens,
-    sampling_params, slo_class_param, stream_flags,
+    SLO_CLASS_HEADER,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    as_api_error,
+    chat_logprobs_param,
+    error_body,
+    finite_logprob,
+    parse_request,
+    prompt_token_ids,
+    refuse_unsupported,
+    requested_max_tokens,
+    sampling_params,
+    slo_class_param,
+    stream_flags,
 )
 
 log = get_logger("openai_api")
@@ -95,8 +107,9 @@ class Output:
 
 def finish_reason(reason: str | None) -> str:
     """OpenAI's finish_reason for an engine's."""
-    return {"eos": "stop", "stop": "stop", "length": "length", "max_tokens": "length",
-            None: "stop"}.get(reason, reason)
+    if reason is None:
+        return "stop"
+    return {"eos": "stop", "stop": "stop", "length": "length", "max_tokens": "length"}.get(reason, reason)
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -126,10 +139,10 @@ class OpenAIGateway:
     uvicorn until a stop event."""
 
     def __init__(self, frontend: FrontendApi, chat_template: ChatTemplate | None = None,
-                 limits: HttpLimits = HttpLimits()):
+                 limits: HttpLimits | None = None):
         self.frontend = frontend
         self.chat_template = chat_template or ChatTemplate()
-        self.limits = limits
+        self.limits = limits or HttpLimits()
         self.created = int(time.time())
         self._tokenizer_adds_bos: bool | None = None
         self.app = Starlette(routes=[
