@@ -42,7 +42,8 @@ class MessageType(enum.IntEnum):
     PLACED = 15
 
 
-class ErrorCode(str, enum.Enum):
+# Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
+class ErrorCode(str, enum.Enum):  # noqa: UP042
     INVALID_REQUEST = "invalid_request"
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"

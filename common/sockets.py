@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket as stdlib_socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
 
 import zmq
 import zmq.auth

@@ -8,8 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import BatonError, InvalidRequest, error_from_code
-from common.protocol import (MAX_BODY_BYTES, MAX_TOKENS_PER_FRAME, Chunk, Error, ProtocolError, Submit, decode,
-                             encode, sampling_from_params)
+from common.protocol import (
+    MAX_BODY_BYTES,
+    MAX_TOKENS_PER_FRAME,
+    Chunk,
+    Error,
+    ProtocolError,
+    Submit,
+    decode,
+    encode,
+    sampling_from_params,
+)
 from common.sampling_params import MAX_TOKEN_ID, InvalidRequestError, SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"

@@ -29,9 +29,24 @@ from common.hashing import root_hash
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
-from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
-                             KvEvents, Placed, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode,
-                             peek_request_id)
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    KvEvents,
+    Placed,
+    ProtocolError,
+    Status,
+    StatusRequest,
+    Welcome,
+    WorkerStatus,
+    decode,
+    peek_request_id,
+)
 from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement

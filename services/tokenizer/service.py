@@ -31,13 +31,38 @@ import zmq.asyncio
 from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.checkpoint import load_model_config, load_tokenizer
-from common.errors import (BatonError, InternalError, InvalidRequest, RequestTimeout, ServerUnavailable,
-                           Unauthorized, error_from_code)
+from common.errors import (
+    BatonError,
+    InternalError,
+    InvalidRequest,
+    RequestTimeout,
+    ServerUnavailable,
+    Unauthorized,
+    error_from_code,
+)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (MAX_BODY_BYTES, Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, Placed,
-                             ProtocolError, Status, StatusRequest, Submit, Tokens, TokensBatch, decode, encode,
-                             params_from_sampling, peek_request_id, sampling_from_params)
+from common.protocol import (
+    MAX_BODY_BYTES,
+    Abort,
+    Chunk,
+    ChunkBatch,
+    Error,
+    ErrorCode,
+    Generate,
+    Placed,
+    ProtocolError,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+    TokensBatch,
+    decode,
+    encode,
+    params_from_sampling,
+    peek_request_id,
+    sampling_from_params,
+)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent

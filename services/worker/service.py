@@ -21,19 +21,33 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from msgspec.structs import replace
-
 import numpy as np
 import zmq
+from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
-from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, FinishedRequest, Generate, Heartbeat, Hello,
-                             KvEvents, ProtocolError, RunningRequest, Tokens, TokensBatch, Welcome, decode,
-                             params_from_sampling)
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    ErrorCode,
+    FinishedRequest,
+    Generate,
+    Heartbeat,
+    Hello,
+    KvEvents,
+    ProtocolError,
+    RunningRequest,
+    Tokens,
+    TokensBatch,
+    Welcome,
+    decode,
+    params_from_sampling,
+)
 from common.sampling_params import InvalidRequestError
 from common.sockets import Security, check_endpoint, send
 
