@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket as stdlib_socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING, cast
 
 import zmq
 import zmq.auth
@@ -27,6 +28,10 @@ from zmq.utils import z85
 
 from common.config import ClusterConfig, ConfigError
 from common.protocol import ProtocolError, decode, encode
+
+if TYPE_CHECKING:
+    import msgspec
+    import numpy.typing as npt
 
 HIGH_WATER_MARK = 10000
 MAX_MESSAGE_BYTES = 64 << 20
@@ -67,6 +72,7 @@ def load_curve_keys(keys_dir: Path, role: str) -> CurveKeys:
                 raise ConfigError(f"curve_keys_dir: {path} repeats the key of a {roles_by_key[public]} key")
             roles_by_key[public] = owner
     public, secret = _read_certificate(keys_dir / f"{role}.key_secret", secret=True)
+    assert secret is not None  # _read_certificate(secret=True) checked it is there
     if roles_by_key.get(public) != role:
         raise ConfigError(f"curve_keys_dir: {keys_dir / (role + '.key_secret')} does not match {role}.key")
     return CurveKeys(role, public, secret, MappingProxyType(roles_by_key))
@@ -195,6 +201,7 @@ class Security:
         if unknown or not accept:
             raise ValueError(f"a socket must accept known roles, got {sorted(accept)}")
         domain = "+".join(sorted(accept))
+        assert self.keys is not None  # only a server with CURVE on has a ZAP domain
         if self.auth is None:
             self.auth = _RoleAuthenticator(self.context, self.keys.roles_by_key)
             self.auth.start()
@@ -208,7 +215,8 @@ class Security:
 def peer_role(frame: zmq.Frame) -> str | None:
     """The role a received message's sender proved with its key; None with CURVE off."""
     try:
-        return frame.get(USER_ID) or None
+        # A metadata property (a str name) reads as a str; pyzmq's stub says int | str.
+        return cast(str, frame.get(USER_ID)) or None
     except zmq.ZMQError:  # no ZAP user id on this message: CURVE is off
         return None
 
@@ -278,7 +286,8 @@ def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
     return socket
 
 
-def send(socket: zmq.Socket, message, payloads=None, identity: bytes | None = None, flags: int = 0) -> None:
+def send(socket: zmq.Socket, message: msgspec.Struct, payloads: Sequence[npt.ArrayLike] | None = None,
+         identity: bytes | None = None, flags: int = 0) -> None:
     frames = encode(message, payloads)
     if identity is not None:
         frames = [identity, *frames]
