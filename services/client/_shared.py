@@ -13,6 +13,7 @@ from common.protocol import (
     MAX_TOKENS_PER_FRAME,
     Chunk,
     Error,
+    ErrorCode,
     ProtocolError,
     Submit,
     decode,
@@ -144,7 +145,7 @@ def parse_reply(frames: list[bytes]) -> Chunk | Error | object:
     try:
         message, _ = decode(frames)
     except ProtocolError as error:
-        return Error(request_id="", code="internal", message=f"malformed reply: {error}")
+        return Error(request_id="", code=ErrorCode.INTERNAL, message=f"malformed reply: {error}")
     return message
 
 
