@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import zmq
 import zmq.auth
@@ -129,10 +129,14 @@ class _AcceptRoles:
         return self.roles_by_key.get(key) in self.accept
 
 
-class Security:
+# The sockets a context makes: zmq.Socket, or zmq.asyncio.Socket from a zmq.asyncio.Context.
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+
+class Security(Generic[SocketT]):
     """How one process of role `role` makes its sockets: one per context, stopped with it."""
 
-    def __init__(self, context: zmq.Context, config: ClusterConfig, role: str):
+    def __init__(self, context: zmq.Context[SocketT], config: ClusterConfig, role: str):
         self.context = context
         self.insecure = config.insecure
         self.keys = load_curve_keys(Path(config.curve_keys_dir), role) if config.curve_enabled else None
@@ -143,7 +147,7 @@ class Security:
     def curve(self) -> bool:
         return self.keys is not None
 
-    def server(self, kind: int, address: str, accept: tuple[str, ...]) -> zmq.Socket:
+    def server(self, kind: int, address: str, accept: tuple[str, ...]) -> SocketT:
         """A socket that binds `address` (ROUTER, PULL, PUB) and admits only peers of the
         `accept` roles (with CURVE off: any peer, on loopback unless insecure)."""
         check_bind_address(address, self.curve, self.insecure)
@@ -163,7 +167,7 @@ class Security:
             raise RuntimeError(f"cannot bind {address}: {error}") from None
         return socket
 
-    def client(self, kind: int, address: str, server_role: str, identity: str | None = None) -> zmq.Socket:
+    def client(self, kind: int, address: str, server_role: str, identity: str | None = None) -> SocketT:
         """A socket that connects to `address`, a socket of `server_role` (DEALER, PUSH);
         ValueError (and nothing left open) for an address that is not a ZeroMQ endpoint."""
         check_endpoint(address)
@@ -178,7 +182,7 @@ class Security:
             raise ValueError(f"cannot connect to {address!r}: {error}") from None
         return socket
 
-    def subscriber(self, server_role: str) -> zmq.Socket:
+    def subscriber(self, server_role: str) -> SocketT:
         """A SUB socket taking every topic; connect it with `connect` as publishers appear."""
         socket = _socket(self.context, zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -277,7 +281,7 @@ def is_loopback(host: str) -> bool:
         return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
+def _socket(context: zmq.Context[SocketT], kind: int) -> SocketT:
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)

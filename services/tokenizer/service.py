@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -293,7 +294,9 @@ class TokenizerService:
     def _send_now(self, frames: list) -> bool:
         """Send to the router unless no connection to it is up (IMMEDIATE): never queued
         for a router that is not there."""
-        sent = self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        # An asyncio Future (pyzmq's annotation says only Awaitable).
+        sent = cast("asyncio.Future[zmq.MessageTracker | None]",
+                    self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
         return not (sent.done() and sent.exception() is not None)
 
     def _fail_unplaced(self) -> None:
@@ -429,8 +432,9 @@ class TokenizerService:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is not stopper and task.exception():
-                    raise task.exception()
+                error = task.exception() if task is not stopper else None
+                if error is not None:
+                    raise error
         finally:
             for task in tasks:
                 task.cancel()

@@ -394,6 +394,7 @@ class WorkerService:
                     log.error("worker_stalled", since_s=round(time.monotonic() - self.last_turn, 1))
                     continue  # let the router drop a worker that serves nothing
                 with self.beat_lock:
+                    assert self.beat is not None  # run() makes the first report before it starts this thread
                     self.beats_sent += 1
                     beat, self.beat = replace(self.beat, seq=self.beats_sent), replace(self.beat, finished=[])
                 send(socket, beat)
