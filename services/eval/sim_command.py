@@ -97,6 +97,7 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
     variable = sweep.variable if sweep is not None else None
     runner.print_results(points, results, variable)
     if plot_dir is not None:
+        assert variable is not None  # --plot needs --sweep (refused above otherwise)
         for path in runner.write_plots(points, results, variable, plot_dir):
             click.echo(f"wrote {path}", err=True)
     if as_json:
