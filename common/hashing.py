@@ -42,14 +42,14 @@ def block_hash(parent: int, block_tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def token_id_bytes(tokens: Sequence[int]) -> bytes:
+def token_id_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """The token ids as little-endian uint32, the encoding every block hash reads."""
     if isinstance(tokens, list) and sys.byteorder == "little" and array("I").itemsize == 4:
         return array("I", tokens).tobytes()  # from a list, about twice numpy's speed
     return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
 
 
-def chain_hashes(parent: int, tokens: Sequence[int], block_size: int) -> list[int]:
+def chain_hashes(parent: int, tokens: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Hashes of every full block of `tokens`, chained from `parent`.
 
     A trailing partial block is not named. Pass the last hash of an earlier call as

@@ -25,5 +25,6 @@ def configure_logging(level: str = "info", json_output: bool | None = None) -> N
     )
 
 
-def get_logger(name: str):
-    return structlog.get_logger(name)
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
@@ -44,12 +45,13 @@ log = logging.getLogger(__name__)
 class _Labelled:
     """A prometheus_client metric updated as `update(amount, label=value, ...)`."""
 
-    def __init__(self, name: str, metric, labels: tuple[str, ...]):
+    # `metric` is a prometheus_client Counter, Gauge or Histogram (their update methods differ).
+    def __init__(self, name: str, metric: Any, labels: tuple[str, ...]):
         self._name = name
         self._metric = metric
         self._labels = labels
 
-    def _child(self, labels: dict[str, object]):
+    def _child(self, labels: dict[str, object]) -> Any:
         if set(labels) != set(self._labels):
             raise ValueError(f"{self._name}: labels must be {sorted(self._labels)}, got {sorted(labels)}")
         return self._metric.labels(**{name: str(value) for name, value in labels.items()}) if labels else self._metric
@@ -83,10 +85,10 @@ class _CallbackGauge:
     def __init__(self, name: str, help: str, read: Callable[[], float]):
         self.name, self.help, self.read = name, help, read
 
-    def describe(self):
+    def describe(self) -> list[GaugeMetricFamily]:
         return [GaugeMetricFamily(self.name, self.help)]
 
-    def collect(self):
+    def collect(self) -> list[GaugeMetricFamily]:
         family = GaugeMetricFamily(self.name, self.help)
         try:
             family.add_metric([], float(self.read()))
@@ -105,6 +107,12 @@ class Registry:
     def counter(self, name: str, help: str, labels: Iterable[str] = ()) -> Counter:
         labels = _checked(name, labels)
         return Counter(name, prometheus_client.Counter(name, help, labels, registry=self.collectors), labels)
+
+    @overload
+    def gauge(self, name: str, help: str, labels: Iterable[str] = (), collect: None = None) -> Gauge: ...
+
+    @overload
+    def gauge(self, name: str, help: str, labels: Iterable[str] = (), *, collect: Callable[[], float]) -> None: ...
 
     def gauge(self, name: str, help: str, labels: Iterable[str] = (),
               collect: Callable[[], float] | None = None) -> Gauge | None:

@@ -18,6 +18,7 @@ import socketserver
 import threading
 from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -51,10 +52,10 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug("metrics http: " + format, *args)
 
 
-def _app(registry: Registry, health: HealthCheck):
+def _app(registry: Registry, health: HealthCheck) -> WSGIApplication:
     metrics = make_wsgi_app(registry.collectors)
 
-    def app(environ: dict, start_response) -> Iterable[bytes]:
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return metrics(environ, start_response)

@@ -10,10 +10,15 @@ sizes, and raises ProtocolError naming what is wrong. Nothing is ever pickled.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 1 << 20
@@ -42,7 +47,8 @@ class MessageType(enum.IntEnum):
     PLACED = 15
 
 
-class ErrorCode(str, enum.Enum):
+# Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
+class ErrorCode(str, enum.Enum):  # noqa: UP042
     INVALID_REQUEST = "invalid_request"
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"
@@ -270,12 +276,13 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGE_CLASSES.items()}
 
 
-def encode(message: msgspec.Struct, payloads: list[np.ndarray] | None = None) -> list[bytes | memoryview]:
-    """Frames for `message`: type byte, body, then each payload array's raw buffer."""
+def encode(message: msgspec.Struct, payloads: Sequence[npt.ArrayLike] | None = None) -> list[bytes | memoryview]:
+    """Frames for `message`: type byte, body, then each payload array's raw buffer (a
+    payload is anything np.ascontiguousarray takes: an array, a list of token ids)."""
     kind = MESSAGE_TYPES[type(message)]
     frames: list[bytes | memoryview] = [bytes([kind]), _ENCODER.encode(message)]
     for array in payloads or ():
-        frames.append(memoryview(np.ascontiguousarray(array, dtype="<u4")))
+        frames.append(np.ascontiguousarray(array, dtype="<u4").data)
     return frames
 
 
@@ -333,14 +340,14 @@ def _token_array(kind: MessageType, frame: bytes) -> np.ndarray:
     return np.frombuffer(frame, dtype="<u4")
 
 
-def sampling_from_params(params) -> Sampling:
+def sampling_from_params(params: SamplingParams) -> Sampling:
     """Wire form of a SamplingParams."""
     return Sampling(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
                     top_p=params.top_p, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
                     stop=list(params.stop), ignore_eos=params.ignore_eos, logprobs=params.logprobs)
 
 
-def params_from_sampling(sampling: Sampling):
+def params_from_sampling(sampling: Sampling) -> SamplingParams:
     """SamplingParams from its wire form (unvalidated: call .validate())."""
     from common.sampling_params import SamplingParams
 

@@ -106,7 +106,7 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) 
         raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def _check_int(param: str, value, low: int | None = None, high: int | None = None) -> None:
+def _check_int(param: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequestError(param, f"must be an integer, got {value!r}")
     if low is not None and value < low:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket as stdlib_socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import zmq
 import zmq.auth
@@ -27,6 +28,10 @@ from zmq.utils import z85
 
 from common.config import ClusterConfig, ConfigError
 from common.protocol import ProtocolError, decode, encode
+
+if TYPE_CHECKING:
+    import msgspec
+    import numpy.typing as npt
 
 HIGH_WATER_MARK = 10000
 MAX_MESSAGE_BYTES = 64 << 20
@@ -67,6 +72,7 @@ def load_curve_keys(keys_dir: Path, role: str) -> CurveKeys:
                 raise ConfigError(f"curve_keys_dir: {path} repeats the key of a {roles_by_key[public]} key")
             roles_by_key[public] = owner
     public, secret = _read_certificate(keys_dir / f"{role}.key_secret", secret=True)
+    assert secret is not None  # _read_certificate(secret=True) checked it is there
     if roles_by_key.get(public) != role:
         raise ConfigError(f"curve_keys_dir: {keys_dir / (role + '.key_secret')} does not match {role}.key")
     return CurveKeys(role, public, secret, MappingProxyType(roles_by_key))
@@ -123,10 +129,14 @@ class _AcceptRoles:
         return self.roles_by_key.get(key) in self.accept
 
 
-class Security:
+# The sockets a context makes: zmq.Socket, or zmq.asyncio.Socket from a zmq.asyncio.Context.
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+
+class Security(Generic[SocketT]):
     """How one process of role `role` makes its sockets: one per context, stopped with it."""
 
-    def __init__(self, context: zmq.Context, config: ClusterConfig, role: str):
+    def __init__(self, context: zmq.Context[SocketT], config: ClusterConfig, role: str):
         self.context = context
         self.insecure = config.insecure
         self.keys = load_curve_keys(Path(config.curve_keys_dir), role) if config.curve_enabled else None
@@ -137,7 +147,7 @@ class Security:
     def curve(self) -> bool:
         return self.keys is not None
 
-    def server(self, kind: int, address: str, accept: tuple[str, ...]) -> zmq.Socket:
+    def server(self, kind: int, address: str, accept: tuple[str, ...]) -> SocketT:
         """A socket that binds `address` (ROUTER, PULL, PUB) and admits only peers of the
         `accept` roles (with CURVE off: any peer, on loopback unless insecure)."""
         check_bind_address(address, self.curve, self.insecure)
@@ -157,7 +167,7 @@ class Security:
             raise RuntimeError(f"cannot bind {address}: {error}") from None
         return socket
 
-    def client(self, kind: int, address: str, server_role: str, identity: str | None = None) -> zmq.Socket:
+    def client(self, kind: int, address: str, server_role: str, identity: str | None = None) -> SocketT:
         """A socket that connects to `address`, a socket of `server_role` (DEALER, PUSH);
         ValueError (and nothing left open) for an address that is not a ZeroMQ endpoint."""
         check_endpoint(address)
@@ -172,7 +182,7 @@ class Security:
             raise ValueError(f"cannot connect to {address!r}: {error}") from None
         return socket
 
-    def subscriber(self, server_role: str) -> zmq.Socket:
+    def subscriber(self, server_role: str) -> SocketT:
         """A SUB socket taking every topic; connect it with `connect` as publishers appear."""
         socket = _socket(self.context, zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -195,6 +205,7 @@ class Security:
         if unknown or not accept:
             raise ValueError(f"a socket must accept known roles, got {sorted(accept)}")
         domain = "+".join(sorted(accept))
+        assert self.keys is not None  # only a server with CURVE on has a ZAP domain
         if self.auth is None:
             self.auth = _RoleAuthenticator(self.context, self.keys.roles_by_key)
             self.auth.start()
@@ -208,7 +219,8 @@ class Security:
 def peer_role(frame: zmq.Frame) -> str | None:
     """The role a received message's sender proved with its key; None with CURVE off."""
     try:
-        return frame.get(USER_ID) or None
+        # A metadata property (a str name) reads as a str; pyzmq's stub says int | str.
+        return cast(str, frame.get(USER_ID)) or None
     except zmq.ZMQError:  # no ZAP user id on this message: CURVE is off
         return None
 
@@ -269,7 +281,7 @@ def is_loopback(host: str) -> bool:
         return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
+def _socket(context: zmq.Context[SocketT], kind: int) -> SocketT:
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
@@ -278,7 +290,8 @@ def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
     return socket
 
 
-def send(socket: zmq.Socket, message, payloads=None, identity: bytes | None = None, flags: int = 0) -> None:
+def send(socket: zmq.Socket, message: msgspec.Struct, payloads: Sequence[npt.ArrayLike] | None = None,
+         identity: bytes | None = None, flags: int = 0) -> None:
     frames = encode(message, payloads)
     if identity is not None:
         frames = [identity, *frames]

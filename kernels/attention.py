@@ -13,8 +13,12 @@ import contextlib
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
+
+# A backend's per-step metadata type: what its `prepare` makes and its `forward` takes.
+Metadata = TypeVar("Metadata")
 
 
 @dataclass
@@ -42,13 +46,13 @@ class AttentionInputs:
         return len(self.query_lens)
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[Metadata]):
     name: str
     native: bool = False  # whether it runs Baton's C++ CPU kernel (kernels/csrc) for some groups
     amx_chunks: bool = False  # whether chunks over cached context go through the AMX kernel
 
     @abstractmethod
-    def prepare(self, inputs: AttentionInputs) -> object:
+    def prepare(self, inputs: AttentionInputs) -> Metadata:
         """Per-step metadata, computed once and shared by all layers."""
 
     def step_scope(self) -> contextlib.AbstractContextManager:
@@ -58,7 +62,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_layer: torch.Tensor, metadata: object) -> torch.Tensor:
+                kv_layer: torch.Tensor, metadata: Metadata) -> torch.Tensor:
         """query [tokens, q_heads, head_dim], key/value [tokens, kv_heads, head_dim];
         kv_layer [2 (K, V), slots, kv_heads, head_dim], this layer's cache. Returns
         [tokens, q_heads, head_dim]."""

@@ -25,7 +25,7 @@ class FlashMetadata:
     max_seqlen_k: int
 
 
-class FlashPagedBackend(AttentionBackend):
+class FlashPagedBackend(AttentionBackend[FlashMetadata]):
     name = "flash"
 
     def prepare(self, inputs: AttentionInputs) -> FlashMetadata:
@@ -43,7 +43,8 @@ class FlashPagedBackend(AttentionBackend):
         return FlashMetadata(inputs.slot_mapping, slots, cu_q, cu_k,
                              max(inputs.query_lens), max(inputs.context_lens))
 
-    def forward(self, query, key, value, kv_layer, metadata: FlashMetadata):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+                metadata: FlashMetadata) -> torch.Tensor:
         kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
         kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
         keys, values = kv_layer.index_select(1, metadata.context_slots)

@@ -21,6 +21,8 @@ at most 12.5 % more rows), so a serving engine soon holds every kernel it needs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -70,8 +72,8 @@ class Linear:
                  amx: bool = False):
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.amx_weight = None
-        self._amx_linear = None
+        self.amx_weight: torch.Tensor | None = None
+        self._amx_linear: Callable[..., torch.Tensor] | None = None  # set with amx_weight
         if amx and weight.dtype == torch.bfloat16 and amx_fits(weight):
             self.amx_weight = torch.ops.baton.amx_pack_linear_weight(weight)
             self._amx_linear = torch.ops.baton.amx_linear.default
@@ -87,7 +89,7 @@ class Linear:
         return "onednn" if self.prepacked else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_weight is not None and x.shape[0] <= FEW_ROWS:
+        if self._amx_linear is not None and x.shape[0] <= FEW_ROWS:
             return self._amx_linear(x, self.amx_weight, self.bias)
         if self.prepacked:
             rows = x.shape[0]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +86,10 @@ class _Paged:
                     (q_len, q_len), float("-inf"), dtype=dtype, device=device).triu_(1)
                 self.folded = additive.view(1, 1, per_kv * q_len, self.max_len)
             else:
-                additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-                additive.masked_fill_(~self.mask, float("-inf"))
+                mask = self.mask
+                assert mask is not None  # a chunk group has a mask unless it is a lone chunk
+                additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+                additive.masked_fill_(~mask, float("-inf"))
                 self.folded = additive.repeat(1, 1, per_kv, 1)
         return self.folded
 
@@ -133,7 +136,7 @@ class SdpaMetadata:
     mirror_step: _MirrorStep | None = None  # for the decode group (groups[0]), if mirrored
 
 
-class SdpaPagedBackend(AttentionBackend):
+class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
     name = "sdpa"
 
     def __init__(self, device: torch.device = torch.device("cpu"), fold_decode: bool | None = None,
@@ -210,32 +213,41 @@ class SdpaPagedBackend(AttentionBackend):
         """On CUDA, SDPA's kernels without cuDNN's (entered once a step: ~14 µs a time)."""
         return sdpa_kernel(CUDA_SDPA_KERNELS) if self.on_cuda else contextlib.nullcontext()
 
-    def forward(self, query, key, value, kv_layer, metadata: SdpaMetadata):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+                metadata: SdpaMetadata) -> torch.Tensor:
         self.pool_tokens = kv_layer.shape[1]
         kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
         kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
-        mirrored = self._mirrored_kv(metadata, key, value, kv_layer) if metadata.mirror_step else None
-        if metadata.covers_all_rows:
-            return _attend(metadata.groups[0], query, key, value, kv_layer, mirrored, self.fold_decode)
+        mirrored = None
+        if metadata.mirror_step:  # planned for the decode group only, a _Paged one
+            mirrored = self._mirrored_kv(cast(_Paged, metadata.groups[0]), metadata.mirror_step, key, value,
+                                         kv_layer)
+        if metadata.covers_all_rows:  # then the one group is a _Fresh or a _Paged (see prepare)
+            return _attend(cast("_Fresh | _Paged", metadata.groups[0]), query, key, value, kv_layer, mirrored,
+                           self.fold_decode)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             if isinstance(group, _Native):
                 kernel = self._amx_attention if group.amx else self._paged_attention
+                assert kernel is not None  # prepare plans a _Native group only where its kernel loaded
                 kernel(query, kv_layer[0], kv_layer[1], group.block_table, group.query_starts, group.query_lens,
                        group.context_lens, group.block_size, query.shape[-1] ** -0.5, output)
                 continue
             own_mirror = mirrored if group is metadata.groups[0] else None
             attended = _attend(group, query, key, value, kv_layer, own_mirror, self.fold_decode)
             if isinstance(group, _Paged) and group.row_index is not None:
+                assert group.target_rows is not None  # set with row_index
                 output.index_copy_(0, group.target_rows, attended[group.valid_rows])
             else:
                 first = group.first_row
                 output[first:first + attended.shape[0]] = attended
         return output
 
-    def _mirrored_kv(self, metadata: SdpaMetadata, key, value, kv_layer) -> torch.Tensor:
-        """This layer's mirror, brought up to this step: [2, seqs, capacity, heads, dim]."""
-        group, step, mirror = metadata.groups[0], metadata.mirror_step, self.mirror
+    def _mirrored_kv(self, group: _Paged, step: _MirrorStep, key: torch.Tensor, value: torch.Tensor,
+                     kv_layer: torch.Tensor) -> torch.Tensor:
+        """This layer's mirror of the decode `group`, brought up to this step:
+        [2, seqs, capacity, heads, dim]."""
+        mirror = self.mirror
         layer_key = kv_layer.data_ptr()
         if step.rebuild:
             layer = torch.empty(2, group.num_seqs, mirror.capacity, *kv_layer.shape[2:],
@@ -249,6 +261,7 @@ class SdpaPagedBackend(AttentionBackend):
             mirror.layers[layer_key] = layer
             return layer
         layer = mirror.layers[layer_key]
+        assert step.append_at is not None  # an append (not a rebuild) step has its positions
         rows = group.num_seqs
         flat = layer.view(2, rows * mirror.capacity, *layer.shape[3:])
         flat[0].index_copy_(0, step.append_at, key[:rows])
@@ -324,7 +337,7 @@ def _attend_folded(group: _Paged, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 # ---- per step ------------------------------------------------------------------------
 
-def _blocks(inputs: AttentionInputs, seqs: list[int] | slice, max_len: int) -> torch.Tensor:
+def _blocks(inputs: AttentionInputs, seqs: list[int] | slice | torch.Tensor, max_len: int) -> torch.Tensor:
     per_seq = -(-max_len // inputs.block_size)
     return inputs.block_table[seqs, :per_seq].reshape(-1)
 

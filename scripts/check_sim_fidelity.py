@@ -335,7 +335,8 @@ def report(args, live: dict, sims: dict[str, dict], extra: dict) -> None:
             print(f"{name:<10} {metric:<12} live {live['overall'][metric] * 1000:8.2f} ms  "
                   f"sim {sim['overall'][metric] * 1000:8.2f} ms  error {error:6.1%}  {verdict}")
     drift = extra["engine_drift"]
-    print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, first token {extra['first_token_extra_s'] * 1000:+.2f} ms, "
+    print(f"overheads: one-way {extra['network_s'] * 1000:.2f} ms, "
+          f"first token {extra['first_token_extra_s'] * 1000:+.2f} ms, "
           f"per step {extra['step_overhead_s'] * 1000:.2f} ms ({extra['step_overhead_source']}); "
           f"engine alone after the run vs before: TTFT {drift['ttft']:+.1%}, TPOT {drift['tpot']:+.1%}")
     if args.json:
@@ -343,7 +344,8 @@ def report(args, live: dict, sims: dict[str, dict], extra: dict) -> None:
         others = {f"rel_error_{name}": errors[name] for name in sims if name != first}
         print(json.dumps({"rel_error": errors[first], "ok": all(error <= TARGET for error in errors[first].values()),
                           **others, "live": {metric: live["overall"][metric] for metric in METRICS},
-                          **{name: {metric: sim["overall"][metric] for metric in METRICS} for name, sim in sims.items()},
+                          **{name: {metric: sim["overall"][metric] for metric in METRICS}
+                             for name, sim in sims.items()},
                           "workload": args.workload, "rate": args.rate, "duration_s": args.duration,
                           "scale": args.scale, "workers": args.workers, "policy": args.policy,
                           "dtype": args.dtype, **extra}))

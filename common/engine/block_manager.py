@@ -171,6 +171,7 @@ class BlockManager:
 
     def _forget(self, block_id: int) -> int:
         block_name = self.block_hash[block_id]
+        assert block_name is not None  # only a cached block is forgotten, and it has a hash
         del self.hash_to_block[block_name]
         self.block_hash[block_id] = None
         self.block_tokens[block_id] = None

@@ -191,6 +191,7 @@ class Engine:
         queue_s = None
         if seq.first_token_time is None:
             seq.first_token_time = now
+            assert seq.first_scheduled_time is not None  # step() set it when it scheduled the chunk
             queue_s = seq.first_scheduled_time - seq.arrival_time
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -210,7 +211,7 @@ class Engine:
                              seq.prompt_len, seq.num_cached_tokens, queue_s)
 
     def _final_text(self, seq: Sequence) -> str:
-        if seq.stop_text is not None:
+        if seq.stop_text is not None and seq.detokenizer is not None:  # the detokenizer found it
             return seq.detokenizer.text
         return self.decode(seq.output_ids)
 
@@ -235,11 +236,16 @@ class Engine:
                 if output.finished:
                     pending.discard(output.request_id)
         done = time.perf_counter()
-        return [GenerationResult(
+        return [self._result(seq, done) for seq in seqs]
+
+    def _result(self, seq: Sequence, done: float) -> GenerationResult:
+        # A finished sequence has its reason and its first token's time.
+        assert seq.finish_reason is not None and seq.first_token_time is not None
+        return GenerationResult(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.prompt_len],
             token_ids=seq.output_ids, text=self._final_text(seq), finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens, ttft_s=seq.first_token_time - seq.arrival_time,
-            e2e_s=done - seq.arrival_time, logprobs=seq.logprobs) for seq in seqs]
+            e2e_s=done - seq.arrival_time, logprobs=seq.logprobs)
 
     def check_integrity(self) -> None:
         """Verify block bookkeeping against every live sequence (tests call this)."""

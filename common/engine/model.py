@@ -11,6 +11,8 @@ rounds where the reference rounds.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,11 +41,12 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(head_dim) if config.qk_norm else None
         self.k_norm = param(head_dim) if config.qk_norm else None
         self.post_norm = param(hidden)
-        # Set by CausalLM.load_hf_weights.
-        self.qkv: Linear | None = None
-        self.o_proj: Linear | None = None
-        self.gate_up: Linear | None = None
-        self.down: Linear | None = None
+        # Set by CausalLM.load_hf_weights (Linear is no nn.Module: plain attributes); a
+        # model runs only once loaded.
+        self.qkv: Linear
+        self.o_proj: Linear
+        self.gate_up: Linear
+        self.down: Linear
 
     def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary_inputs: tuple,
                 kv_layer: torch.Tensor, backend: AttentionBackend, metadata: object,
@@ -60,7 +63,7 @@ class DecoderLayer(nn.Module):
         query_key, value = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
         query_key = query_key.view(tokens, config.num_heads + config.num_kv_heads, config.head_dim)
         value = value.view(tokens, config.num_kv_heads, config.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
             query_key = torch.cat([
                 rms_norm(query_key[:, :config.num_heads], self.q_norm, config.rms_norm_eps),
                 rms_norm(query_key[:, config.num_heads:], self.k_norm, config.rms_norm_eps)], dim=1)
@@ -84,7 +87,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
                                        requires_grad=False)
-        self.lm_head: Linear | None = None  # set by load_hf_weights; tied: a copy of embed
+        self.lm_head: Linear  # set by load_hf_weights; tied: a copy of embed
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.ops = select_layer_ops(device, config.hidden_size, config.intermediate_size, config.head_dim)
         self.amx_linears = amx_available(device, dtype)
@@ -95,17 +98,22 @@ class CausalLM(nn.Module):
         the rows in `logits_rows` (row indices, or a slice such as every row)."""
         hidden = F.embedding(input_ids, self.embed)
         rotary_inputs = self.ops.rotary_inputs(self.rotary, positions)
-        pending = None
+        pending: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, rotary_inputs, kv_cache.layers[index], backend, metadata,
                                     self.ops)
+        assert pending is not None  # a model has layers
         selected = hidden[logits_rows] + pending[logits_rows]  # the last layer's add, on the rows needed
         return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps)).float()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """self.layers as what they are (iterating an nn.ModuleList gives plain Modules)."""
+        return cast(list[DecoderLayer], list(self.layers))
 
     def linear_kernels(self) -> str:
         """What multiplies few-row linears, e.g. 'amx', or 'amx+onednn' where some shapes
         do not fit the tiles (for the startup log and the benchmark's record)."""
-        linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
+        linears = [self.lm_head] + [getattr(layer, name) for layer in self.decoder_layers()
                                     for name in ("qkv", "o_proj", "gate_up", "down")]
         return "+".join(sorted({linear.kernel for linear in linears}))
 
@@ -126,7 +134,7 @@ class CausalLM(nn.Module):
         amx = self.amx_linears
         self.lm_head = Linear(self.embed.clone() if self.config.tie_word_embeddings
                               else get("lm_head.weight"), amx=amx)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.decoder_layers()):
             prefix = f"model.layers.{index}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             layer.input_norm.copy_(get(prefix + "input_layernorm.weight"))
@@ -135,7 +143,7 @@ class CausalLM(nn.Module):
             if self.config.attention_bias:
                 qkv_bias = cat(*(attn + f"{p}_proj.bias" for p in "qkv"))
             layer.qkv = Linear(cat(*(attn + f"{p}_proj.weight" for p in "qkv")), qkv_bias, amx=amx)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 layer.q_norm.copy_(get(attn + "q_norm.weight"))
                 layer.k_norm.copy_(get(attn + "k_norm.weight"))
             layer.o_proj = Linear(get(attn + "o_proj.weight"), amx=amx)

@@ -73,7 +73,7 @@ class ModelRunner:
         token_ids, logprobs = self.sampler.sample(logits, seqs)
         return StepResult(seqs, token_ids, logprobs, len(input_ids))
 
-    def _build_inputs(self, chunks: list[ScheduledChunk]):
+    def _build_inputs(self, chunks: list[ScheduledChunk]) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
         if all(chunk.num_new == 1 for chunk in chunks):
             return self._build_decode_inputs(chunks)
         self._last_decode = None
@@ -103,7 +103,8 @@ class ModelRunner:
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         return inputs, input_ids, torch.from_numpy(positions).to(device)
 
-    def _build_decode_inputs(self, chunks: list[ScheduledChunk]):
+    def _build_decode_inputs(self,
+                             chunks: list[ScheduledChunk]) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
         """_build_inputs for a step where every sequence decodes one token. While the same
         sequences advance by one token and none enters a new block, the block table is
         the last step's and every slot is the next one: only the new token ids are read."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.sequence import Sequence
+from common.sampling_params import SamplingParams
 
 ARGMAX_BLOCK = 128  # vocabulary columns per block in argmax_rows
 
@@ -49,7 +50,7 @@ class Sampler:
         return torch.where(greedy, argmax_rows(logits), sampled)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list[dict | None]:
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[dict | None]:
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         most = max(p.logprobs or 0 for p in params)
@@ -61,6 +62,7 @@ class Sampler:
                 continue
             top = []
             if p.logprobs:
+                assert top_ids is not None and top_values is not None  # most >= p.logprobs > 0
                 top = list(zip(top_ids[row, :p.logprobs].tolist(), top_values[row, :p.logprobs].tolist()))
             records.append({"token_id": int(tokens[row]), "logprob": chosen[row], "top": top})
         return records

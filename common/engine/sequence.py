@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.hashing import chain_hashes
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's types; this module stays importable without torch
+    import torch
+
+    from common.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -41,8 +47,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if one did
     logprobs: list[dict] = field(default_factory=list)
-    generator: object = None  # a per-request torch.Generator when params.seed is set
-    detokenizer: object = None  # an IncrementalDetokenizer when stop strings are watched
+    generator: torch.Generator | None = None  # when params.seed is set
+    detokenizer: IncrementalDetokenizer | None = None  # when stop strings are watched
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -73,7 +73,7 @@ def read_step_log(path: Path) -> list[dict]:
     return records
 
 
-def _checked(record) -> dict:
+def _checked(record: object) -> dict:
     if not isinstance(record, dict):
         raise ValueError("a step must be a JSON object")
     for key in ("t", "s"):
@@ -90,7 +90,7 @@ def _checked(record) -> dict:
     return record
 
 
-def _count(value) -> bool:
+def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

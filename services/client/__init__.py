@@ -9,8 +9,15 @@
 `AsyncClient` is the asyncio twin. Failures raise the typed errors re-exported here.
 The SDK needs pyzmq, msgspec and numpy only (no torch).
 """
-from common.errors import (BatonError, InvalidRequest, Rejected, RequestTimeout, ServerUnavailable,
-                           Unauthorized, WorkerLost)
+from common.errors import (
+                           BatonError,
+                           InvalidRequest,
+                           Rejected,
+                           RequestTimeout,
+                           ServerUnavailable,
+                           Unauthorized,
+                           WorkerLost,
+)
 from services.client._shared import Result, StreamChunk, curve_keys
 from services.client.async_client import AsyncClient
 from services.client.sync_client import Client

@@ -8,8 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import BatonError, InvalidRequest, error_from_code
-from common.protocol import (MAX_BODY_BYTES, MAX_TOKENS_PER_FRAME, Chunk, Error, ProtocolError, Submit, decode,
-                             encode, sampling_from_params)
+from common.protocol import (
+    MAX_BODY_BYTES,
+    MAX_TOKENS_PER_FRAME,
+    Chunk,
+    Error,
+    ErrorCode,
+    ProtocolError,
+    Submit,
+    decode,
+    encode,
+    sampling_from_params,
+)
 from common.sampling_params import MAX_TOKEN_ID, InvalidRequestError, SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"
@@ -135,7 +145,7 @@ def parse_reply(frames: list[bytes]) -> Chunk | Error | object:
     try:
         message, _ = decode(frames)
     except ProtocolError as error:
-        return Error(request_id="", code="internal", message=f"malformed reply: {error}")
+        return Error(request_id="", code=ErrorCode.INTERNAL, message=f"malformed reply: {error}")
     return message
 
 

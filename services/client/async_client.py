@@ -10,8 +10,17 @@ import zmq.asyncio
 
 from common.errors import RequestTimeout, ServerUnavailable
 from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
-from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
-                                     connect_dealer, parse_reply, raise_for, retry_pause)
+from services.client._shared import (
+    DEFAULT_ADDRESS,
+    Accumulator,
+    Result,
+    StreamChunk,
+    build_submit,
+    connect_dealer,
+    parse_reply,
+    raise_for,
+    retry_pause,
+)
 
 
 class AsyncClient:
@@ -31,7 +40,7 @@ class AsyncClient:
         self.reader: asyncio.Task | None = None
         self.checked = False
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

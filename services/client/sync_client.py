@@ -8,8 +8,17 @@ import zmq
 
 from common.errors import RequestTimeout, ServerUnavailable
 from common.protocol import Abort, Chunk, ChunkBatch, Error, Status, StatusRequest, encode
-from services.client._shared import (DEFAULT_ADDRESS, Accumulator, Result, StreamChunk, build_submit,
-                                     connect_dealer, parse_reply, raise_for, retry_pause)
+from services.client._shared import (
+    DEFAULT_ADDRESS,
+    Accumulator,
+    Result,
+    StreamChunk,
+    build_submit,
+    connect_dealer,
+    parse_reply,
+    raise_for,
+    retry_pause,
+)
 
 
 class Client:
@@ -29,7 +38,7 @@ class Client:
         self.checked = False
         self.retry_unavailable = retry_unavailable
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -66,9 +75,10 @@ class Client:
         """Run one request to completion. `slo_class` names a configured SLO class ("" =
         the tenant's or the cluster's default)."""
         stream = self._run(prompt, token_ids, timeout_s, slo_class, sampling)
-        accumulator = None
-        for accumulator, _ in stream:
+        accumulator: Accumulator | None = None
+        for accumulator, _ in stream:  # noqa: B007 -- the last one holds the result
             pass
+        assert accumulator is not None  # _attempt ends with a finished chunk or raises
         return accumulator.result()
 
     def stream(self, prompt: str | None = None, *, token_ids=None, timeout_s: float | None = None,

@@ -46,10 +46,11 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
     import asyncio
     import dataclasses
 
+    from tqdm import tqdm
+
     from common.cost_model import ProfileError
     from common.errors import BatonError
     from services.eval.loadgen import Target, WorkloadSpec, bench as run_bench, plan_requests
-    from tqdm import tqdm
     from services.eval.report import json_line, print_table
 
     if address and url:

@@ -104,18 +104,20 @@ def plan_requests(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """The requests to send, sorted by arrival; with a duration, only those arriving
     before it. Raises ValueError on a bad spec (and ProfileError on a bad profile)."""
     spec.check()
-    rate = spec.rate if spec.load is None else _rate_for_load(spec)
+    rate = spec.rate if spec.load is None else _rate_for_load(spec, spec.load)  # None: trace arrivals
     count = spec.num_requests
     if count is None:  # enough arrivals to fill the duration, with room for chance
+        # check(): without a count, a duration; and only trace arrivals (which need a count) have no rate
+        assert rate is not None and spec.duration_s is not None
         expected = rate * spec.duration_s
         count = math.ceil(1.5 * expected + 6 * math.sqrt(expected) + 10)
     requests = _generate(spec, count)
-    if spec.arrivals == "poisson":
-        requests = poisson(requests, rate, spec.seed)
-    elif spec.arrivals == "bursty":
-        requests = bursty(requests, rate, spec.seed)
-    else:
+    if spec.arrivals == "trace":
         requests = trace(requests)
+    else:
+        assert rate is not None  # check(): poisson and bursty arrivals have a rate or a load
+        arrive = poisson if spec.arrivals == "poisson" else bursty
+        requests = arrive(requests, rate, spec.seed)
     if spec.duration_s is not None:
         requests = [request for request in requests if request.arrival_s < spec.duration_s]
     return requests
@@ -126,16 +128,16 @@ def _generate(spec: WorkloadSpec, count: int) -> list[WorkloadRequest]:
                          trace=spec.trace_path)
 
 
-def _rate_for_load(spec: WorkloadSpec) -> float:
+def _rate_for_load(spec: WorkloadSpec, load: float) -> float:
     sample = _generate(spec, spec.num_requests or LOAD_SAMPLE)
-    return rate_for_load(sample, spec.load, spec.workers, load_cost_model(spec.profile))
+    return rate_for_load(sample, load, spec.workers, load_cost_model(spec.profile))
 
 
 # ---- the open loop -------------------------------------------------------------------
 
 
 async def open_loop(requests: Sequence[WorkloadRequest], send: Sender, *, drain_timeout_s: float,
-                    on_done: Callable[[], None] | None = None) -> LiveRun:
+                    on_done: Callable[[], object] | None = None) -> LiveRun:
     """Send each request at its arrival_s (seconds from now) in a task of its own, never
     waiting for earlier ones; after the last is sent, wait up to `drain_timeout_s` for
     those in flight, then cancel them and count them failed ("Abandoned"). `on_done` is
@@ -290,7 +292,7 @@ class BenchResult:
 
 async def bench(target: Target, requests: Sequence[WorkloadRequest], *, slo_class: str = "",
                 slos: Mapping[str, Slo] | None = None, drain_timeout_s: float = 120.0, gpus: int = 1,
-                on_done: Callable[[], None] | None = None) -> BenchResult:
+                on_done: Callable[[], object] | None = None) -> BenchResult:
     """Run `requests` against the cluster at `target` and summarise what the clients saw.
     `slo_class` is sent with every request and labels every record (when given); `gpus`
     counts the workers when the cluster cannot be asked (HTTP). Raises BatonError

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from common.cost_model import CostModel, LatencyFit, load_cost_model
 from common.profiles import GPUS, MODELS, PREBLE_NAME, PREBLE_TP, TP_DEGREES, fits, roofline_profile
-from services.eval.report import RequestRecord, Slo, is_completed, meets_slo
+from services.eval.report import RequestRecord, Slo, e2e_of, is_completed, meets_slo
 from services.eval.simulator import SimConfig, simulate
 from services.eval.workloads.arrivals import poisson, rate_for_load
 from services.eval.workloads.base import WorkloadRequest
@@ -253,7 +253,7 @@ class PhaseModel:
             return meets_slo(record, Slo(self.ttft_s, self.tpot_s))
         if not is_completed(record) or record.output_tokens <= 1:
             return is_completed(record)
-        return (record.finish_s - record.arrival_s) / (record.output_tokens - 1) <= self.tpot_s
+        return e2e_of(record) / (record.output_tokens - 1) <= self.tpot_s
 
     @property
     def lifetime_s(self) -> float:
@@ -306,6 +306,8 @@ def highest_passing_rate(passes: Callable[[float], bool], start: float, precisio
     returns lo. 0.0 when even start / 2**max_steps fails; start·2**max_steps when that
     still passes. At most 2·max_steps + log2(log(2)/log(1 + precision)) + 2 calls.
     """
+    low: float | None
+    high: float | None
     if passes(start):
         low, high = start, None
         for _ in range(max_steps):

@@ -47,8 +47,11 @@ class RequestRecord:
 
 
 class SloLike(Protocol):
-    ttft_s: float
-    tpot_s: float
+    @property
+    def ttft_s(self) -> float: ...
+
+    @property
+    def tpot_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ def is_completed(r: RequestRecord) -> bool:
 
 def ttft_of(r: RequestRecord) -> float:
     """Arrival to first token; only meaningful for a completed request."""
+    assert r.first_token_s is not None, f"{r.request_id} has no first token"
     return r.first_token_s - r.arrival_s
 
 
@@ -82,10 +86,12 @@ def tpot_of(r: RequestRecord) -> float:
     """(finish − first token) / (output tokens − 1); 0.0 for one output token or fewer."""
     if r.output_tokens <= 1:
         return 0.0
+    assert r.finish_s is not None and r.first_token_s is not None, f"{r.request_id} is not completed"
     return (r.finish_s - r.first_token_s) / (r.output_tokens - 1)
 
 
 def e2e_of(r: RequestRecord) -> float:
+    assert r.finish_s is not None, f"{r.request_id} is not finished"
     return r.finish_s - r.arrival_s
 
 
@@ -161,7 +167,7 @@ def _summarize_group(
     slowdowns, basis = _slowdowns(done)
     goodput_rps = meeting / duration_s if duration_s > 0 else 0.0
     slo_attainment = meeting / len(records) if records else 0.0
-    summary = {
+    summary: dict[str, float | str] = {
         "requests": len(records),
         "completed": len(done),
         "rejected": sum(r.rejected for r in records),

@@ -69,9 +69,10 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
     requests, wall_s, requests_per_wall_s. A swept load or rate replaces --load and
     --rate; workers, zipf and scale replace --workers, --zipf and --scale.
     """
+    from tqdm import tqdm
+
     from common.cost_model import ProfileError, load_cost_model
     from services.eval import sim_runner as runner
-    from tqdm import tqdm
 
     try:
         sweep = runner.parse_sweep(sweep_text) if sweep_text else None
@@ -96,6 +97,7 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
     variable = sweep.variable if sweep is not None else None
     runner.print_results(points, results, variable)
     if plot_dir is not None:
+        assert variable is not None  # --plot needs --sweep (refused above otherwise)
         for path in runner.write_plots(points, results, variable, plot_dir):
             click.echo(f"wrote {path}", err=True)
     if as_json:

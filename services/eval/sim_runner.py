@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import INDEX_MODES, ClusterConfig
 from common.cost_model import CostModel
@@ -290,8 +291,8 @@ def prepare(spec: SimSpec, sweep: Sweep | None = None) -> list[Point]:
 def _generate(spec: SimSpec) -> list[WorkloadRequest]:
     count = spec.num_requests if spec.num_requests is not None else (
         sys.maxsize if spec.trace is not None else DEFAULT_NUM_REQUESTS)
-    requests = make_workload(spec.workload, count, spec.seed, scale=spec.scale, trace=spec.trace,
-                             **dict(spec.options))
+    options: dict[str, Any] = dict(spec.options)  # make_workload checks the shape's keywords
+    requests = make_workload(spec.workload, count, spec.seed, scale=spec.scale, trace=spec.trace, **options)
     if not requests:
         raise ValueError(f"the {spec.workload} workload has no requests" +
                          (f" ({spec.trace} is empty)" if spec.trace else ""))
@@ -315,7 +316,11 @@ def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
     if span <= 0:
         raise SimUsageError("--rate/--load with trace arrivals rescale the workload's own times, but all its "
                             "requests arrive at once; use --arrival poisson or bursty")
-    rate = spec.rate if spec.rate is not None else rate_for_load(requests, spec.load, spec.workers, spec.cost)
+    if spec.rate is not None:
+        rate = spec.rate
+    else:
+        assert spec.load is not None  # neither given returned above
+        rate = rate_for_load(requests, spec.load, spec.workers, spec.cost)
     if not rate > 0:
         raise SimUsageError(f"the arrival rate must be > 0, got {rate}")
     return len(requests) / span / rate
@@ -324,6 +329,7 @@ def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
 def _check_fits(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> None:
     """A request larger than a worker's whole KV pool could never run."""
     longest = max(len(r.token_ids) + r.output_tokens for r in requests)
+    assert spec.kv_blocks is not None  # a resolve()d spec
     capacity = spec.kv_blocks * SimConfig.block_size
     if longest > capacity:
         raise SimUsageError(f"--kv-blocks: {spec.kv_blocks} blocks hold {capacity} tokens per worker, but the "
@@ -347,6 +353,7 @@ def slos_for(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Sl
 def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig:
     """The simulator's configuration of a resolved spec under one policy."""
     ttl = ClusterConfig.index_ttl_s if spec.index_mode == "approximate" else None
+    assert spec.kv_blocks is not None and spec.max_num_batched_tokens is not None  # a resolve()d spec
     return SimConfig(workers=spec.workers, policy=policy, cost=spec.cost, kv_blocks=spec.kv_blocks,
                      max_num_batched_tokens=spec.max_num_batched_tokens, queue_policy=spec.queue_policy,
                      index_ttl_s=ttl, admission=spec.admission, slos=slos)
@@ -357,14 +364,14 @@ def total_requests(points: Sequence[Point]) -> int:
     return sum(len(point.requests) * len(point.spec.policies) for point in points)
 
 
-def run_points(points: Sequence[Point], advance: Callable[[int], None] | None = None) -> dict[str, dict]:
+def run_points(points: Sequence[Point], advance: Callable[[int], object] | None = None) -> dict[str, dict]:
     """{point label: {policy: summarize result}}, calling `advance(n)` as n more requests
     finish or are refused."""
     return {point.label: {policy: simulate_policy(point, policy, advance) for policy in point.spec.policies}
             for point in points}
 
 
-def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | None = None) -> dict:
+def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] | None = None) -> dict:
     """One simulation of the point's requests under `policy`, summarised, with the
     simulator's own speed under "simulation": requests, wall_s, requests_per_wall_s."""
     started = time.perf_counter()
@@ -376,6 +383,7 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], None] | 
         # Every arrived request has a record; admitted ones hold a sequence until they finish.
         done = len(simulator.records) - len(simulator.sequences)
         if done > reported:
+            assert advance is not None  # on_event is passed only with advance
             advance(done - reported)
             reported = done
 

@@ -33,6 +33,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.cost_model import CostModel
 from common.engine.block_manager import BlockManager
@@ -43,7 +44,7 @@ from common.hashing import root_hash
 from common.sampling_params import SamplingParams
 from services.eval.report import RequestRecord, RunTotals
 from services.eval.workloads.base import WorkloadRequest
-from services.router.admission import AdmissionConfig, AdmissionControl
+from services.router.admission import AdmissionConfig, AdmissionControl, Slo
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
 
@@ -65,7 +66,7 @@ class SimConfig:
     load_window_s: float = 180.0
     index_ttl_s: float | None = None  # set: the router's approximate index mode
     admission: bool = False
-    slos: Mapping[str, object] = field(default_factory=dict)  # class -> object with ttft_s, tpot_s
+    slos: Mapping[str, Slo] = field(default_factory=dict)  # class -> object with ttft_s, tpot_s
     max_queued_requests: int = 256
     max_queued_tokens: int = 262_144 * 64
     network_s: float = 0.0  # one-way delay client -> worker and worker -> client
@@ -158,7 +159,9 @@ class Simulator:
             self.cluster.add_worker(worker_id, config.kv_blocks)
             self.workers[worker_id] = SimWorker(worker_id, config, _EventSink(self.cluster, worker_id,
                                                                               lambda: self.now))
-        self.events: list[tuple[float, int, str, object]] = []
+        # (time, order, kind, payload): a WorkloadRequest ("arrive"), (worker, plan, steps)
+        # ("step_done") or None ("heartbeat")
+        self.events: list[tuple[float, int, str, Any]] = []
         self.order = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
@@ -323,13 +326,16 @@ class Simulator:
         if seq.first_token_time is None:
             seq.first_token_time = self.now
             record.first_token_s = self.now + self.config.network_s + self.config.first_token_extra_s
-            record.queue_s = seq.first_scheduled_time - seq.arrival_time
-            record.prefill_s = self.now - seq.first_scheduled_time
+            scheduled = seq.first_scheduled_time
+            assert scheduled is not None  # _start_step set it when it scheduled the chunk
+            record.queue_s = scheduled - seq.arrival_time
+            record.prefill_s = self.now - scheduled
             record.num_cached_tokens = seq.num_cached_tokens
         seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
         worker.scheduler.finish(seq, "length")
+        assert record.first_token_s is not None and seq.first_token_time is not None  # set at its first token
         record.finish_s = max(self.now + self.config.network_s, record.first_token_s)
         record.output_tokens = seq.num_output_tokens
         record.decode_s = self.now - seq.first_token_time

@@ -21,8 +21,11 @@ _num_tokens = attrgetter("num_tokens")
 
 
 class Slo(Protocol):
-    ttft_s: float
-    tpot_s: float
+    @property
+    def ttft_s(self) -> float: ...
+
+    @property
+    def tpot_s(self) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,9 @@ class ClusterState:
         """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
         leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
         the blocks read."""
-        cumulative, total, read = [], 0.0, []
+        cumulative: list[float] = []
+        read: list[BlockNode] = []
+        total = 0.0
         base, slope = self.block_recompute
         hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Set
 
 import numpy as np
 import xxhash
@@ -75,7 +75,8 @@ class PrefixIndex:
     def block_keys(self, prompt: bytes | np.ndarray) -> list[bytes]:
         """Each full block's token bytes (little-endian uint32 ids), the keys a walk
         follows: one C call over the buffer, no copy of it and no slice per block."""
-        buffer = memoryview(prompt)
+        # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python 3.12+ only.
+        buffer = memoryview(prompt)  # type: ignore[arg-type]
         count = buffer.nbytes // self.block_bytes
         return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=count).tolist()
 
@@ -109,7 +110,7 @@ class PrefixIndex:
         if not path:
             return {}
         matched: dict[str, int] = {}
-        alive = path[0].holders.keys()
+        alive: Set[str] = path[0].holders.keys()
         signature = path[0].signature
         for depth in range(1, len(path)):
             node = path[depth]
@@ -238,7 +239,7 @@ class PrefixIndex:
         """Count the pending hits on every block of each pending prefix."""
         epoch = self.pending_epoch
         for tail, count in self.pending_hits.items():
-            node = tail
+            node: BlockNode | None = tail
             while node is not None and node.depth >= 0:
                 if node.hit_epoch == epoch:
                     node.hits_now += count

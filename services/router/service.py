@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -29,9 +31,24 @@ from common.hashing import root_hash
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
-from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Generate, Heartbeat, Hello,
-                             KvEvents, Placed, ProtocolError, Status, StatusRequest, Welcome, WorkerStatus, decode,
-                             peek_request_id)
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    KvEvents,
+    Placed,
+    ProtocolError,
+    Status,
+    StatusRequest,
+    Welcome,
+    WorkerStatus,
+    decode,
+    peek_request_id,
+)
 from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
@@ -80,7 +97,7 @@ class RouterService:
         self.metrics = RouterMetrics(self.registry)
         self.members: dict[str, Member] = {}
         self.origins: dict[str, bytes] = {}  # request id -> tokenizer identity
-        self.hash_root: tuple | None = None  # what names blocks: set by the first worker
+        self.hash_root: HashRoot | None = None  # what names blocks: set by the first worker
         self.root_hashes: dict[str, int] = {}  # tenant -> root of its hash chains
         self.model_fingerprint: str | None = None
         self.requests_routed = 0
@@ -92,8 +109,10 @@ class RouterService:
         self.events = self.security.subscriber("worker")
         self.subscribed: set[str] = set()
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
-        self.handlers = {Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
-                         Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report}
+        # message type -> handler(identity, message of that type, payloads)
+        self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
+            Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
+            Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report}
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
@@ -136,16 +155,16 @@ class RouterService:
 
     def _on_routed(self, frames: list[zmq.Frame]) -> None:
         role = peer_role(frames[-1])
-        frames = [frame.bytes for frame in frames]
+        raw = [frame.bytes for frame in frames]
         try:
-            identity, body = split_routed(frames)
+            identity, body = split_routed(raw)
             message, payloads = decode(body)
         except ProtocolError as error:
             self.metrics.bad_messages.inc()
             log.warning("bad_message", error=str(error))
-            if len(frames) >= 2:
-                self._reply(frames[0], Error(request_id=peek_request_id(frames[1:]), code=ErrorCode.INVALID_REQUEST,
-                                             message=str(error)))
+            if len(raw) >= 2:
+                self._reply(raw[0], Error(request_id=peek_request_id(raw[1:]), code=ErrorCode.INVALID_REQUEST,
+                                          message=str(error)))
             return
         handler = self.handlers.get(type(message))
         if handler is None or (role is not None and type(message) not in ROLE_MESSAGES.get(role, ())):
@@ -335,6 +354,7 @@ class RouterService:
 
     def _root_hash(self, tenant: str) -> int:
         if tenant not in self.root_hashes:
+            assert self.hash_root is not None  # _on_generate refuses requests until a worker joined
             model, tokenizer, adapter, kv_dtype, block_size = self.hash_root
             self.root_hashes[tenant] = root_hash(model, tokenizer, adapter, kv_dtype, block_size, tenant)
         return self.root_hashes[tenant]
@@ -361,7 +381,11 @@ class RouterService:
                                      kv_events_received=self.kv_events_received))
 
 
-def _hash_root(hello: Hello) -> tuple:
+# (model fingerprint, tokenizer fingerprint, adapter id, KV dtype, block size)
+HashRoot = tuple[str, str, str, str, int]
+
+
+def _hash_root(hello: Hello) -> HashRoot:
     """The fields (besides the tenant) that root a worker's block hashes (docs/kv-identity.md §3)."""
     return (hello.model_fingerprint, hello.tokenizer_fingerprint, hello.adapter_id, hello.kv_dtype,
             hello.block_size)

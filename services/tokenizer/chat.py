@@ -67,6 +67,7 @@ class ChatTemplate:
         config = _read_tokenizer_config(model_dir / TOKENIZER_CONFIG_FILE)
         special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         template_file = model_dir / TEMPLATE_FILE
+        source: str | None  # None: the checkpoint has no template
         if template_file.is_file():
             source = template_file.read_text(encoding="utf-8")
         else:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -31,13 +32,38 @@ import zmq.asyncio
 from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.checkpoint import load_model_config, load_tokenizer
-from common.errors import (BatonError, InternalError, InvalidRequest, RequestTimeout, ServerUnavailable,
-                           Unauthorized, error_from_code)
+from common.errors import (
+    BatonError,
+    InternalError,
+    InvalidRequest,
+    RequestTimeout,
+    ServerUnavailable,
+    Unauthorized,
+    error_from_code,
+)
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import (MAX_BODY_BYTES, Abort, Chunk, ChunkBatch, Error, ErrorCode, Generate, Placed,
-                             ProtocolError, Status, StatusRequest, Submit, Tokens, TokensBatch, decode, encode,
-                             params_from_sampling, peek_request_id, sampling_from_params)
+from common.protocol import (
+    MAX_BODY_BYTES,
+    Abort,
+    Chunk,
+    ChunkBatch,
+    Error,
+    ErrorCode,
+    Generate,
+    Placed,
+    ProtocolError,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+    TokensBatch,
+    decode,
+    encode,
+    params_from_sampling,
+    peek_request_id,
+    sampling_from_params,
+)
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent
@@ -268,7 +294,9 @@ class TokenizerService:
     def _send_now(self, frames: list) -> bool:
         """Send to the router unless no connection to it is up (IMMEDIATE): never queued
         for a router that is not there."""
-        sent = self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        # An asyncio Future (pyzmq's annotation says only Awaitable).
+        sent = cast("asyncio.Future[zmq.MessageTracker | None]",
+                    self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
         return not (sent.done() and sent.exception() is not None)
 
     def _fail_unplaced(self) -> None:
@@ -404,8 +432,9 @@ class TokenizerService:
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is not stopper and task.exception():
-                    raise task.exception()
+                error = task.exception() if task is not stopper else None
+                if error is not None:
+                    raise error
         finally:
             for task in tasks:
                 task.cancel()

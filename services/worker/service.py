@@ -21,19 +21,33 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from msgspec.structs import replace
-
 import numpy as np
 import zmq
+from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
-from common.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, FinishedRequest, Generate, Heartbeat, Hello,
-                             KvEvents, ProtocolError, RunningRequest, Tokens, TokensBatch, Welcome, decode,
-                             params_from_sampling)
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    ErrorCode,
+    FinishedRequest,
+    Generate,
+    Heartbeat,
+    Hello,
+    KvEvents,
+    ProtocolError,
+    RunningRequest,
+    Tokens,
+    TokensBatch,
+    Welcome,
+    decode,
+    params_from_sampling,
+)
 from common.sampling_params import InvalidRequestError
 from common.sockets import Security, check_endpoint, send
 
@@ -380,6 +394,7 @@ class WorkerService:
                     log.error("worker_stalled", since_s=round(time.monotonic() - self.last_turn, 1))
                     continue  # let the router drop a worker that serves nothing
                 with self.beat_lock:
+                    assert self.beat is not None  # run() makes the first report before it starts this thread
                     self.beats_sent += 1
                     beat, self.beat = replace(self.beat, seq=self.beats_sent), replace(self.beat, finished=[])
                 send(socket, beat)

@@ -7,8 +7,19 @@ import pytest
 from common.config import ConfigError, load_config
 from common.cost_model import TINY_CPU, CostModel, ProfileError, load_cost_model
 from common.profiles import (
-    ANALYTIC_NAMES, GPUS, KNOWN_NAMES, MODELS, PREBLE_NAME, PREBLE_POINTS, PREBLE_PREFILL, PREBLE_TOLERANCE,
-    analytic_profile, min_tp, preble_comparison, roofline_profile)
+    ANALYTIC_NAMES,
+    GPUS,
+    KNOWN_NAMES,
+    MODELS,
+    PREBLE_NAME,
+    PREBLE_POINTS,
+    PREBLE_PREFILL,
+    PREBLE_TOLERANCE,
+    analytic_profile,
+    min_tp,
+    preble_comparison,
+    roofline_profile,
+)
 
 PROFILE = {"name": "p", "prefill": {"a": 1e-3, "b": 1e-5, "c": 1e-6, "d": 1e-9},
            "decode": {"a": 2e-3, "b": 1e-4}}

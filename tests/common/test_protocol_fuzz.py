@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.protocol import (MAX_BODY_BYTES, MESSAGE_CLASSES, Abort, Chunk, ChunkBatch, Error, ErrorCode,
-                             FinishedRequest, Generate, Heartbeat, Hello, KvEvents, MessageType, Placed,
-                             ProtocolError, RunningRequest, Sampling, Status, StatusRequest, Submit, Tokens,
-                             TokensBatch, Welcome, WorkerStatus, decode, encode, peek_request_id)
+from common.protocol import (
+    MAX_BODY_BYTES,
+    MESSAGE_CLASSES,
+    Abort,
+    Chunk,
+    ChunkBatch,
+    Error,
+    ErrorCode,
+    FinishedRequest,
+    Generate,
+    Heartbeat,
+    Hello,
+    KvEvents,
+    MessageType,
+    Placed,
+    ProtocolError,
+    RunningRequest,
+    Sampling,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+    TokensBatch,
+    Welcome,
+    WorkerStatus,
+    decode,
+    encode,
+    peek_request_id,
+)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

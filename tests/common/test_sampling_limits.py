@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from common.protocol import MAX_BODY_BYTES, Generate, decode, encode, sampling_from_params
-from common.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                    InvalidRequestError, SamplingParams)
+from common.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -9,8 +9,7 @@ import zmq
 import zmq.auth
 
 from common.config import ClusterConfig, ConfigError
-from common.sockets import (Security, check_bind_address, check_endpoint, generate_curve_keys, load_curve_keys,
-                            peer_role)
+from common.sockets import Security, check_bind_address, check_endpoint, generate_curve_keys, load_curve_keys, peer_role
 
 
 @pytest.fixture

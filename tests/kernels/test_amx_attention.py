@@ -68,8 +68,10 @@ def test_kernel_refuses_bad_input_by_name(amx_attention):
         call(query=query.float())
     with pytest.raises(RuntimeError, match="head dim: a multiple of 32"):
         slots = args[1].shape[0]
-        call(query=torch.zeros(4, 4, 48, dtype=torch.bfloat16), key_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16),
-             value_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16), out=torch.empty(4, 4, 48, dtype=torch.bfloat16))
+        call(query=torch.zeros(4, 4, 48, dtype=torch.bfloat16),
+             key_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16),
+             value_cache=torch.zeros(slots, 2, 48, dtype=torch.bfloat16),
+             out=torch.empty(4, 4, 48, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="outside the cache"):
         call(block_table=torch.full_like(table, 10_000))
     with pytest.raises(RuntimeError, match="context longer than its block table"):

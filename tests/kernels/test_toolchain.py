@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from kernels.toolchain import (SYSTEM_COMPILER, ToolchainError, choose_compiler, links_shared_cxx_runtime,
-                               needed_libraries, shares_cxx_runtime)
+from kernels.toolchain import (
+    SYSTEM_COMPILER,
+    ToolchainError,
+    choose_compiler,
+    links_shared_cxx_runtime,
+    needed_libraries,
+    shares_cxx_runtime,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which(SYSTEM_COMPILER) is None, reason="no C++ compiler here")
 

@@ -10,8 +10,18 @@ import msgspec
 import pytest
 import zmq
 
-from common.protocol import (PROTOCOL_VERSION, Error, Generate, Hello, Sampling, Status, StatusRequest, Welcome,
-                             decode, encode)
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Generate,
+    Hello,
+    Sampling,
+    Status,
+    StatusRequest,
+    Welcome,
+    decode,
+    encode,
+)
 from services.client import AsyncClient, Client, Rejected, ServerUnavailable, WorkerLost
 
 
@@ -87,7 +97,7 @@ def test_client_that_stops_reading_frees_its_kv(cluster):
     async def run():
         async with AsyncClient(cluster.sdk, timeout_s=60) as client:
             stream = client.stream("walk away", max_tokens=800, temperature=0, ignore_eos=True)
-            async for chunk in stream:
+            async for _chunk in stream:
                 if kv_in_use(cluster) > 0:
                     break
             await stream.aclose()

@@ -19,11 +19,25 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.protocol import (Abort, ChunkBatch, Error, ErrorCode, Generate, ProtocolError, Sampling, Status,
-                             StatusRequest, Submit, Tokens, TokensBatch, decode, encode, peek_request_id)
+from common.protocol import (
+    Abort,
+    ChunkBatch,
+    Error,
+    ErrorCode,
+    Generate,
+    ProtocolError,
+    Sampling,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+    TokensBatch,
+    decode,
+    encode,
+    peek_request_id,
+)
 from services.client import Client, InvalidRequest, RequestTimeout
 
 FIRST_TOKEN_TIMEOUT_S = 5.0

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from services.local_cluster import REPO, child_env
 from services.client import AsyncClient, Client, Rejected
+from services.local_cluster import REPO, child_env
 
 PREFIX_TOKENS = 512  # 32 blocks: well over half of each prompt, so e2 exploits the holder
 SLO = {"ttft_s": 3.0, "tpot_s": 1.0}

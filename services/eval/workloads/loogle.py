@@ -2,8 +2,7 @@
 prompt is the whole document followed by one question."""
 from __future__ import annotations
 
-from services.eval.workloads.base import (Synth, WorkloadRequest, interleave, shared_context_questions,
-                                          to_requests)
+from services.eval.workloads.base import Synth, WorkloadRequest, interleave, shared_context_questions, to_requests
 
 
 def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale: float = 1.0,

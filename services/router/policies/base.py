@@ -6,9 +6,12 @@ the live router and the simulator run the same objects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.router.cluster import ClusterState, Placement, Request
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
 
 
 class PlacementPolicy(Protocol):
@@ -28,7 +31,7 @@ class StatelessFeedback:
         return None
 
 
-def ranked(cluster: ClusterState, key: Callable[[str], object]) -> list[str]:
+def ranked(cluster: ClusterState, key: Callable[[str], SupportsRichComparison]) -> list[str]:
     """The cluster's worker ids by ascending key, ties broken by id so decisions are
     reproducible (the ids are kept sorted, and the sort is stable)."""
     return sorted(cluster.worker_ids, key=key)

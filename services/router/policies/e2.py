@@ -97,6 +97,7 @@ class E2:
 
     def _exploit(self, request: Request, cluster: ClusterState, loads: dict[str, float], now: float) -> str:
         key = request.prefix_key
+        assert key is not None  # exploiting: some worker holds a prefix (best_blocks > 0)
         redirect = self._live(self.redirects, key, cluster, now)
         if redirect is not None:
             # One request moves the prefix: the light worker computes it and becomes a
@@ -161,7 +162,7 @@ class E2:
     @staticmethod
     def _live(table: dict[int, Redirect], key: int | None, cluster: ClusterState, now: float) -> str | None:
         entry = table.get(key) if key is not None else None
-        if entry is None:
+        if key is None or entry is None:
             return None
         if entry.until <= now or entry.worker_id not in cluster.workers:
             del table[key]

@@ -79,7 +79,8 @@ def variant_dirs(tmp_path_factory, tiny_model_dir):
     qwen2 = transformers.Qwen2Config(**base, tie_word_embeddings=True)
     qwen3 = transformers.Qwen3Config(**base, head_dim=32, tie_word_embeddings=False)
     return {
-        "llama3-gqa-rope-scaling": write_hf_checkpoint(transformers.LlamaForCausalLM, llama3, root / "l3", tiny_model_dir),
+        "llama3-gqa-rope-scaling": write_hf_checkpoint(transformers.LlamaForCausalLM, llama3, root / "l3",
+                                                       tiny_model_dir),
         "llama-linear-rope": write_hf_checkpoint(transformers.LlamaForCausalLM, linear, root / "lin", tiny_model_dir),
         "qwen2-bias-tied": write_hf_checkpoint(transformers.Qwen2ForCausalLM, qwen2, root / "q2", tiny_model_dir),
         "qwen3-qk-norm": write_hf_checkpoint(transformers.Qwen3ForCausalLM, qwen3, root / "q3", tiny_model_dir),

@@ -36,7 +36,8 @@ def test_a_prefill_fit_recovers_its_quadratic_term_and_decode_gets_none():
     decode, _ = fit(grid_points(quadratic, "decode"))
     assert decode.e == 0.0 and decode.b > quadratic.b
     # Linear times fitted with the term: it stays at zero.
-    assert fit_latency([(p.n, p.ctx, p.seconds) for p in grid_points(TRUE)], quadratic=True).e == pytest.approx(0.0, abs=1e-15)
+    fitted = fit_latency([(p.n, p.ctx, p.seconds) for p in grid_points(TRUE)], quadratic=True)
+    assert fitted.e == pytest.approx(0.0, abs=1e-15)
 
 
 def test_fit_keeps_coefficients_non_negative():

@@ -13,7 +13,6 @@ import termios
 
 import pytest
 
-from services.local_cluster import REPO, child_env
 from services.eval.report import (
     RequestRecord,
     RunTotals,
@@ -26,6 +25,7 @@ from services.eval.report import (
     summarize,
     tpot_of,
 )
+from services.local_cluster import REPO, child_env
 
 REQUIRED_KEYS = {
     "requests", "completed", "rejected", "failed",

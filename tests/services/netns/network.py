@@ -156,7 +156,7 @@ class Network:
     def port_name(self, host: str) -> str:
         return f"v-{host}"[:15]
 
-    def up(self) -> "Network":
+    def up(self) -> Network:
         try:
             self._make()
         except BaseException:

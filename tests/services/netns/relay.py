@@ -61,7 +61,7 @@ class Relay:
     def address(self) -> str:
         return f"tcp://{self.listen_host}:{self.listen_port}"
 
-    def start(self, timeout_s: float = 10.0) -> "Relay":
+    def start(self, timeout_s: float = 10.0) -> Relay:
         ready = threading.Event()
         failure: list[BaseException] = []
 
