@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from common.engine.config import EngineSettings
-from common.settings import POSITIVE, POSITIVE_INT, Check, ConfigError, is_a, setting, setting_types
+from common.settings import (
+    POSITIVE,
+    POSITIVE_INT,
+    Check,
+    ConfigError as ConfigError,  # re-exported: every role imports it from here
+    is_a,
+    setting,
+    setting_types,
+)
 
 ENV_PREFIX = "BATON_"
 ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")

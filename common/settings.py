@@ -70,7 +70,8 @@ def is_a(value: Any, kind: Any) -> bool:
 def check_settings(instance: Any) -> None:
     """Raise ConfigError naming the first field of dataclass `instance` whose value is not
     of its type or breaks its declared choices or check."""
-    kinds = setting_types(type(instance))
+    cls: type = type(instance)
+    kinds = setting_types(cls)
     for spec in dataclasses.fields(instance):
         value = getattr(instance, spec.name)
         if value is None and spec.default is None:

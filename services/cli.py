@@ -15,7 +15,6 @@ from common.engine.config import EngineSettings
 from common.logs import configure_logging
 from common.settings import SCALARS, ConfigError, setting_types
 
-
 # ---- options from the declared settings (common/settings.py) ---------------------------
 
 
@@ -204,17 +203,17 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
         return
     try:
         if role == "router":
-            from services.router.main import run
+            from services.router.main import run as run_router
 
-            run(config)
+            run_router(config)
         elif role == "worker":
-            from services.worker.main import run
+            from services.worker.main import run as run_worker
 
-            run(config, index)
+            run_worker(config, index)
         else:
-            from services.tokenizer.main import run
+            from services.tokenizer.main import run as run_tokenizer
 
-            run(config)
+            run_tokenizer(config)
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise click.ClickException(f"{role}: {error}") from error
 
@@ -387,10 +386,10 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, co
     else:
         out.write_text(text + "\n", encoding="utf-8")
     for phase in ("prefill", "decode"):
-        error = data["fit"][phase]
+        fit_error = data["fit"][phase]
         coefficients = ", ".join(f"{key}={value:.3g}" for key, value in data[phase].items())
-        click.echo(f"{phase}: {coefficients} s; fit error mean {error['mean_abs_rel_error']:.1%}, "
-                   f"max {error['max_abs_rel_error']:.1%} over {error['points']} points",
+        click.echo(f"{phase}: {coefficients} s; fit error mean {fit_error['mean_abs_rel_error']:.1%}, "
+                   f"max {fit_error['max_abs_rel_error']:.1%} over {fit_error['points']} points",
                    err=out is None)
     if out is not None:
         click.echo(f"wrote {out}")
@@ -417,10 +416,13 @@ def _parse_ids(text: str) -> list[int]:
                                  param_hint="--prompt-ids") from error
 
 from services.eval.bench_command import bench  # noqa: E402 (click only; the work imports lazily)
+
 main.add_command(bench)
 from services.eval.sim_command import sim  # noqa: E402 (click only; the work imports lazily)
+
 main.add_command(sim)
 from services.eval.plan_command import plan  # noqa: E402 (click only; the work imports lazily)
+
 main.add_command(plan)
 
 

@@ -136,6 +136,7 @@ def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = N
     up = threading.Event()
 
     def read() -> None:
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             cluster.lines.append(line)
             if line.startswith("baton cluster up"):

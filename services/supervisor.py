@@ -48,11 +48,11 @@ class Supervisor:
 
     def start_all(self) -> None:
         for child in self.children:
-            self._spawn(child)
+            process = self._spawn(child)
             deadline = time.monotonic() + self.ready_timeout_s
             while not child.ready.wait(0.2):
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting")
+                if process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {process.returncode} while starting")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{child.name} did not become ready within {self.ready_timeout_s:.0f} s")
 
@@ -82,6 +82,7 @@ class Supervisor:
                 log.warning("restarting", child=child.name, restarts=child.restarts)
                 self._spawn(child)
             return
+        assert child.process is not None  # spawned by start_all before any check
         code = child.process.poll()
         if code is None:
             if now - child.started_at > STABLE_AFTER_S:
@@ -93,16 +94,19 @@ class Supervisor:
         child.restart_at = now + child.backoff_s
         child.backoff_s = min(child.backoff_s * 2, MAX_BACKOFF_S)
 
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: Child) -> subprocess.Popen:
         child.ready.clear()
         child.started_at = time.monotonic()
-        child.process = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                         text=True, bufsize=1, preexec_fn=_die_with_parent)
-        threading.Thread(target=self._forward, args=(child, child.process), daemon=True).start()
+        process = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                   text=True, bufsize=1, preexec_fn=_die_with_parent)
+        child.process = process
+        threading.Thread(target=self._forward, args=(child, process), daemon=True).start()
+        return process
 
     @staticmethod
     def _forward(child: Child, process: subprocess.Popen) -> None:
         """Relay the child's stdout with its name, and notice its ready line."""
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             if " ready" in line and line.startswith("baton "):
                 child.ready.set()
