@@ -19,11 +19,12 @@ from common.engine.block_manager import BlockManager, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
 from common.engine.config import DEVICE_PATTERN, DTYPES, EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
-from common.engine.sequence import Sequence
+from common.engine.sequence import Sequence, SequenceStatus
 from common.hashing import root_hash
 from common.logs import get_logger
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
@@ -52,6 +53,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_s: float | None = None  # arrival to first scheduled, on a request's first output
+    kv_lease: KvLease | None = None  # a held request's prompt KV, on its finishing output
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,22 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class KvImport:
+    """Where a request's pulled prompt KV must land: block `src_block_indices[i]` of the
+    prefill worker's lease goes to this engine's block `dst_block_ids[i]`. The leading
+    blocks this engine held already (by hash) are not pulled."""
+
+    request_id: str
+    dst_block_ids: tuple[int, ...]
+    src_block_indices: tuple[int, ...]
+    num_cached_tokens: int
+
+
+class KvImportError(ValueError):
+    """A pulled request does not fit this engine (its blocks are named otherwise)."""
 
 
 class Engine:
@@ -106,6 +124,7 @@ class Engine:
         # common.engine.step_log); None: no one is watching.
         self.step_observer: Callable[[SchedulePlan, float], None] | None = None
         self._seqs: dict[str, Sequence] = {}
+        self.leases = KvLeases(config.kv_lease_ttl_s)
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
         self._eos = frozenset(self.model_config.eos_token_ids)
@@ -118,8 +137,60 @@ class Engine:
     # ---- requests ------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
-                    params: SamplingParams | None = None, tenant_salt: str | None = None) -> None:
-        """Queue a request; raises InvalidRequestError naming a bad parameter."""
+                    params: SamplingParams | None = None, tenant_salt: str | None = None,
+                    hold_kv: bool = False) -> None:
+        """Queue a request; raises InvalidRequestError naming a bad parameter. With
+        `hold_kv` (the prefill role) its finishing output carries a KvLease on the
+        prompt's blocks, which stay held until `release_lease` or the lease expires."""
+        seq = self._new_sequence(request_id, prompt, params, tenant_salt)
+        seq.hold_kv = hold_kv
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def import_request(self, request_id: str, prompt_ids: Seq[int], first_token_id: int,
+                       params: SamplingParams, tenant_salt: str | None = None,
+                       block_hashes: Seq[int] | None = None) -> KvImport | None:
+        """Take a request whose prompt another engine computed (the decode role): blocks
+        for its prompt KV are allocated, reusing those this engine holds by hash, and the
+        request waits until `complete_import`. None when the blocks or the batch are full
+        (nothing taken). `block_hashes`, the prefill engine's names of the full blocks,
+        must equal this engine's (KvImportError otherwise: another model, dtype, block
+        size or tenant). The caller must cancel a pull for this request, with the
+        guarantee that no byte lands later, before it aborts the request."""
+        seq = self._new_sequence(request_id, prompt_ids, params, tenant_salt)
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise InvalidRequestError("first_token_id", f"{first_token_id} is outside the vocabulary")
+        size = self.config.block_size
+        full_blocks = seq.prompt_len // size
+        if block_hashes is not None and list(block_hashes) != seq.block_hashes[:full_blocks]:
+            raise KvImportError("the prefill engine names this prompt's blocks otherwise: its model, tokenizer, "
+                                "dtype, block size or the request's tenant differ from this engine's")
+        max_hits = full_blocks if self.config.enable_prefix_caching else 0
+        hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids, max_hits)
+        num_blocks = -(-seq.prompt_len // size)
+        fresh = self.scheduler.receive(seq, hits, num_blocks - len(hits))
+        if fresh is None:
+            return None
+        seq.num_cached_tokens = len(hits) * size
+        seq.pending_token_id = first_token_id
+        self._seqs[request_id] = seq
+        return KvImport(request_id, tuple(fresh), tuple(range(len(hits), num_blocks)), seq.num_cached_tokens)
+
+    def complete_import(self, request_id: str) -> RequestOutput:
+        """The pulled KV of an imported request has landed: it joins the decode batch with
+        the prefill engine's first token, whose output this returns (the client has had
+        that token already; the output says whether it alone finished the request)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RECEIVING or seq.pending_token_id is None:
+            raise KeyError(f"{request_id!r} is not an import waiting for its KV")
+        self.scheduler.received(seq)
+        now = time.perf_counter()
+        seq.first_scheduled_time = now
+        first, seq.pending_token_id = seq.pending_token_id, None
+        return self._advance(seq, first, None, now)
+
+    def _new_sequence(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None,
+                      tenant_salt: str | None) -> Sequence:
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -140,8 +211,27 @@ class Engine:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    # ---- leases (prefill role) -------------------------------------------------------
+
+    def lease(self, lease_id: str, request_id: str) -> KvLease:
+        """A live lease (LeaseError if forged, stale or released)."""
+        return self.leases.get(lease_id, request_id)
+
+    def renew_lease(self, lease_id: str, request_id: str, now: float | None = None) -> float:
+        return self.leases.renew(lease_id, request_id, time.monotonic() if now is None else now)
+
+    def release_lease(self, lease_id: str, request_id: str) -> None:
+        """The decode side has the KV (or gave up): free the blocks (they stay cached)."""
+        self.block_manager.release(self.leases.release(lease_id, request_id))
+
+    def expire_leases(self, now: float | None = None) -> list[KvLease]:
+        """Free the blocks of every lease nobody renewed in time; returns those leases."""
+        expired = self.leases.expire(time.monotonic() if now is None else now)
+        for lease in expired:
+            self.block_manager.release(lease.block_ids)
+        return expired
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""
@@ -205,10 +295,22 @@ class Engine:
             return RequestOutput(seq.request_id, [token_id], False, logprobs=logprobs,
                                  num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached_tokens,
                                  queue_s=queue_s)
-        self.scheduler.finish(seq, reason)
-        self._seqs.pop(seq.request_id, None)
+        lease = self._finish(seq, reason, token_id)
         return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq), logprobs,
-                             seq.prompt_len, seq.num_cached_tokens, queue_s)
+                             seq.prompt_len, seq.num_cached_tokens, queue_s, lease)
+
+    def _finish(self, seq: Sequence, reason: str, last_token_id: int) -> KvLease | None:
+        """End a sequence; a held one's prompt blocks go under a lease, the rest are freed."""
+        self._seqs.pop(seq.request_id, None)
+        if not seq.hold_kv:
+            self.scheduler.finish(seq, reason)
+            return None
+        blocks = self.scheduler.finish(seq, reason, hold=True)
+        prompt_blocks = -(-seq.prompt_len // self.config.block_size)
+        self.block_manager.release(blocks[prompt_blocks:])  # the prompt's KV is what moves
+        return self.leases.grant(seq.request_id, blocks[:prompt_blocks],
+                                 seq.block_hashes[:seq.prompt_len // self.config.block_size],
+                                 seq.prompt_len, last_token_id, time.monotonic())
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.stop_text is not None and seq.detokenizer is not None:  # the detokenizer found it
@@ -249,7 +351,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Verify block bookkeeping against every live sequence (tests call this)."""
-        self.block_manager.check_integrity(self.scheduler.live_block_tables())
+        self.block_manager.check_integrity([*self.scheduler.live_block_tables(), *self.leases.block_tables()])
 
     def _root_hash(self, tenant_salt: str) -> int:
         if tenant_salt not in self._root_hashes:

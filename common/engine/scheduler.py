@@ -67,6 +67,7 @@ class Scheduler:
         self.policy = policy
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.receiving: list[Sequence] = []  # blocks allocated, KV arriving from elsewhere
 
     @property
     def block_size(self) -> int:
@@ -96,19 +97,44 @@ class Scheduler:
                 self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
                                           chunk.start // size, seq.num_computed // size)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (stopped, aborted, failed) and release its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.block_manager.release(seq.block_ids)
-        seq.block_ids = []
+    def finish(self, seq: Sequence, reason: str, hold: bool = False) -> list[int]:
+        """End a sequence (stopped, aborted, failed) and release its blocks, or with
+        `hold` keep their references and return them (the caller now owns them)."""
+        {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+         SequenceStatus.RECEIVING: self.receiving}[seq.status].remove(seq)
+        blocks, seq.block_ids = seq.block_ids, []
+        if not hold:
+            self.block_manager.release(blocks)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        return blocks
+
+    def receive(self, seq: Sequence, hits: list[int], num_fresh: int) -> list[int] | None:
+        """Give `seq` the cached blocks `hits` and `num_fresh` new ones for KV that will
+        arrive from elsewhere; None, taking nothing, when the blocks or the batch are full.
+        Returns the new blocks."""
+        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs or \
+                self.block_manager.blocks_to_take(hits, num_fresh) > self.block_manager.num_available:
+            return None
+        self.block_manager.take(hits)
+        fresh = self.block_manager.allocate(num_fresh)
+        seq.block_ids = hits + fresh
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving.append(seq)
+        return fresh
+
+    def received(self, seq: Sequence) -> None:
+        """`seq`'s prompt KV has arrived: name its full blocks and let it decode."""
+        self.receiving.remove(seq)
+        seq.num_computed = seq.prompt_len
+        if self.config.enable_prefix_caching:
+            self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
+                                      0, seq.prompt_len // self.block_size)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def live_block_tables(self) -> list[list[int]]:
-        return [seq.block_ids for seq in self.running + self.waiting]
+        return [seq.block_ids for seq in self.running + self.waiting + self.receiving]
 
     # ---- internals -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the engine's types; this module stays importable without to
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"  # its prompt's KV is being pulled from a prefill worker
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -52,6 +53,8 @@ class Sequence:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    hold_kv: bool = False  # on finishing, keep the prompt's blocks under a lease (prefill role)
+    pending_token_id: int | None = None  # an import's first token, sampled by the prefill engine
 
     def __post_init__(self) -> None:
         self.extend_hashes()

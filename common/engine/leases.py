@@ -1,0 +1,101 @@
+"""KV leases: a finished prefill's blocks, held for the decode worker that will pull them.
+
+A prefill worker computes a prompt, samples its first token, and then keeps the prompt's
+blocks referenced under a lease instead of releasing them (docs/architecture.md §6). The
+decode worker pulls the blocks and releases the lease; a lease nobody renews expires
+after its TTL, so a lost decode worker costs at most one TTL of held blocks.
+
+This module is bookkeeping only: it never touches the block manager. The engine takes
+the blocks a lease returns and releases them there. Lease ids are 128 random bits, so a
+handle cannot be guessed, and every call names the request too: a stale or forged handle
+frees nothing that belongs to another request.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+
+class LeaseError(ValueError):
+    """A lease call names no live lease of that request (forged, stale, or released)."""
+
+
+@dataclass(frozen=True)
+class KvLease:
+    """What a decode worker needs to pull a request's prompt KV.
+
+    `block_ids[i]` holds the prompt's tokens [i * block_size, (i + 1) * block_size);
+    `block_hashes` names the full blocks (the last block may be partial and unnamed);
+    `num_tokens` is the prompt length whose KV the blocks hold."""
+
+    lease_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+    first_token_id: int
+
+
+@dataclass
+class _Held:
+    lease: KvLease
+    expires_at: float
+
+
+class KvLeases:
+    """The live leases of one engine, by lease id."""
+
+    def __init__(self, ttl_s: float):
+        if not ttl_s > 0:
+            raise ValueError(f"a lease TTL must be > 0 s, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._held: dict[str, _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held under leases (the leased-blocks gauge)."""
+        return sum(len(held.lease.block_ids) for held in self._held.values())
+
+    def grant(self, request_id: str, block_ids: Seq[int], block_hashes: Seq[int], num_tokens: int,
+              first_token_id: int, now: float) -> KvLease:
+        lease = KvLease(os.urandom(16).hex(), request_id, tuple(block_ids), tuple(block_hashes),
+                        num_tokens, first_token_id)
+        self._held[lease.lease_id] = _Held(lease, now + self.ttl_s)
+        return lease
+
+    def get(self, lease_id: str, request_id: str) -> KvLease:
+        return self._find(lease_id, request_id).lease
+
+    def renew(self, lease_id: str, request_id: str, now: float) -> float:
+        """Push the lease's expiry to now + TTL; returns the new expiry."""
+        held = self._find(lease_id, request_id)
+        held.expires_at = now + self.ttl_s
+        return held.expires_at
+
+    def release(self, lease_id: str, request_id: str) -> tuple[int, ...]:
+        """End a lease; returns its blocks for the caller to release."""
+        self._find(lease_id, request_id)
+        return self._held.pop(lease_id).lease.block_ids
+
+    def expire(self, now: float) -> list[KvLease]:
+        """End every lease past its expiry; returns them (their blocks to release)."""
+        expired = [held.lease for held in self._held.values() if held.expires_at <= now]
+        for lease in expired:
+            del self._held[lease.lease_id]
+        return expired
+
+    def block_tables(self) -> list[tuple[int, ...]]:
+        """Each lease's blocks, for the block manager's integrity check (a lease holds
+        one reference to each)."""
+        return [held.lease.block_ids for held in self._held.values()]
+
+    def _find(self, lease_id: str, request_id: str) -> _Held:
+        held = self._held.get(lease_id)
+        if held is None or held.lease.request_id != request_id:
+            raise LeaseError(f"no live KV lease {lease_id[:8]}… for request {request_id!r} "
+                             "(it expired, was released, or never existed)")
+        return held

@@ -1,0 +1,138 @@
+"""Prefill/decode inside the engine: a prefill engine holds a finished prompt's blocks
+under a lease, a decode engine imports the request, the KV is copied block by block as a
+transport would, and the decode engine finishes the request with the same greedy tokens
+as one engine alone (fp32)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.engine.engine import Engine, KvImport, KvImportError
+from common.engine.leases import KvLease, LeaseError
+from common.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(make_engine):
+    return make_engine(), make_engine(), make_engine()  # prefill, decode, reference
+
+
+def prefill(engine: Engine, request_id: str, prompt: list[int]) -> tuple[int, KvLease]:
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                       hold_kv=True)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                assert output.kv_lease is not None
+                return output.new_token_ids[0], output.kv_lease
+
+
+def copy_blocks(src: Engine, lease: KvLease, dst: Engine, plan: KvImport) -> None:
+    """What a transport does: block lease.block_ids[i] of src into plan's block of dst."""
+    size = src.config.block_size
+    for index, dst_block in zip(plan.src_block_indices, plan.dst_block_ids):
+        src_block = lease.block_ids[index]
+        dst.kv_cache.data[:, :, dst_block * size:(dst_block + 1) * size] = \
+            src.kv_cache.data[:, :, src_block * size:(src_block + 1) * size]
+
+
+def decode(engine: Engine, request_id: str) -> list[int]:
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                tokens += output.new_token_ids
+                if output.finished:
+                    return tokens
+    return tokens
+
+
+def transfer_and_decode(p: Engine, d: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], KvImport]:
+    first, lease = prefill(p, request_id, prompt)
+    plan = d.import_request(request_id, prompt, first, GREEDY, block_hashes=lease.block_hashes)
+    assert plan is not None
+    copy_blocks(p, lease, d, plan)
+    output = d.complete_import(request_id)
+    assert output.new_token_ids == [first] and not output.finished
+    p.release_lease(lease.lease_id, request_id)
+    return [first, *decode(d, request_id)], plan
+
+
+def test_a_pulled_request_decodes_exactly_as_one_engine_would(engines, random_prompts):
+    p, d, ref = engines
+    for index, prompt in enumerate(random_prompts([37, 37, 37, 48], seed=1)):  # partial and full last block
+        expected = ref.generate([prompt], GREEDY)[0].token_ids
+        got, plan = transfer_and_decode(p, d, f"r{index}", prompt)
+        assert got == expected
+        assert plan.num_cached_tokens == 0 and len(plan.dst_block_ids) == -(-len(prompt) // 16)
+    p.check_integrity()
+    d.check_integrity()
+    assert p.leases.num_blocks == 0
+
+
+def test_blocks_the_decode_engine_holds_are_not_pulled(engines, random_prompts):
+    p, d, ref = engines
+    shared = random_prompts([48], seed=2)[0]
+    transfer_and_decode(p, d, "first", shared + [7, 8, 9])
+    prompt = shared + [10, 11, 12, 13]
+    got, plan = transfer_and_decode(p, d, "second", prompt)
+    assert plan.num_cached_tokens == 48 and plan.src_block_indices == (3,)
+    assert got == ref.generate([prompt], GREEDY)[0].token_ids
+    d.check_integrity()
+
+
+def test_an_aborted_import_frees_its_blocks_for_the_next_request_at_once(engines, make_engine, random_prompts):
+    p, _, ref = engines
+    d = make_engine(num_kv_blocks=4, max_model_len=64)  # the survivor must take the victim's blocks
+    victim, survivor = random_prompts([40, 40], seed=3)
+    first, lease = prefill(p, "victim", victim)
+    plan = d.import_request("victim", victim, first, GREEDY, block_hashes=lease.block_hashes)
+    assert plan is not None
+    assert d.abort("victim")  # the transport cancelled the pull first; nothing landed
+    p.release_lease(lease.lease_id, "victim")
+    d.check_integrity()
+    got, again = transfer_and_decode(p, d, "survivor", survivor)
+    assert set(again.dst_block_ids) & set(plan.dst_block_ids)  # the same blocks, reused
+    assert got == ref.generate([survivor], GREEDY)[0].token_ids
+
+
+def test_mismatched_block_names_are_refused_and_nothing_is_taken(engines, random_prompts):
+    p, d, _ = engines
+    prompt = random_prompts([40], seed=4)[0]
+    first, lease = prefill(p, "salted", prompt)
+    available = d.block_manager.num_available
+    with pytest.raises(KvImportError, match="tenant"):
+        d.import_request("salted", prompt, first, GREEDY, tenant_salt="another", block_hashes=lease.block_hashes)
+    assert d.block_manager.num_available == available and not d.has_unfinished()
+    with pytest.raises(LeaseError):
+        p.release_lease(lease.lease_id, "someone-else")
+    p.release_lease(lease.lease_id, "salted")
+
+
+def test_an_unrenewed_lease_expires_and_frees_its_blocks(engines, random_prompts):
+    p, _, _ = engines
+    before = time.monotonic()
+    _, lease = prefill(p, "forgotten", random_prompts([40], seed=5)[0])
+    after = time.monotonic()
+    assert p.leases.num_blocks == 3
+    assert p.expire_leases(now=before + p.leases.ttl_s - 0.001) == []
+    assert [expired.lease_id for expired in p.expire_leases(now=after + p.leases.ttl_s)] == [lease.lease_id]
+    assert p.leases.num_blocks == 0
+    p.check_integrity()
+
+
+def test_an_import_that_does_not_fit_takes_nothing(engines, make_engine, random_prompts):
+    p, _, _ = engines
+    d = make_engine(num_kv_blocks=4, max_model_len=64)
+    held, refused = random_prompts([40, 40], seed=6)
+    first, lease = prefill(p, "held", held)
+    assert d.import_request("held", held, first, GREEDY) is not None  # 3 of the 4 blocks
+    second_first, second_lease = prefill(p, "refused", refused)
+    assert d.import_request("refused", refused, second_first, GREEDY) is None
+    assert d.block_manager.num_available == 1
+    d.check_integrity()
+    for request_id, handle in (("held", lease), ("refused", second_lease)):
+        p.release_lease(handle.lease_id, request_id)
