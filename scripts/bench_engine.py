@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
@@ -269,8 +270,9 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
             for key, value in measured.items():
                 raw[key].append(value)
 
-    for round_index in range(repeats + 1):  # round 0 is the warm-up
-        warm = round_index == 0
+    # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
+    for round_index in tqdm(range(repeats + 1), desc="bench_engine", unit="round", disable=None):
+        warm = round_index == 0  # round 0 is the warm-up
         elapsed, tokens["baton"], computed = baton_decode(engine, work)
         keep(warm, baton_decode_s=elapsed)
         if hf_model is not None:
