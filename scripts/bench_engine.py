@@ -206,7 +206,10 @@ def baton_prefix_pair(engine: Engine, work: Workload) -> tuple[float, float, int
 
 def load_hf(model_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # its bars draw into pipes and logs too
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     return model.to(device).eval()
 
