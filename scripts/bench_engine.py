@@ -18,8 +18,8 @@ queued. With --vllm-python, scripts/vllm_bench_worker.py runs under that interpr
 token ids, as a server of rounds: each round's vLLM decode runs right after Baton's and
 HF's, and its prefix pair right after theirs, so `ratio_vs_vllm_paired` compares runs
 moments apart. vLLM binds its threads as it does on its own (--vllm-bind auto): on a
-machine this small its scheduler thread needs a core of its own, and taking it away
-(--vllm-bind match) halves its decode speed.
+machine this small its scheduler needs a core of its own, and taking it away
+(--vllm-bind match) costs a quarter to a half of its decode speed.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --size small \
