@@ -17,7 +17,9 @@ With --device cuda, Baton and HF run on the GPU; each timing waits for the GPU w
 queued. With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter on the same
 token ids, as a server of rounds: each round's vLLM decode runs right after Baton's and
 HF's, and its prefix pair right after theirs, so `ratio_vs_vllm_paired` compares runs
-moments apart.
+moments apart. vLLM binds its threads as it does on its own (--vllm-bind auto): on a
+machine this small its scheduler needs a core of its own, and taking it away
+(--vllm-bind match) costs a quarter to a half of its decode speed.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --size small \
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
@@ -53,6 +56,7 @@ DECODE_SEQS, DECODE_PROMPT_LEN, DECODE_NEW_TOKENS = 32, 32, 128
 PREFILL_SEQS, PREFILL_PROMPT_LEN = 8, 1024
 PREFIX_LEN, SUFFIX_LEN = 2048, 32
 WORKER = Path(__file__).resolve().parent / "vllm_bench_worker.py"
+VLLM_THREAD_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int,
                         help="torch.set_num_threads for Baton and HF (default: torch's choice); "
                              "1 is far steadier when other processes share the cores")
-    parser.add_argument("--vllm-bind", default="match",
-                        help="'match': the vLLM worker's OpenMP threads bind to the first "
-                             "<threads> CPUs this process may use, none reserved (same thread "
-                             "count as Baton); "
-                             "'auto': vLLM's own default (reserves a CPU for its scheduler); "
-                             "else passed as VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--vllm-bind", default="auto",
+                        help="how the vLLM worker's OpenMP threads bind (default: auto). "
+                             "'auto': vLLM-CPU's own binding, the bench sets none of its "
+                             "VLLM_CPU_* thread variables (vLLM keeps a CPU for its scheduler); "
+                             "'match': bind to the first <threads> CPUs this process may use "
+                             "with none reserved (Baton's thread count, but the scheduler "
+                             "thread then shares a core with them); "
+                             "else passed as VLLM_CPU_OMP_THREADS_BIND (a CPU list, or "
+                             "vLLM's 'nobind')")
     parser.add_argument("--vllm-timeout", type=float, default=600.0,
                         help="seconds the vLLM worker may take to start, or to answer one round")
     args = parser.parse_args(argv)
@@ -199,7 +206,10 @@ def baton_prefix_pair(engine: Engine, work: Workload) -> tuple[float, float, int
 
 def load_hf(model_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # its bars draw into pipes and logs too
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     return model.to(device).eval()
 
@@ -269,8 +279,9 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
             for key, value in measured.items():
                 raw[key].append(value)
 
-    for round_index in range(repeats + 1):  # round 0 is the warm-up
-        warm = round_index == 0
+    # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
+    for round_index in tqdm(range(repeats + 1), desc="bench_engine", unit="round", disable=None):
+        warm = round_index == 0  # round 0 is the warm-up
         elapsed, tokens["baton"], computed = baton_decode(engine, work)
         keep(warm, baton_decode_s=elapsed)
         if hf_model is not None:
@@ -355,8 +366,9 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def vllm_env(bind: str, threads: int) -> dict[str, str]:
     """Environment for the vLLM-CPU worker: 1 GiB KV cache, quiet logs, thread binding
-    (see --vllm-bind)."""
-    env = dict(os.environ)
+    (see --vllm-bind). Thread variables inherited from this process are dropped, so
+    'auto' is vLLM's own default whatever the caller's shell exported."""
+    env = {k: v for k, v in os.environ.items() if k not in VLLM_THREAD_VARS}
     env.pop("PYTHONPATH", None)  # the worker must not see this repo
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                 "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -367,6 +379,11 @@ def vllm_env(bind: str, threads: int) -> dict[str, str]:
     elif bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return env
+
+
+def vllm_binding(env: dict[str, str]) -> dict[str, str]:
+    """The thread variables the bench set for vLLM ({} under 'auto': vLLM chose)."""
+    return {k: env[k] for k in VLLM_THREAD_VARS if k in env}
 
 
 class VllmError(RuntimeError):
@@ -478,6 +495,9 @@ def print_table(result: dict) -> None:
         raw = result["raw"].get(raw_key, []) if raw_key else []
         raw_text = " ".join(f"{v:.3f}" for v in raw)
         print(f"{label:<28}{result[key]:>12.2f}   {raw_text}")
+    if "vllm_bind" in result:
+        bound = " ".join(f"{k}={v}" for k, v in result["vllm_bind_env"].items()) or "vLLM's own"
+        print(f"vLLM {result['vllm_version']}: --vllm-bind {result['vllm_bind']} ({bound})")
     if "vllm_error" in result:
         print(f"vLLM: error ({result['vllm_error'][:200]!r})")
 
@@ -511,7 +531,7 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Workload, vllm: Vll
     if vllm is not None:
         try:
             vllm_facts = {**vllm.wait_ready(), "vllm_bind": args.vllm_bind,
-                          "vllm_omp_threads_bind": vllm.env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+                          "vllm_bind_env": vllm_binding(vllm.env)}
         except VllmError as error:
             vllm_facts, vllm = {"vllm_error": str(error)}, None
     started, load_start = time.perf_counter(), os.getloadavg()[0]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
+from tqdm import tqdm
 
 from common.cost_model import CostModel, load_cost_model
 from common.hashing import chain_hashes, root_hash
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = gc.get_threshold()
     quiet_gc()  # as the router process runs
     try:
-        for name in args.policies:
+        # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
+        for name in tqdm(args.policies, desc="bench_router", unit="policy", disable=None):
             result[name] = run_policy(name, workload, cost, args)
             gc.collect()  # free this policy's index before the next one builds its own
     finally:

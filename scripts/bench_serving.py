@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.client import AsyncClient  # noqa: E402
@@ -183,7 +185,8 @@ def main() -> None:
     try:
         if not args.url:
             asyncio.run(run_sdk(args.address, prompts[:2], 4, 2))  # warm-up
-        for _ in range(args.repeats):
+        # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
+        for _ in tqdm(range(args.repeats), desc="bench_serving", unit="round", disable=None):
             rounds.append((run_served(args, prompts), run_inprocess_batches(engine, prompts, args)))
     finally:
         if cluster is not None:

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.config import EngineConfig  # noqa: E402
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rng = random.Random(args.seed)
     rounds: list[dict[str, dict]] = []
-    for _ in range(args.rounds):
+    # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
+    for _ in tqdm(range(args.rounds), desc="bench_shared_burst", unit="round", disable=None):
         prompt = [rng.randrange(4, vocab) for _ in range(args.prompt_len)]
         rounds.append({name: burst(engine, prompt, args.copies, params) for name, engine in engines.items()})
     same_tokens = all(r["off"]["token_ids"] == r["on"]["token_ids"] for r in rounds)

@@ -16,7 +16,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -68,9 +68,21 @@ class ProfilerError(RuntimeError):
 # ---- measuring -------------------------------------------------------------------------
 
 
-def measure(engine: Engine, grid: Grid, seed: int = 0) -> list[Point]:
-    """Every grid point that fits the engine's max_model_len, prefill first. The engine
-    must be idle, with prefix caching on and a step budget of grid.max_batched_tokens."""
+def planned_points(grid: Grid, max_model_len: int) -> list[tuple[str, int, int]]:
+    """(phase, n, ctx) of every grid point that fits max_model_len, in the order
+    `measure` times them: prefill first."""
+    prefill = [("prefill", n, ctx) for ctx, n in itertools.product(grid.prefill_contexts, grid.prefill_tokens)
+               if ctx + n < max_model_len]
+    decode = [("decode", batch, ctx) for ctx, batch in itertools.product(grid.decode_contexts, grid.decode_batches)
+              if ctx + grid.repeats + 2 < max_model_len]
+    return prefill + decode
+
+
+def measure(engine: Engine, grid: Grid, seed: int = 0,
+            on_point: Callable[[], object] | None = None) -> list[Point]:
+    """Every grid point that fits the engine's max_model_len (planned_points), calling
+    on_point after each. The engine must be idle, with prefix caching on and a step
+    budget of grid.max_batched_tokens."""
     if engine.has_unfinished():
         raise ProfilerError("the engine must be idle")
     if not engine.config.enable_prefix_caching:
@@ -79,13 +91,12 @@ def measure(engine: Engine, grid: Grid, seed: int = 0) -> list[Point]:
         raise ProfilerError(f"max_num_batched_tokens must be >= {grid.max_batched_tokens} "
                             f"to run each point in one step")
     rng = random.Random(seed)
-    limit = engine.max_model_len
-    points = [_prefill_point(engine, rng, n, ctx, grid.repeats)
-              for ctx, n in itertools.product(grid.prefill_contexts, grid.prefill_tokens)
-              if ctx + n < limit]
-    points += [_decode_point(engine, rng, batch, ctx, grid.repeats)
-               for ctx, batch in itertools.product(grid.decode_contexts, grid.decode_batches)
-               if ctx + grid.repeats + 2 < limit]
+    points = []
+    for phase, n, ctx in planned_points(grid, engine.max_model_len):
+        point_of = _prefill_point if phase == "prefill" else _decode_point
+        points.append(point_of(engine, rng, n, ctx, grid.repeats))
+        if on_point is not None:
+            on_point()
     return points
 
 
@@ -196,5 +207,12 @@ def describe_machine(engine: Engine) -> dict:
 
 
 def run_profile(engine: Engine, grid: Grid, name: str) -> dict:
-    """measure, then profile_json: what `svc profile` writes."""
-    return profile_json(measure(engine, grid), name, describe_machine(engine))
+    """measure, then profile_json: what `svc profile` writes. A progress bar of the
+    points goes to stderr when it is a terminal (stdout may carry the profile)."""
+    from tqdm import tqdm
+
+    total = len(planned_points(grid, engine.max_model_len))
+    # disable=None: a bar on a terminal, nothing in logs and pipes.
+    with tqdm(total=total, desc="profile", unit="point", disable=None) as progress:
+        points = measure(engine, grid, on_point=progress.update)
+    return profile_json(points, name, describe_machine(engine))

@@ -1,12 +1,16 @@
-"""scripts/bench_router.py end to end at toy sizes: every policy measured, JSON last."""
+"""scripts/bench_router.py end to end at toy sizes: every policy measured, JSON last, a
+progress bar only on a terminal."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
+from services.local_cluster import REPO, child_env
 from services.router.policies import POLICIES
+from tests.terminal import run_with_stderr_on_terminal
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_router.py"
 TINY = ["--workers", "4", "--prompt-tokens", "512", "--families", "4", "--warmup", "50",
@@ -31,3 +35,15 @@ def test_every_policy_reports_a_rate_and_ordered_percentiles(capsys):
         assert row["decisions"] == 200
         assert row["index_blocks_start"] >= 100
     assert any(row["removed_blocks"] for row in result.values())  # the caches overflowed
+
+
+def test_progress_is_drawn_on_a_terminal_and_json_stays_the_last_stdout_line():
+    argv = [sys.executable, str(SCRIPT), *TINY, "--policies", "round_robin,e2", "--json"]
+    piped = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert "bench_router:" not in piped.stderr  # not a terminal: no bar
+    assert set(json.loads(piped.stdout.strip().splitlines()[-1])) == {"round_robin", "e2"}
+    done, drawn = run_with_stderr_on_terminal(argv, cwd=REPO, env=child_env(), timeout=120)
+    assert done.returncode == 0, drawn.decode(errors="replace")
+    assert b"bench_router: 100%" in drawn and b"2/2" in drawn
+    assert set(json.loads(done.stdout.strip().splitlines()[-1])) == {"round_robin", "e2"}

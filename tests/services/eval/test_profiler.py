@@ -10,6 +10,7 @@ import pytest
 from common.cost_model import CostModel, LatencyFit, ProfileError, fit_latency, load_cost_model
 from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, profile_json
 from services.local_cluster import child_env
+from tests.terminal import run_with_stderr_on_terminal
 
 REPO = Path(__file__).parents[3]
 TRUE = LatencyFit(a=3.5e-3, b=5.5e-5, c=7.3e-6, d=1.75e-8)
@@ -127,6 +128,16 @@ def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp
         assert error["points"] >= 4 and 0 <= error["mean_abs_rel_error"] <= error["max_abs_rel_error"]
         assert f"{phase}: " in done.stdout and "fit error mean" in done.stdout
     assert data["measured_on"]["threads"] == 1 and data["source"]
+    assert "profile:" not in done.stderr  # not a terminal: no progress bar
+
+
+def test_svc_profile_draws_progress_on_a_terminal_and_keeps_stdout_the_profile(tiny_model_dir):
+    argv = [sys.executable, "-m", "services.cli", "profile", "--quick", "--model", str(tiny_model_dir),
+            "--threads", "1"]
+    done, drawn = run_with_stderr_on_terminal(argv, cwd=REPO, env=child_env(), timeout=60)
+    assert done.returncode == 0, drawn.decode(errors="replace")
+    assert b"profile: 100%" in drawn and b"10/10" in drawn  # QUICK_GRID: 6 prefill + 4 decode points
+    assert json.loads(done.stdout)["source"] == "measured by svc profile"  # the bar is not in stdout
 
 
 def test_svc_profile_compare_preble_prints_the_table():
