@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from common.cost_model import CostModel, LatencyFit, fit_error, fit_latency
@@ -202,7 +202,7 @@ def describe_machine(engine: Engine) -> dict:
         "machine": platform.machine(), "processor": platform.processor(),
         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "dtype": engine.config.dtype, "model": str(engine.config.model_dir),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

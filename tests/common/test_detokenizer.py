@@ -89,7 +89,9 @@ def test_a_rewritten_byte_run_restarts_the_stream_instead_of_failing(byte_fallba
 def test_find_stop_cuts_the_text_at_a_stop_string_split_across_tokens(default_tokenizer):
     ids = default_tokenizer.encode("say 你好 then more", add_special_tokens=False).ids
     detokenizer = IncrementalDetokenizer(default_tokenizer, [], stop=("你好", "never"))
-    for pushed, token_id in enumerate(ids, 1):
+    pushed = 0
+    for token_id in ids:
+        pushed += 1
         found = detokenizer.find_stop(detokenizer.push(token_id))
         if found is not None:
             break
