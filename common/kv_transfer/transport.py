@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import msgspec
@@ -36,6 +36,7 @@ from common.logs import get_logger
 from common.protocol import (PROTOCOL_VERSION, ErrorCode, KvData, KvEnd, KvHello, KvPull, KvWelcome,
                              ProtocolError, decode, encode, peek_request_id)
 from common.sockets import Security, check_endpoint
+from common.kv_transfer.memory import advise_huge_pages
 from common.kv_transfer.plan import (Piece, PlanError, PoolGeometry, check_block_ids, compat_hash, compat_of,
                                      first_mismatch, plan_pieces)
 
@@ -60,7 +61,7 @@ class HandshakeRefused(ConnectionError):
 
 @dataclass(frozen=True)
 class TransferOptions:
-    max_piece_bytes: int = 1 << 20  # one UCX message / one ZeroMQ frame at most
+    max_piece_bytes: int = 0  # one UCX message / one ZeroMQ frame at most; 0: the transport's default
     message_bytes: int = 1 << 20  # ZeroMQ: pieces are packed into messages of about this size
     window: int = 32  # pieces (UCX) or messages (ZeroMQ) of one transfer in flight
     settle_timeout_s: float = 5.0  # how long a cancel waits for in-flight bytes to settle
@@ -68,6 +69,7 @@ class TransferOptions:
     command_timeout_s: float = 10.0
     max_transfers: int = 4096  # pulls plus exposures at once
     max_events: int = 65536
+    huge_pages: bool = True  # back the pool with transparent huge pages (memory.py)
     send_pause_s: float = 0.0  # tests only: the server waits this long before each piece/message
     ignore_puller_end: bool = False  # tests only: the server goes on sending after a cancel
 
@@ -185,6 +187,7 @@ class KvTransport:
     """Base of UcxTransport and ZmqTransport: the control plane and the bookkeeping."""
 
     name = "base"
+    default_piece_bytes = 1 << 20
 
     def __init__(self, pool: np.ndarray, geometry: PoolGeometry, model_fingerprint: str, security: Security,
                  peer_id: str, options: TransferOptions | None = None):
@@ -195,12 +198,17 @@ class KvTransport:
         if pool.nbytes != geometry.pool_bytes:
             raise ValueError(f"pool has {pool.nbytes} bytes, its geometry {geometry.pool_bytes}")
         self.pool = pool
+        self.huge_pages = advise_huge_pages(pool) if (options or TransferOptions()).huge_pages else "off"
         self.geometry = geometry
         self.compat = compat_of(geometry, model_fingerprint)
         self.compat_hash = compat_hash(self.compat)
         self.security = security
         self.peer_id = peer_id
         self.options = options or TransferOptions()
+        if not self.options.max_piece_bytes:
+            self.options = replace(self.options, max_piece_bytes=self.default_piece_bytes)
+        if not MIN_PIECE_BYTES <= self.options.max_piece_bytes <= MAX_PIECE_BYTES:
+            raise ValueError(f"max_piece_bytes must be in [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}]")
         self.counters = {"bad_frames": 0, "late_frames": 0, "refused": 0, "events_dropped": 0, "pieces_landed": 0}
         self._commands: queue.Queue = queue.Queue(maxsize=1024)
         self._events: queue.Queue[TransferEvent] = queue.Queue(maxsize=self.options.max_events)
@@ -351,17 +359,17 @@ class KvTransport:
         self._teardown()
 
     def _turn(self) -> None:
+        self._progress()
+        self._drive_serves()
+        self._check_deadlines()
         timeout_ms = 0 if self._busy() else math.ceil(self._idle_wait_s() * 1000)
-        for socket, _ in self._poller.poll(timeout_ms):
+        for socket, _ in self._poller.poll(timeout_ms):  # the data plane may add its own fd
             if socket == self._wake_read:
                 self._run_commands()
             elif socket is self._server:
                 self._receive_all(socket, self._on_server_frames)
             elif socket in self._peers_by_socket:
                 self._receive_all(socket, self._on_peer_frames)
-        self._progress()
-        self._drive_serves()
-        self._check_deadlines()
 
     def _idle_wait_s(self) -> float:
         now = time.monotonic()
@@ -772,7 +780,8 @@ class KvTransport:
         return None
 
     def _busy(self) -> bool:
-        """True while the data plane needs the loop to spin instead of waiting."""
+        """True while the loop must not wait: the data plane has work it can do now. Called
+        right before the loop would wait, after _progress and _drive_serves."""
         return False
 
     def _progress(self) -> None:

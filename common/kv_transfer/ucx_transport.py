@@ -31,7 +31,6 @@ from common.protocol import ErrorCode, KvHello
 
 PIECE_BITS = 24
 MAX_UCX_ADDRESS_BYTES = 1 << 16
-SPIN_AFTER_PROGRESS_S = 0.002  # spin this long after the last progress, then poll every millisecond
 assert MAX_PIECES == 1 << PIECE_BITS
 
 
@@ -41,23 +40,28 @@ def _tag(nonce: int, index: int) -> int:
 
 class UcxTransport(KvTransport):
     name = "ucx"
+    # Fewer, larger messages: each costs a rendezvous round trip; 4 MiB beat 1 MiB here
+    # (docs/kv-transfer.md §7).
+    default_piece_bytes = 4 << 20
 
     def _start_data_plane(self) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
         self._api, self._array = ucx_api, Array
-        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._context)
+        # The service loop sleeps in its poll on UCX's event fd too, instead of spinning.
+        self._worker.init_blocking_progress_mode()
+        self._poller.register(self._worker.epoll_file_descriptor, 1)  # zmq.POLLIN
         self._address = bytes(self._worker.address)
         self._self_endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
             self._worker, self._worker.address, False)
         self._empty = Array(np.empty(0, dtype=np.uint8))
         self._poison: list = []  # empty sends to ourselves, kept until complete
         self._drains: list = []  # (receive, scratch) of unexpected messages
-        self._last_progress = 0.0
         log.info("kv_transport_started", transport=self.name, ucx_version=".".join(map(str, ucx_api.get_ucx_version())),
-                 tls=self._context.config.get("TLS", ""))
+                 tls=self._context.config.get("TLS", ""), huge_pages=self.huge_pages)
 
     def _stop_data_plane(self) -> None:
         for client in self._clients.values():
@@ -79,23 +83,15 @@ class UcxTransport(KvTransport):
     # ---- the loop ------------------------------------------------------------------------------
 
     def _busy(self) -> bool:
-        if not self._has_work():
-            return False
-        return time.monotonic() - self._last_progress < SPIN_AFTER_PROGRESS_S
-
-    def _has_work(self) -> bool:
-        return bool(self._pulls or self._settling or self._poison or self._drains
-                    or any(serve.in_flight or not serve.all_sent for serve in self._serving()))
-
-    def _idle_wait_s(self) -> float:
-        wait = super()._idle_wait_s()
-        return min(wait, 0.001) if self._has_work() else wait
+        """Busy unless UCX could be armed: arming fails while events wait to be progressed."""
+        now = time.monotonic()
+        sendable = any(serve.ending is None and not serve.all_sent and len(serve.in_flight) < self.options.window
+                       and now >= serve.next_send_at for serve in self._serving())
+        return sendable or not self._worker.arm()
 
     def _progress(self) -> None:
-        if self._worker.progress_once():
-            self._last_progress = time.monotonic()
-            while self._worker.progress_once():
-                pass
+        while self._worker.progress_once():
+            pass
         for pull in list(self._pulls.values()):
             self._collect_receives(pull)
         for serve in self._serving():

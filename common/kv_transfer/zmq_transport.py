@@ -80,4 +80,5 @@ class ZmqTransport(KvTransport):
         return None
 
     def _start_data_plane(self) -> None:
-        log.info("kv_transport_started", transport=self.name, message_bytes=self.options.message_bytes)
+        log.info("kv_transport_started", transport=self.name, message_bytes=self.options.message_bytes,
+                 huge_pages=self.huge_pages)

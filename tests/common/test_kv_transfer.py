@@ -317,3 +317,12 @@ def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server
             time.sleep(0.02)  # the deaf server goes on sending: let several late pieces arrive
         assert client.counters_snapshot()["late_frames"] >= late_before + 5
         assert all(block_bytes(pool, GEOMETRY, block) == expected[block] for block in blocks)
+
+
+def test_huge_pages_keep_the_pool_contents():
+    from common.kv_transfer.memory import advise_huge_pages
+
+    pool = seeded_pool(replace(GEOMETRY, num_blocks=512), 5)  # 8 MiB: several huge pages
+    before = pool.copy()
+    assert isinstance(advise_huge_pages(pool), str)
+    assert np.array_equal(pool, before)
