@@ -19,7 +19,6 @@ PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
-MAX_KV_BLOCKS = 1 << 20  # block ids in one KvPull
 
 
 class ProtocolError(ValueError):

@@ -47,6 +47,7 @@ MIN_PIECE_BYTES = 4 << 10
 MAX_PIECE_BYTES = 64 << 20
 MAX_TIMEOUT_S = 600.0
 MAX_ID_CHARS = 256
+MAX_CLIENTS = 1024  # pullers one server keeps a handshake (and UCX endpoint) for
 IDLE_POLL_S = 0.05
 MESSAGES_PER_TURN = 256  # per socket and loop turn, so that one busy peer cannot starve timers
 
@@ -431,6 +432,8 @@ class KvTransport:
             mismatch, field_name = "compat_hash: does not match the fields it came with", "compat_hash"
         if mismatch is None and not 0 < hello.pool_blocks <= 1 << 31:
             mismatch, field_name = f"pool_blocks: {hello.pool_blocks} is not a pool size", "pool_blocks"
+        if mismatch is None and identity not in self._clients and len(self._clients) >= MAX_CLIENTS:
+            mismatch, field_name = f"peers: this server already serves {MAX_CLIENTS}", "peers"
         if mismatch is None:
             mismatch = self._accept_client(identity, hello)
             field_name = "ucx_address" if mismatch else ""

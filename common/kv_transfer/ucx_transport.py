@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import zmq
 
 from common.kv_transfer.plan import MAX_PIECES
 from common.kv_transfer.transport import MAX_PIECE_BYTES, KvTransport, TransferEvent, _Pull, _Serve, log
@@ -53,7 +54,7 @@ class UcxTransport(KvTransport):
         self._worker = ucx_api.UCXWorker(self._context)
         # The service loop sleeps in its poll on UCX's event fd too, instead of spinning.
         self._worker.init_blocking_progress_mode()
-        self._poller.register(self._worker.epoll_file_descriptor, 1)  # zmq.POLLIN
+        self._poller.register(self._worker.epoll_file_descriptor, zmq.POLLIN)
         self._address = bytes(self._worker.address)
         self._self_endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
             self._worker, self._worker.address, False)

@@ -19,13 +19,28 @@ from common.kv_transfer.transport import KvTransport, _Peer, _Pull, _Serve, log
 from common.protocol import MAX_KV_FRAMES, ErrorCode, KvData, encode
 
 
+TRACKER_POLL_S = 0.001
+
+
 class ZmqTransport(KvTransport):
     name = "zmq"
 
     def _busy(self) -> bool:
+        """Busy only while a serve can send now. A full window or settling waits on trackers,
+        which do not wake the poll: that waits a millisecond at a time (see _idle_wait_s)
+        rather than spinning, since spinning takes the core ZeroMQ's I/O thread needs."""
         now = time.monotonic()
-        return any(serve.ending is None and not serve.all_sent and now >= serve.next_send_at
-                   for serve in self._serving()) or bool(self._settling)
+        return any(self._can_send(serve, now) for serve in self._serving())
+
+    def _can_send(self, serve: _Serve, now: float) -> bool:
+        if serve.ending is not None or serve.all_sent or now < serve.next_send_at:
+            return False
+        serve.in_flight = [tracker for tracker in serve.in_flight if not tracker.done]
+        return len(serve.in_flight) < self.options.window
+
+    def _idle_wait_s(self) -> float:
+        waiting = self._settling or any(serve.in_flight for serve in self._serving())
+        return min(super()._idle_wait_s(), TRACKER_POLL_S) if waiting else super()._idle_wait_s()
 
     def _prepare_serve(self, serve: _Serve) -> None:
         # The slowed test sender sends one piece per message, so that a cancel falls between them.
