@@ -281,6 +281,24 @@ def test_deadline_expiry_tells_both_sides_without_hanging(spawn_server, transpor
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, transport):
+    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=4 << 10))
+    client, _ = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+    with client:
+        peer = client.connect(server.address)
+        blocks = list(range(0, GEOMETRY.num_blocks, 2))
+        server.ask("expose", "req-7", blocks, 30.0)
+        handle = client.pull(peer, "req-7", blocks, blocks, time.monotonic() + WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while client.counters_snapshot()["pieces_landed"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert client.cancel("req-7") is True and handle.wait(1.0).status == "cancelled"
+        assert server.event(5.0) == ("req-7", "cancelled", "cancelled by the puller", True)
+        assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_lease_expires_without_a_pull(spawn_server, transport):
     server = spawn_server(transport)
     server.ask("expose", "req-5", [1, 2], 0.3)
