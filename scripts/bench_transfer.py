@@ -84,7 +84,7 @@ def serve(conn, transport: str, model: str, block_size: int, pool_bytes_needed: 
     from common.logs import configure_logging
 
     configure_logging("warning")
-    flat, geometry, cache = make_pool(model, block_size, pool_bytes_needed, SERVER_SEED)
+    flat, geometry, _keep_alive = make_pool(model, block_size, pool_bytes_needed, SERVER_SEED)
     server = make_transport(transport, flat, geometry, "bench", _security(), f"bench-{transport}-server",
                             options(piece_kib))
     conn.send(server.listen("tcp://127.0.0.1:0"))

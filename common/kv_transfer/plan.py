@@ -11,8 +11,8 @@ are 2·layers·…·blocks apart). The plan cuts each such run into pieces of at
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import msgspec
 import xxhash
@@ -40,7 +40,7 @@ class PoolGeometry:
     num_blocks: int
 
     @classmethod
-    def of(cls, layout, num_blocks: int) -> "PoolGeometry":
+    def of(cls, layout, num_blocks: int) -> PoolGeometry:
         """From a KVLayout (or anything with its fields) and the pool's block count."""
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
                    num_blocks)

@@ -24,21 +24,22 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
+from common.kv_transfer.memory import advise_huge_pages
+from common.kv_transfer.plan import (Piece, PlanError, PoolGeometry, check_block_ids, compat_hash, compat_of,
+                                     first_mismatch, plan_pieces)
 from common.logs import get_logger
 from common.protocol import (PROTOCOL_VERSION, ErrorCode, KvData, KvEnd, KvHello, KvPull, KvWelcome,
                              ProtocolError, decode, encode, peek_request_id)
 from common.sockets import Security, check_endpoint
-from common.kv_transfer.memory import advise_huge_pages
-from common.kv_transfer.plan import (Piece, PlanError, PoolGeometry, check_block_ids, compat_hash, compat_of,
-                                     first_mismatch, plan_pieces)
 
 log = get_logger("kv_transfer")
 
@@ -165,7 +166,7 @@ class _Exposure:
     transfer_id: str
     block_ids: frozenset[int]
     lease_deadline: float
-    serve: "_Serve | None" = None
+    serve: _Serve | None = None
 
 
 @dataclass
@@ -198,24 +199,21 @@ class KvTransport:
             raise ValueError("pool must be a flat, contiguous uint8 array")
         if pool.nbytes != geometry.pool_bytes:
             raise ValueError(f"pool has {pool.nbytes} bytes, its geometry {geometry.pool_bytes}")
-        self.pool = pool
-        self.huge_pages = advise_huge_pages(pool) if (options or TransferOptions()).huge_pages else "off"
-        self.geometry = geometry
-        self.compat = compat_of(geometry, model_fingerprint)
-        self.compat_hash = compat_hash(self.compat)
-        self.security = security
-        self.peer_id = peer_id
         self.options = options or TransferOptions()
         if not self.options.max_piece_bytes:
             self.options = replace(self.options, max_piece_bytes=self.default_piece_bytes)
         if not MIN_PIECE_BYTES <= self.options.max_piece_bytes <= MAX_PIECE_BYTES:
             raise ValueError(f"max_piece_bytes must be in [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}]")
+        self.pool = pool
+        self.huge_pages = advise_huge_pages(pool) if self.options.huge_pages else "off"
+        self.geometry = geometry
+        self.compat = compat_of(geometry, model_fingerprint)
+        self.compat_hash = compat_hash(self.compat)
+        self.security = security
+        self.peer_id = peer_id
         self.counters = {"bad_frames": 0, "late_frames": 0, "refused": 0, "events_dropped": 0, "pieces_landed": 0}
         self._commands: queue.Queue = queue.Queue(maxsize=1024)
         self._events: queue.Queue[TransferEvent] = queue.Queue(maxsize=self.options.max_events)
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
         self._server: zmq.Socket | None = None
         self._peers: dict[str, _Peer] = {}
         self._peers_by_socket: dict[zmq.Socket, _Peer] = {}
@@ -224,9 +222,12 @@ class KvTransport:
         self._exposures: dict[str, _Exposure] = {}
         self._settling: list[_Serve] = []
         self._poller = zmq.Poller()
+        self._start_data_plane()  # may raise (UCX that does not start): nothing to undo yet
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._poller.register(self._wake_read, zmq.POLLIN)
         self._running = True
-        self._start_data_plane()
         self._thread = threading.Thread(target=self._serve_forever, name=f"kv-{self.name}", daemon=True)
         self._thread.start()
 
@@ -564,6 +565,8 @@ class KvTransport:
             raise ValueError(f"transfer id must have 1..{MAX_ID_CHARS} characters")
         if transfer_id in self._exposures:
             raise ValueError(f"transfer {transfer_id!r} is already exposed")
+        if not 0 < lease_s < math.inf:
+            raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s}")
         if len(self._exposures) + len(self._pulls) >= self.options.max_transfers:
             raise RuntimeError(f"{self.options.max_transfers} transfers at once, the limit")
         check_block_ids(block_ids, self.geometry.num_blocks, "exposed")
