@@ -41,14 +41,16 @@ def block_bytes(pool: np.ndarray, geometry: PoolGeometry, block: int) -> bytes:
                     for plane in range(geometry.num_planes))
 
 
-def _security() -> Security:
-    return Security(zmq.Context.instance(), ClusterConfig(), "worker")
+def _security(keys_dir: str = "", role: str = "worker") -> Security:
+    config = ClusterConfig(curve_enabled=True, curve_keys_dir=keys_dir) if keys_dir else ClusterConfig()
+    return Security(zmq.Context.instance(), config, role)
 
 
-def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, options: TransferOptions) -> None:
+def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, options: TransferOptions,
+           keys_dir: str) -> None:
     """The child: serve a seeded pool and answer the test's commands until told to stop."""
     pool = seeded_pool(geometry, SERVER_SEED)
-    server = make_transport(transport, pool, geometry, fingerprint, _security(), "prefill-0", options)
+    server = make_transport(transport, pool, geometry, fingerprint, _security(keys_dir), "prefill-0", options)
     conn.send(server.listen("tcp://127.0.0.1:0"))
     while True:
         command, *args = conn.recv()
@@ -68,11 +70,11 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
 
 class ServerProcess:
     def __init__(self, transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str = FINGERPRINT,
-                 options: TransferOptions | None = None):
+                 options: TransferOptions | None = None, keys_dir: str = ""):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child, transport, geometry, fingerprint,
-                                                            options or TransferOptions()), daemon=True)
+                                                            options or TransferOptions(), keys_dir), daemon=True)
         self.process.start()
         self.geometry = geometry
         self.address = self._answer()
@@ -112,9 +114,10 @@ def spawn_server():
 
 
 def puller(transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str = FINGERPRINT,
-           options: TransferOptions | None = None, seed: int = 11):
+           options: TransferOptions | None = None, seed: int = 11, security: Security | None = None):
     pool = seeded_pool(geometry, seed)
-    return make_transport(transport, pool, geometry, fingerprint, _security(), "decode-0", options), pool
+    return make_transport(transport, pool, geometry, fingerprint, security or _security(), "decode-0",
+                          options), pool
 
 
 # ---- plans (pure) ------------------------------------------------------------------------------
@@ -344,3 +347,22 @@ def test_huge_pages_keep_the_pool_contents():
     before = pool.copy()
     assert isinstance(advise_huge_pages(pool), str)
     assert np.array_equal(pool, before)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_with_curve_only_workers_get_a_handshake(spawn_server, transport, tmp_path):
+    from common.sockets import generate_curve_keys
+
+    generate_curve_keys(tmp_path)
+    server = spawn_server(transport, keys_dir=str(tmp_path))
+    stranger, _ = puller(transport, security=_security(str(tmp_path), role="tokenizer"),
+                         options=TransferOptions(handshake_timeout_s=1.0))
+    with stranger, pytest.raises(TimeoutError, match="handshake"):
+        stranger.connect(server.address)  # ZAP drops a tokenizer's key: no answer at all
+    client, pool = puller(transport, security=_security(str(tmp_path)))
+    with client:
+        peer = client.connect(server.address)
+        server.ask("expose", "req-8", [4, 5], 30.0)
+        assert client.pull(peer, "req-8", [4, 5], [6, 7], time.monotonic() + WAIT_S).wait(WAIT_S).status == "done"
+        source = seeded_pool(GEOMETRY, SERVER_SEED)
+        assert block_bytes(pool, GEOMETRY, 7) == block_bytes(source, GEOMETRY, 5)
