@@ -366,3 +366,21 @@ def test_with_curve_only_workers_get_a_handshake(spawn_server, transport, tmp_pa
         assert client.pull(peer, "req-8", [4, 5], [6, 7], time.monotonic() + WAIT_S).wait(WAIT_S).status == "done"
         source = seeded_pool(GEOMETRY, SERVER_SEED)
         assert block_bytes(pool, GEOMETRY, 7) == block_bytes(source, GEOMETRY, 5)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_concurrent_pulls_from_one_peer_each_land_in_their_own_blocks(spawn_server, transport):
+    server = spawn_server(transport)
+    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+    with client:
+        peer = client.connect(server.address)
+        jobs = {"a": ([1, 2, 3], [40, 41, 42]), "b": ([3, 9, 27], [5, 6, 7]), "c": ([60, 61], [20, 22])}
+        for name, (src, _) in jobs.items():
+            server.ask("expose", name, src, 30.0)
+        handles = {name: client.pull(peer, name, src, dst, time.monotonic() + WAIT_S)
+                   for name, (src, dst) in jobs.items()}
+        assert {name: handle.wait(WAIT_S).status for name, handle in handles.items()} == dict.fromkeys(jobs, "done")
+        source = seeded_pool(GEOMETRY, SERVER_SEED)
+        for src, dst in jobs.values():
+            assert all(block_bytes(pool, GEOMETRY, d) == block_bytes(source, GEOMETRY, s) for s, d in zip(src, dst))
+        assert sorted(server.event()[:2] for _ in jobs) == [(name, "done") for name in sorted(jobs)]
