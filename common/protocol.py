@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
+MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
 
 
 class ProtocolError(ValueError):
@@ -45,6 +46,11 @@ class MessageType(enum.IntEnum):
     TOKENS_BATCH = 13
     CHUNK_BATCH = 14
     PLACED = 15
+    KV_HELLO = 16
+    KV_WELCOME = 17
+    KV_PULL = 18
+    KV_DATA = 19
+    KV_END = 20
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -252,6 +258,72 @@ class ChunkBatch(msgspec.Struct, forbid_unknown_fields=True):
     items: list[Chunk]
 
 
+class KvCompat(msgspec.Struct, forbid_unknown_fields=True):
+    """What two engines must agree on before KV moves between their pools."""
+
+    model_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+class KvHello(msgspec.Struct, forbid_unknown_fields=True):
+    """KV puller to KV server, once per peer pair: the pool's compatibility fields and
+    their hash (docs/kv-transfer.md §3), and for UCX the puller's worker address."""
+
+    protocol_version: int
+    peer_id: str
+    transport: str
+    compat: KvCompat
+    compat_hash: str
+    pool_blocks: int  # blocks in the puller's pool: the server plans against it
+    ucx_address: bytes = b""
+
+
+class KvWelcome(msgspec.Struct, forbid_unknown_fields=True):
+    """The KV server's answer to KvHello; a refusal names the first field that differs."""
+
+    accepted: bool
+    reason: str = ""
+    field: str = ""
+    transport: str = ""
+    pool_blocks: int = 0  # blocks in the server's pool
+
+
+class KvPull(msgspec.Struct, forbid_unknown_fields=True):
+    """Puller to server: send these exposed source blocks into these destination blocks
+    (receives already posted). `nonce` tells this attempt from any other of the same id."""
+
+    transfer_id: str
+    nonce: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    timeout_s: float
+    max_piece_bytes: int
+
+
+class KvData(msgspec.Struct, forbid_unknown_fields=True):
+    """Server to puller (ZeroMQ transport): pieces first_piece… of the transfer's plan,
+    one raw payload frame each."""
+
+    transfer_id: str
+    nonce: int
+    first_piece: int
+
+
+class KvEnd(msgspec.Struct, forbid_unknown_fields=True):
+    """Either side: the transfer ended. status is done (server: all sent; puller: all
+    landed, release the blocks), failed (with code and reason) or cancelled."""
+
+    transfer_id: str
+    nonce: int
+    status: str
+    code: str = ""
+    reason: str = ""
+
+
 MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.HELLO: Hello,
     MessageType.WELCOME: Welcome,
@@ -268,21 +340,32 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.TOKENS_BATCH: TokensBatch,
     MessageType.CHUNK_BATCH: ChunkBatch,
     MessageType.PLACED: Placed,
+    MessageType.KV_HELLO: KvHello,
+    MessageType.KV_WELCOME: KvWelcome,
+    MessageType.KV_PULL: KvPull,
+    MessageType.KV_DATA: KvData,
+    MessageType.KV_END: KvEnd,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
-PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1)}
+PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),
+                  MessageType.KV_DATA: range(1, MAX_KV_FRAMES + 1)}
+RAW_PAYLOAD_TYPES = frozenset({MessageType.KV_DATA})
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGE_CLASSES.items()}
 
 
 def encode(message: msgspec.Struct, payloads: Sequence[npt.ArrayLike] | None = None) -> list[bytes | memoryview]:
-    """Frames for `message`: type byte, body, then each payload array's raw buffer (a
-    payload is anything np.ascontiguousarray takes: an array, a list of token ids)."""
+    """Frames for `message`: type byte, body, then each payload's raw buffer (a payload is
+    anything np.ascontiguousarray takes: an array, a list of token ids; for KvData the
+    caller's contiguous byte views themselves, never copied)."""
     kind = MESSAGE_TYPES[type(message)]
     frames: list[bytes | memoryview] = [bytes([kind]), _ENCODER.encode(message)]
     for array in payloads or ():
-        frames.append(np.ascontiguousarray(array, dtype="<u4").data)
+        if kind in RAW_PAYLOAD_TYPES:
+            frames.append(memoryview(array).cast("B"))  # type: ignore[arg-type]  # a buffer, as KvData's callers give
+        else:
+            frames.append(np.ascontiguousarray(array, dtype="<u4").data)
     return frames
 
 
@@ -306,8 +389,10 @@ def decode(frames: list[bytes]) -> tuple[msgspec.Struct, list[np.ndarray]]:
     allowed = PAYLOAD_COUNTS.get(kind, (0,))
     payload_frames = frames[2:]
     if len(payload_frames) not in allowed:
-        raise ProtocolError(f"{kind.name} carries {' or '.join(map(str, allowed))} payload frame(s), "
-                            f"got {len(payload_frames)}")
+        counts = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else " or ".join(map(str, allowed))
+        raise ProtocolError(f"{kind.name} carries {counts} payload frame(s), got {len(payload_frames)}")
+    if kind in RAW_PAYLOAD_TYPES:
+        return message, [np.frombuffer(frame, dtype=np.uint8) for frame in payload_frames]
     return message, [_token_array(kind, frame) for frame in payload_frames]
 
 

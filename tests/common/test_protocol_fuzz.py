@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from common.protocol import (
     MAX_BODY_BYTES,
     MESSAGE_CLASSES,
+    RAW_PAYLOAD_TYPES,
     Abort,
     Chunk,
     ChunkBatch,
@@ -18,7 +19,13 @@ from common.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    KvCompat,
+    KvData,
+    KvEnd,
     KvEvents,
+    KvHello,
+    KvPull,
+    KvWelcome,
     MessageType,
     Placed,
     ProtocolError,
@@ -61,6 +68,13 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.TOKENS_BATCH: (TokensBatch(items=[TOKENS, TOKENS]), []),
     MessageType.CHUNK_BATCH: (ChunkBatch(items=[CHUNK]), []),
     MessageType.PLACED: (Placed(request_id="r-1", worker_id="w-0"), []),
+    MessageType.KV_HELLO: (KvHello(2, "decode-0", "ucx", KvCompat("m", "bfloat16", 4, 2, 64, 16), "00ff", 128,
+                                   ucx_address=b"\x01\x02"), []),
+    MessageType.KV_WELCOME: (KvWelcome(accepted=False, reason="block_size: 16 here, 32 there", field="block_size"),
+                             []),
+    MessageType.KV_PULL: (KvPull("r-1", 5, [1, 2, 3], [7, 8, 9], 2.5, 1 << 20), []),
+    MessageType.KV_DATA: (KvData("r-1", 5, 0), [np.arange(8, dtype=np.uint8), np.zeros(3, dtype=np.uint8)]),
+    MessageType.KV_END: (KvEnd("r-1", 5, "failed", "timeout", "deadline passed"), []),
 }
 
 
@@ -76,7 +90,8 @@ def assert_decodes_or_refuses(frames: list[bytes]) -> None:
         pass
     else:  # anything else escaping is the failure hypothesis reports
         assert type(message) in MESSAGE_CLASSES.values()
-        assert all(array.dtype == np.dtype("<u4") for array in payloads)
+        raw = type(message) in {MESSAGE_CLASSES[kind] for kind in RAW_PAYLOAD_TYPES}
+        assert all(array.dtype == np.dtype("u1" if raw else "<u4") for array in payloads)
     assert isinstance(peek_request_id(frames), str)
 
 
