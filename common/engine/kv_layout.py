@@ -25,7 +25,7 @@ class KVLayout:
     dtype: str
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: str) -> "KVLayout":
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: str) -> KVLayout:
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
 
     @property

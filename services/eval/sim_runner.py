@@ -37,8 +37,22 @@ from common.config import INDEX_MODES, ClusterConfig
 from common.cost_model import CostModel
 from common.engine.config import QUEUE_POLICIES
 from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
-from services.eval.disagg import DEFAULT_LINK, DEFAULT_MAX_LOCAL_PREFILL_TOKENS, LINKS, layout_for_model
-from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, reported, summarize
+from services.eval.disagg import (
+    DEFAULT_LINK,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    LINKS,
+    layout_for_model,
+)
+from services.eval.report import (
+    Slo,
+    json_line,
+    mean,
+    percentile,
+    plot_sweep,
+    print_table,
+    reported,
+    summarize,
+)
 from services.eval.simulator import SimConfig, Simulator, decode_alone_s
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace

@@ -54,8 +54,16 @@ from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
 from common.hashing import root_hash
 from common.sampling_params import SamplingParams
-from services.eval.disagg import (DEFAULT_LINK, DEFAULT_MAX_LOCAL_PREFILL_TOKENS, LINKS, DecodeCandidate, Link,
-                                  LinkQueues, blocks_to_move, rank_decode_workers)
+from services.eval.disagg import (
+    DEFAULT_LINK,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    LINKS,
+    DecodeCandidate,
+    Link,
+    LinkQueues,
+    blocks_to_move,
+    rank_decode_workers,
+)
 from services.eval.report import RequestRecord, RunTotals
 from services.eval.workloads.base import WorkloadRequest
 from services.router.admission import AdmissionConfig, AdmissionControl

@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 
 from common.cost_model import CostModel, LatencyFit
-from services.eval.disagg import (LINKS, DecodeCandidate, Link, LinkQueues, blocks_to_move, layout_for_model,
-                                  link_named, rank_decode_workers)
+from services.eval.disagg import (
+    LINKS,
+    DecodeCandidate,
+    Link,
+    LinkQueues,
+    blocks_to_move,
+    layout_for_model,
+    link_named,
+    rank_decode_workers,
+)
 from services.eval.report import summarize
 from services.eval.simulator import SimConfig, simulate
 from services.eval.workloads.base import WorkloadRequest
@@ -23,8 +31,8 @@ def request(request_id: str, arrival_s: float, prompt_tokens: int, outputs: int,
 
 
 def pools(prefill: int = 1, decode: int = 1, workers: int = 0, **overrides) -> SimConfig:
-    settings = dict(workers=workers, prefill_workers=prefill, decode_workers=decode, policy="round_robin",
-                    cost=COST, link=LINK, kv_bytes_per_block=BLOCK_BYTES, max_local_prefill_tokens=0)
+    settings = {"workers": workers, "prefill_workers": prefill, "decode_workers": decode, "policy": "round_robin",
+                "cost": COST, "link": LINK, "kv_bytes_per_block": BLOCK_BYTES, "max_local_prefill_tokens": 0}
     return SimConfig(**(settings | overrides))
 
 
