@@ -1,7 +1,6 @@
 """`svc plan`: DistServe's search for the prefill/decode split with the best goodput per GPU."""
 import itertools
 import json
-import math
 import random
 
 import pytest
