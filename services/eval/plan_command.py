@@ -98,15 +98,15 @@ def _simulated_plans(profile, workload, scale, option_pairs, ttft_slo, tpot_slo,
     instances in the budget."""
     from common.cost_model import ProfileError
     from services.eval import sim_runner
-    from services.eval.disagg import LINKS, layout_for_model
+    from services.eval.disagg import LINKS
     from services.eval.planner import (
         MAX_REQUESTS_FACTOR,
         PlanError,
+        base_config,
         instance_profiles,
         search_layouts,
     )
     from services.eval.report import Slo
-    from services.eval.simulator import SimConfig
     from services.eval.workloads import make_workload
     from services.router.policies import POLICIES
 
@@ -122,25 +122,19 @@ def _simulated_plans(profile, workload, scale, option_pairs, ttft_slo, tpot_slo,
         profiles = instance_profiles(profile)
     except (ProfileError, PlanError) as error:
         raise click.BadParameter(str(error), param_hint="--profile") from error
-    named = sim_runner.gpu_model_of(next(iter(profiles.values())))
-    if named is None:
-        raise click.BadParameter("the planner sizes KV transfers from the profile's model: give a built-in "
-                                 "name such as a6000/mistral-7b", param_hint="--profile")
     try:
         options = dict(sim_runner.parse_options(option_pairs, None))
         requests = make_workload(workload, num_requests * MAX_REQUESTS_FACTOR, seed, scale=scale, **options)
     except (ValueError, TypeError) as error:
         raise click.BadParameter(str(error), param_hint="--workload") from error
-    block_size = SimConfig.block_size
-    block_bytes = layout_for_model(named[1], block_size).bytes_per_block
     plans = []
     for tp, cost in sorted(profiles.items()):
         if gpus // tp < 2:
             continue
-        base = SimConfig(workers=1, policy=policy, cost=cost, link=LINKS[link.strip().lower()],
-                         kv_bytes_per_block=block_bytes, max_local_prefill_tokens=max_local_prefill_tokens,
-                         kv_blocks=sim_runner.default_kv_blocks(cost, block_size),
-                         max_num_batched_tokens=sim_runner.GPU_BATCHED_TOKENS)
+        try:
+            base = base_config(cost, link, policy, max_local_prefill_tokens)
+        except PlanError as error:
+            raise click.BadParameter(str(error), param_hint="--profile") from error
         plans.append(search_layouts(base, tp, gpus // tp, requests, Slo(ttft_slo, tpot_slo), attainment,
                                     num_requests, seed))
     if not plans:

@@ -50,7 +50,13 @@ from common.profiles import (
     fits,
     roofline_profile,
 )
+from services.eval.disagg import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    layout_for_model,
+    link_named,
+)
 from services.eval.report import Slo, meets_slo
+from services.eval.sim_runner import GPU_BATCHED_TOKENS, default_kv_blocks, gpu_model_of
 from services.eval.simulator import SimConfig, simulate
 from services.eval.workloads.arrivals import poisson, rate_for_load
 from services.eval.workloads.base import WorkloadRequest
@@ -355,6 +361,27 @@ class PoolPlan:
         return {"link": self.link, "attainment": self.target, "winner": self.winner,
                 "best_split": self.best_split.to_json(), "colocated": self.colocated.to_json(),
                 "candidates": [c.to_json() for c in self.candidates]}
+
+
+def base_config(cost: CostModel, link: str, policy: str = "e2",
+                max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS) -> SimConfig:
+    """The simulator settings every layout of a search shares: a profile that names its GPU
+    and model (the KV blocks its memory holds, the model's KV bytes per block), the link,
+    the router's policy and the local-prefill threshold; `search_layouts` sets the counts.
+    PlanError for a profile that names no model or an unknown link."""
+    named = gpu_model_of(cost)
+    if named is None:
+        raise PlanError(f"profile {cost.name!r} names no model to size KV transfers by: give a built-in name "
+                        f"such as a6000/mistral-7b")
+    try:
+        chosen = link_named(link)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    block_size = SimConfig.block_size
+    return SimConfig(workers=1, policy=policy, cost=cost, link=chosen,
+                     kv_bytes_per_block=layout_for_model(named[1], block_size).bytes_per_block,
+                     max_local_prefill_tokens=max_local_prefill_tokens,
+                     kv_blocks=default_kv_blocks(cost, block_size), max_num_batched_tokens=GPU_BATCHED_TOKENS)
 
 
 def layouts(instances: int) -> list[Layout]:
