@@ -1,9 +1,11 @@
 """Prefill/decode pools in the simulator: the KV pull's time and bytes, link contention,
 conditional local prefill, and the decode worker's choice."""
+import dataclasses
+
 import numpy as np
 import pytest
 
-from common.cost_model import CostModel, LatencyFit
+from common.cost_model import CostModel, LatencyFit, load_cost_model
 from services.eval.disagg import (
     LINKS,
     DecodeCandidate,
@@ -16,6 +18,8 @@ from services.eval.disagg import (
 )
 from services.eval.report import summarize
 from services.eval.simulator import SimConfig, simulate
+from services.eval.workloads import make_workload
+from services.eval.workloads.arrivals import poisson
 from services.eval.workloads.base import WorkloadRequest
 
 COST = CostModel("hand", prefill=LatencyFit(a=0.010, b=0.001, c=0.0001, d=0.0),
@@ -129,3 +133,15 @@ def test_pools_come_in_pairs_and_need_the_models_layout():
         SimConfig(workers=1, prefill_workers=1, policy="round_robin", cost=COST)
     with pytest.raises(ValueError, match="kv_bytes_per_block"):
         SimConfig(workers=0, prefill_workers=1, decode_workers=1, policy="round_robin", cost=COST)
+
+
+def test_quiet_runs_stop_for_landing_transfers_so_fused_and_stepped_runs_agree():
+    requests = poisson(make_workload("programming", 80, seed=3), rate=3.0, seed=3)
+    config = SimConfig(workers=1, prefill_workers=1, decode_workers=2, policy="e2",
+                       cost=load_cost_model("a6000/mistral-7b"), link=LINKS["tcp-25g"],
+                       kv_bytes_per_block=layout_for_model("mistral-7b", 16).bytes_per_block)
+    stepped = simulate(requests, dataclasses.replace(config, fuse_quiet_steps=False))
+    fused = simulate(requests, config)
+    assert fused.records == stepped.records and fused.totals == stepped.totals and fused.steps == stepped.steps
+    assert fused.totals.transfer_bytes > 0 and all(r.finish_s is not None for r in fused.records)
+    assert any(r.decode_wait_s > 0 for r in fused.records)
