@@ -10,36 +10,27 @@ since every request passes through both pools and the slower pool bounds the who
 `search` tries every split with g_p + g_d ≤ the GPU budget (both ≥ 1, each a multiple of
 its pool's tp) and, beside it, the best co-located deployment of the whole budget.
 
-Per-phase goodputs come either from given capacities (`parse_capacities`) or from the
-simulator (`simulated_goodputs`): one instance per phase and tp degree, the highest
-Poisson rate at which SLO attainment reaches the target, found by bracketing and
-bisection (`highest_passing_rate`). Pools scale linearly: n instances serve n times one
-instance's rate (DistServe's assumption too; the router's placement across instances is
-not simulated).
+With per-phase goodputs given (`parse_capacities`, `--capacities`), `search` applies
+that formula. Pools scale linearly there: n instances serve n times one instance's rate
+(DistServe's assumption too).
 
-The simulator has co-located workers only until disaggregation lands, so the phases are
-APPROXIMATED with it, not simulated as DistServe does:
-  * prefill pool: the workload's requests each generate one token on a plain simulated
-    worker; only the TTFT SLO counts.
-  * decode pool: the requests arrive with their prompt's KV as good as present: the
-    worker's cost model keeps the profile's decode fit and a prefill fit of
-    PREFILL_FREE_S_PER_TOKEN only, so a prompt's prefill is ~free; only the TPOT SLO
-    counts, measured from arrival (the first token came from the prefill pool), so
-    waiting for a batch slot counts against it.
-  * co-located: the plain simulation, both SLOs.
-The KV transfer from prefill to decode instances is not modelled yet (free and
-instantaneous), and neither is a GPU's KV memory (the simulator's default block count per
-worker, whatever the profile's GPU). Replace this module's phase models with the P/D
-simulator when it exists.
+Simulated (`search_layouts`, what `svc plan --profile --workload` runs): every layout of
+a number of instances, all co-located or each P:D split, is simulated whole, with the
+disaggregated simulator (the router's policy, the decode pairing, the KV transfer over
+the chosen link, conditional local prefill), and its goodput is DistServe's: the highest
+Poisson rate at which the target fraction (90 % by default) of requests meets both the
+TTFT and the TPOT SLO, found by bracketing and bisection (`highest_passing_rate`). A
+handed-off request's TPOT includes its transfer and its wait for the decode batch. The
+best split is then compared with co-located per GPU.
 
-Run length. A run too short for its rate is absorbed by the running batch and passes at
+Run length. A run too short for its rate is absorbed by the running batches and passes at
 any rate, so each run holds enough requests for its arrivals to span STEADY_LIFETIMES
 SLO-bound request lifetimes (run_length), between --num-requests and MAX_REQUESTS_FACTOR
 times that. Backlogs near capacity still grow slowly, so estimates of long-reply
-workloads stay optimistic: chat (251-token replies) on a100/opt-13b, TTFT 0.25 s / TPOT
-0.1 s, decode tp1 gave 4.8 req/s at 3 lifetimes, 4.5 at 6, 4.0 at 12, 3.7 at 24. The
-bias is alike across phases and degrees, so the choice of split suffers less than the
-absolute numbers; a larger --num-requests lengthens every run.
+workloads stay optimistic (on the earlier per-phase planner, chat on a100/opt-13b gave
+4.8 req/s at 3 lifetimes, 4.5 at 6, 4.0 at 12, 3.7 at 24). The bias is alike across
+layouts, so the choice suffers less than the absolute numbers; a larger --num-requests
+lengthens every run.
 """
 from __future__ import annotations
 
@@ -49,9 +40,23 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cost_model import CostModel, LatencyFit, load_cost_model
-from common.profiles import GPUS, MODELS, PREBLE_NAME, PREBLE_TP, TP_DEGREES, fits, roofline_profile
-from services.eval.report import RequestRecord, Slo, e2e_of, is_completed, meets_slo
+from common.cost_model import CostModel, load_cost_model
+from common.profiles import (
+    GPUS,
+    MODELS,
+    PREBLE_NAME,
+    PREBLE_TP,
+    TP_DEGREES,
+    fits,
+    roofline_profile,
+)
+from services.eval.disagg import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    layout_for_model,
+    link_named,
+)
+from services.eval.report import Slo, meets_slo
+from services.eval.sim_runner import GPU_BATCHED_TOKENS, default_kv_blocks, gpu_model_of
 from services.eval.simulator import SimConfig, simulate
 from services.eval.workloads.arrivals import poisson, rate_for_load
 from services.eval.workloads.base import WorkloadRequest
@@ -61,7 +66,6 @@ PRECISION = 0.03  # the bisection stops when the bracket is within 3% (hi / lo �
 MAX_BRACKET_STEPS = 10  # doublings (or halvings) of the start rate before giving up
 STEADY_LIFETIMES = 3  # a run's arrivals span at least this many request lifetimes (run_length)
 MAX_REQUESTS_FACTOR = 10  # the longest run: this many times the shortest (--num-requests)
-PREFILL_FREE_S_PER_TOKEN = 1e-9  # the decode pool's prefill: 2 µs for a 2,048-token chunk
 TIE_TOLERANCE = 1e-9  # relative: goodputs closer than this are a tie
 
 
@@ -233,68 +237,20 @@ def instance_profiles(spec: str) -> dict[int, CostModel]:
             if fits(gpu, model, degree)}
 
 
-@dataclass(frozen=True)
-class PhaseModel:
-    """One `phase` instance approximated on the co-located simulator (module docstring):
-    the requests it serves (the whole sample; a run takes a prefix), its cost model, and
-    the SLO targets that count for it (math.inf where a target does not count)."""
-
-    phase: str
-    requests: list[WorkloadRequest]
-    cost: CostModel
-    ttft_s: float
-    tpot_s: float
-
-    def meets(self, record: RequestRecord) -> bool:
-        """Completed within the phase's targets. A decode instance's requests had their
-        first token from the prefill pool when they arrived, so their TPOT runs from
-        arrival: time waiting for a batch slot counts against it."""
-        if self.phase != "decode":
-            return meets_slo(record, Slo(self.ttft_s, self.tpot_s))
-        if not is_completed(record) or record.output_tokens <= 1:
-            return is_completed(record)
-        return e2e_of(record) / (record.output_tokens - 1) <= self.tpot_s
-
-    @property
-    def lifetime_s(self) -> float:
-        """The longest a request may live on this instance and still meet its targets, on
-        average over the sample: the time that counts against TTFT, plus (output tokens − 1)
-        × TPOT where TPOT counts."""
-        decode_s = 0.0 if math.isinf(self.tpot_s) else \
-            self.tpot_s * sum(max(r.output_tokens - 1, 0) for r in self.requests) / len(self.requests)
-        return (0.0 if math.isinf(self.ttft_s) else self.ttft_s) + decode_s
+def lifetime_s(requests: Sequence[WorkloadRequest], slo: Slo) -> float:
+    """The longest a request may live and still meet its SLO, on average over the
+    sample: the TTFT target plus (output tokens − 1) × the TPOT target."""
+    decode_s = slo.tpot_s * sum(max(r.output_tokens - 1, 0) for r in requests) / len(requests)
+    return slo.ttft_s + decode_s
 
 
-def phase_model(phase: str, requests: Sequence[WorkloadRequest], cost: CostModel, slo: Slo) -> PhaseModel:
-    """The requests, cost model and targets that approximate one `phase` instance."""
-    if phase == "prefill":
-        return PhaseModel(phase, [dataclasses.replace(r, output_tokens=1) for r in requests], cost,
-                          slo.ttft_s, math.inf)
-    if phase == "decode":
-        free = CostModel(f"{cost.name}/prefill-free", LatencyFit(0.0, PREFILL_FREE_S_PER_TOKEN), cost.decode)
-        return PhaseModel(phase, list(requests), free, math.inf, slo.tpot_s)
-    if phase == "colocated":
-        return PhaseModel(phase, list(requests), cost, slo.ttft_s, slo.tpot_s)
-    raise PlanError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
-
-
-def run_length(model: PhaseModel, rate: float, min_requests: int) -> int:
+def run_length(lifetime: float, rate: float, min_requests: int, available: int) -> int:
     """How many requests a run at `rate` needs: enough that their arrivals span
-    STEADY_LIFETIMES request lifetimes (model.lifetime_s), so that an instance that
-    cannot keep up builds a backlog that shows in the SLOs (a run shorter than that is
-    absorbed by the running batch, however high the rate); at least `min_requests`, at
-    most the whole sample."""
-    needed = math.ceil(STEADY_LIFETIMES * rate * model.lifetime_s)
-    return min(max(min_requests, needed), len(model.requests))
-
-
-def attainment_at(model: PhaseModel, rate: float, num_requests: int, seed: int) -> float:
-    """SLO attainment of one simulated instance serving the first `num_requests` of the
-    sample under Poisson arrivals at `rate` requests/s. Every run uses the same seed, so
-    a run's arrivals are a prefix of a longer run's, stretched in time."""
-    requests = poisson(model.requests[:num_requests], rate, seed)
-    result = simulate(requests, SimConfig(workers=1, policy="round_robin", cost=model.cost))
-    return sum(model.meets(record) for record in result.records) / len(result.records)
+    STEADY_LIFETIMES request lifetimes, so that a cluster that cannot keep up builds a
+    backlog that shows in the SLOs (a run shorter than that is absorbed by the running
+    batches, however high the rate); at least `min_requests`, at most `available`."""
+    needed = math.ceil(STEADY_LIFETIMES * rate * lifetime)
+    return min(max(min_requests, needed), available)
 
 
 def highest_passing_rate(passes: Callable[[float], bool], start: float, precision: float = PRECISION,
@@ -332,28 +288,144 @@ def highest_passing_rate(passes: Callable[[float], bool], start: float, precisio
     return low
 
 
-def instance_goodput(model: PhaseModel, target: float, min_requests: int, seed: int) -> float:
-    """Goodput (requests/s) of one instance: the highest Poisson rate at which the
-    fraction of requests meeting the phase's targets is ≥ `target`, each run as long as
-    run_length says. The search starts at the rate rate_for_load gives for load 1 on one
-    instance of the phase's own cost model."""
-    start = rate_for_load(model.requests[:min_requests], 1.0, 1, model.cost)
-    return highest_passing_rate(
-        lambda rate: attainment_at(model, rate, run_length(model, rate, min_requests), seed) >= target, start)
+# ---- simulated pools -------------------------------------------------------------------
 
 
-def simulated_goodputs(profiles: Mapping[int, CostModel], requests: Sequence[WorkloadRequest], slo: Slo,
-                       target: float, gpus: int, min_requests: int, seed: int = 0) -> PhaseGoodputs:
-    """Per-GPU goodput of each phase at each tp degree of `profiles` that can take part in
-    a plan of `gpus` GPUs (a pool needs tp ≤ gpus − 1, so the other pool has a GPU; the
-    co-located alternative tp ≤ gpus): one instance's goodput over its tp. `requests` is
-    the sample runs take their prefixes of (its length bounds a run; at least
-    `min_requests`), e.g. MAX_REQUESTS_FACTOR × min_requests of a workload."""
+@dataclass(frozen=True)
+class Layout:
+    """`colocated` co-located instances, or a prefill pool of `prefill` and a decode pool of
+    `decode` instances; every instance has the same tensor-parallel degree."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def instances(self) -> int:
+        return self.colocated + self.prefill + self.decode
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P:{self.decode}D" if self.decode else f"{self.colocated} co-located"
+
+
+@dataclass(frozen=True)
+class LayoutGoodput:
+    """A layout's goodput: the highest Poisson rate (requests/s) at which the target
+    fraction of requests meets both SLOs, and that per GPU."""
+
+    layout: Layout
+    tp: int
+    goodput_rps: float
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / (self.layout.instances * self.tp)
+
+    def to_json(self) -> dict:
+        layout = self.layout
+        return {"layout": layout.label, "colocated": layout.colocated, "prefill": layout.prefill,
+                "decode": layout.decode, "tp": self.tp, "gpus": layout.instances * self.tp,
+                "goodput_rps": self.goodput_rps, "goodput_per_gpu": self.goodput_per_gpu}
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Every layout tried, the best P:D split among them, and the co-located one."""
+
+    candidates: tuple[LayoutGoodput, ...]
+    link: str
+    target: float
+
+    @property
+    def colocated(self) -> LayoutGoodput:
+        return next(c for c in self.candidates if not c.layout.decode)
+
+    @property
+    def best_split(self) -> LayoutGoodput:
+        """The split with the highest goodput per GPU; a tie goes to the one tried first
+        (fewer prefill instances)."""
+        best = None
+        for candidate in self.candidates:
+            if candidate.layout.decode and (best is None or candidate.goodput_per_gpu >
+                                            best.goodput_per_gpu * (1 + TIE_TOLERANCE)):
+                best = candidate
+        return best
+
+    @property
+    def winner(self) -> str:
+        """"disaggregated" when the best split beats co-located by more than a tie."""
+        split, colocated = self.best_split, self.colocated
+        return "disaggregated" if split.goodput_per_gpu > colocated.goodput_per_gpu * (1 + TIE_TOLERANCE) \
+            else "colocated"
+
+    def to_json(self) -> dict:
+        return {"link": self.link, "attainment": self.target, "winner": self.winner,
+                "best_split": self.best_split.to_json(), "colocated": self.colocated.to_json(),
+                "candidates": [c.to_json() for c in self.candidates]}
+
+
+def base_config(cost: CostModel, link: str, policy: str = "e2",
+                max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS) -> SimConfig:
+    """The simulator settings every layout of a search shares: a profile that names its GPU
+    and model (the KV blocks its memory holds, the model's KV bytes per block), the link,
+    the router's policy and the local-prefill threshold; `search_layouts` sets the counts.
+    PlanError for a profile that names no model or an unknown link."""
+    named = gpu_model_of(cost)
+    if named is None:
+        raise PlanError(f"profile {cost.name!r} names no model to size KV transfers by: give a built-in name "
+                        f"such as a6000/mistral-7b")
+    try:
+        chosen = link_named(link)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    block_size = SimConfig.block_size
+    return SimConfig(workers=1, policy=policy, cost=cost, link=chosen,
+                     kv_bytes_per_block=layout_for_model(named[1], block_size).bytes_per_block,
+                     max_local_prefill_tokens=max_local_prefill_tokens,
+                     kv_blocks=default_kv_blocks(cost, block_size), max_num_batched_tokens=GPU_BATCHED_TOKENS)
+
+
+def layouts(instances: int) -> list[Layout]:
+    """All `instances` co-located, then every P:D split of them (1P first)."""
+    if instances < 2:
+        raise PlanError(f"a prefill/decode split needs at least 2 instances, got {instances}")
+    return [Layout(colocated=instances)] + [Layout(prefill=p, decode=instances - p) for p in range(1, instances)]
+
+
+def cluster_attainment(base: SimConfig, layout: Layout, requests: Sequence[WorkloadRequest], rate: float,
+                       slo: Slo, seed: int) -> float:
+    """The fraction of `requests`, arriving as Poisson at `rate`, that the simulated
+    cluster of `layout` (and `base`'s other settings) serves within both SLOs."""
+    config = dataclasses.replace(base, workers=layout.colocated, prefill_workers=layout.prefill,
+                                 decode_workers=layout.decode)
+    result = simulate(poisson(list(requests), rate, seed), config)
+    return sum(meets_slo(record, slo) for record in result.records) / len(result.records)
+
+
+def layout_goodput(base: SimConfig, layout: Layout, tp: int, requests: Sequence[WorkloadRequest], slo: Slo,
+                   target: float, min_requests: int, seed: int = 0, precision: float = PRECISION) -> LayoutGoodput:
+    """DistServe's goodput of one layout: the highest rate at which SLO attainment is at
+    least `target`, by highest_passing_rate from the rate of load 1 on its instances. Each
+    run takes the first run_length requests of the sample `requests`."""
+    lifetime = lifetime_s(requests[:min_requests], slo)
+
+    def passes(rate: float) -> bool:
+        count = run_length(lifetime, rate, min_requests, len(requests))
+        return cluster_attainment(base, layout, requests[:count], rate, slo, seed) >= target
+
+    start = rate_for_load(requests[:min_requests], 1.0, layout.instances, base.cost)
+    return LayoutGoodput(layout, tp, highest_passing_rate(passes, start, precision))
+
+
+def search_layouts(base: SimConfig, tp: int, instances: int, requests: Sequence[WorkloadRequest], slo: Slo,
+                   target: float, min_requests: int, seed: int = 0, link_name: str = "",
+                   precision: float = PRECISION) -> PoolPlan:
+    """The goodput of every layout of `instances` instances (co-located and each P:D
+    split), each simulated whole with `base`'s link and KV layout."""
     if min_requests < 1 or len(requests) < min_requests:
         raise PlanError(f"need a sample of at least min_requests = {min_requests} >= 1 requests, "
                         f"got {len(requests)}")
-    limits = {"prefill": gpus - 1, "decode": gpus - 1, "colocated": gpus}
-    per_phase = {phase: {tp: instance_goodput(phase_model(phase, requests, cost, slo), target, min_requests, seed)
-                         / tp for tp, cost in sorted(profiles.items()) if tp <= limits[phase]}
-                 for phase in PHASES}
-    return PhaseGoodputs(**per_phase)
+    candidates = tuple(layout_goodput(base, layout, tp, requests, slo, target, min_requests, seed, precision)
+                       for layout in layouts(instances))
+    return PoolPlan(candidates, link_name or base.link.name, target)

@@ -40,7 +40,8 @@ class RequestRecord:
     failed: bool = False  # an error other than rejection (timeout, worker lost...)
     queue_s: float = 0.0  # arrival to first scheduled (when known)
     prefill_s: float = 0.0
-    transfer_s: float = 0.0
+    transfer_s: float = 0.0  # first token to the KV landing on the decode worker (disaggregated)
+    decode_wait_s: float = 0.0  # the KV landing to the decode worker's first step of it
     decode_s: float = 0.0
     ideal_s: float = 0.0  # service time alone on an idle worker (for slowdown); 0 = unknown
     worker_id: str = ""
@@ -183,6 +184,7 @@ def _summarize_group(
             "queue_mean_s": mean([r.queue_s for r in done]),
             "prefill_mean_s": mean([r.prefill_s for r in done]),
             "transfer_mean_s": mean([r.transfer_s for r in done]),
+            "decode_wait_mean_s": mean([r.decode_wait_s for r in done]),
             "decode_mean_s": mean([r.decode_s for r in done]),
             "slo_attainment": slo_attainment,
             "slo_target": attainment,

@@ -17,7 +17,15 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
 @click.option("--workload", help="workload shape, e.g. toolbench (a wrong name lists them)")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
               help="replay this Mooncake-format trace (the mooncake workload)")
-@click.option("--workers", type=click.IntRange(min=1), help="workers in the simulated cluster")
+@click.option("--workers", type=click.IntRange(min=0), help="co-located workers in the simulated cluster")
+@click.option("--prefill-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="prefill pool: workers that prefill and hand the KV to the decode pool")
+@click.option("--decode-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="decode pool: workers that pull a prompt's KV and decode")
+@click.option("--link", default="rdma-400g", show_default=True,
+              help="the link KV moves over between pools: nvlink, rdma-400g, tcp-25g... (a wrong name lists them)")
+@click.option("--max-local-prefill-tokens", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="a decode worker prefills a request itself when it lacks at most this many prompt tokens")
 @click.option("--policy", "policy_list", required=True,
               help="placement policies to compare, comma separated (a wrong name lists them)")
 @click.option("--profile", default="", help="cost profile: a JSON file or a name such as h100/llama-3-70b "
@@ -52,13 +60,17 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
 @click.option("--admission", is_flag=True, help="refuse requests predicted to miss their SLO")
 @click.option("--index-mode", default="events", show_default=True,
               help="router's prefix index: events (KV events) or approximate (from placements)")
-def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json, plot_dir, num_requests, seed,
+def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, max_local_prefill_tokens, policy_list, profile, sweep_text, as_json, plot_dir, num_requests, seed,
         rate, load, arrival, time_scale, scale, zipf, option_pairs, queue_policy, kv_blocks,
         max_num_batched_tokens, ttft_slo, tpot_slo, admission, index_mode) -> None:
     """Simulate a workload on WORKERS workers under each policy in discrete virtual time
     (the live router's policies and the engine's scheduler, with step times from the
     cost profile) and print the metrics table: TTFT, TPOT, end-to-end latency, SLO
     attainment, cache hit rate, fairness and refusals, per policy and request class.
+    With --prefill-workers and --decode-workers the cluster has disaggregated pools
+    (beside any co-located --workers), and each handed-off request's KV moves over
+    --link: latency + the bytes the decode worker lacks / bandwidth, one transfer at a
+    time per worker link.
 
     \b
     With --json the last line of output is one JSON object:
@@ -80,7 +92,10 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
             raise runner.SimUsageError("--plot draws a sweep: give --sweep too")
         name, trace = runner.workload_source(workload, trace_path)
         spec = runner.SimSpec(
-            workload=name, policies=runner.parse_policies(policy_list), workers=_workers(workers, sweep),
+            workload=name, policies=runner.parse_policies(policy_list),
+            workers=_workers(workers, sweep, prefill_workers + decode_workers > 0),
+            prefill_workers=prefill_workers, decode_workers=decode_workers, link=link.strip().lower(),
+            max_local_prefill_tokens=max_local_prefill_tokens,
             cost=load_cost_model(profile), trace=trace, num_requests=num_requests, seed=seed, arrival=arrival,
             rate=rate, load=load, time_scale=time_scale, scale=scale,
             options=runner.parse_options(option_pairs, zipf), queue_policy=queue_policy, kv_blocks=kv_blocks,
@@ -104,10 +119,13 @@ def sim(workload, trace_path, workers, policy_list, profile, sweep_text, as_json
         click.echo(runner.results_json(results, variable))
 
 
-def _workers(workers: int | None, sweep) -> int:
-    """--workers, or the first swept value when sweeping workers (each value replaces it)."""
+def _workers(workers: int | None, sweep, pools: bool) -> int:
+    """--workers, or the first swept value when sweeping workers (each value replaces it);
+    0 by default beside pools."""
     if sweep is not None and sweep.variable == "workers":
         return int(sweep.values[0][1])
+    if workers is None and pools:
+        return 0
     if workers is None:
         raise click.UsageError("give --workers N (or --sweep workers=a,b,c)")
     return workers

@@ -3,7 +3,8 @@ setting, simulate it under each placement policy, and report the summaries.
 
 A setting is a SimSpec. Its defaults, resolved by `resolve`:
   * arrivals: the workload's own times ("trace") for mooncake, Poisson otherwise;
-  * rate: --rate, else rate_for_load(requests, --load or DEFAULT_LOAD, workers, cost).
+  * rate: --rate, else rate_for_load(requests, --load or DEFAULT_LOAD, instances, cost),
+    instances counting co-located, prefill and decode workers alike.
     With trace arrivals, a rate or load rescales the trace's times so that its mean rate
     (requests / span of arrivals) is the target; without one the trace keeps its times
     (times --time-scale);
@@ -14,6 +15,8 @@ A setting is a SimSpec. Its defaults, resolved by `resolve`:
     2,048 (the engine's default).
 A sweep replaces one variable of the setting per value: load or rate (both are replaced,
 so the value alone sets the arrival rate), workers, zipf (toolbench's zipf_a) or scale.
+Disaggregated pools (--prefill-workers, --decode-workers) need a profile that names its
+model: the KV transfer's bytes come from that model's layout (disagg.layout_for_model).
 
 Progress counts simulated requests (finished or refused) across every setting and policy.
 """
@@ -35,7 +38,22 @@ from common.config import INDEX_MODES, ClusterConfig
 from common.cost_model import CostModel
 from common.engine.config import QUEUE_POLICIES
 from common.profiles import BYTES_PER_VALUE, GIB, GPUS, MODELS, PREBLE_NAME, PREBLE_TP
-from services.eval.report import Slo, json_line, mean, percentile, plot_sweep, print_table, reported, summarize
+from services.eval.disagg import (
+    DEFAULT_LINK,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    LINKS,
+    layout_for_model,
+)
+from services.eval.report import (
+    Slo,
+    json_line,
+    mean,
+    percentile,
+    plot_sweep,
+    print_table,
+    reported,
+    summarize,
+)
 from services.eval.simulator import SimConfig, Simulator, decode_alone_s
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
@@ -81,6 +99,14 @@ class SimSpec:
     tpot_slo_s: float | None = None
     admission: bool = False
     index_mode: str = "events"
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    link: str = DEFAULT_LINK
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+
+    @property
+    def instances(self) -> int:
+        return self.workers + self.prefill_workers + self.decode_workers
 
 
 @dataclass(frozen=True)
@@ -195,6 +221,16 @@ def check(spec: SimSpec) -> None:
         raise SimUsageError("give --time-scale or --rate/--load, not both (either sets the trace's pace)")
     if spec.queue_policy not in QUEUE_POLICIES:
         raise SimUsageError(f"--queue-policy: unknown {spec.queue_policy!r}; known: {', '.join(QUEUE_POLICIES)}")
+    if spec.link not in LINKS:
+        raise SimUsageError(f"--link: unknown {spec.link!r}; known: {', '.join(LINKS)}")
+    if (spec.prefill_workers > 0) != (spec.decode_workers > 0):
+        raise SimUsageError("--prefill-workers and --decode-workers go together (a prefill pool hands off to "
+                            "a decode pool)")
+    if spec.workers + spec.prefill_workers < 1:
+        raise SimUsageError("no worker to prefill on: give --workers or --prefill-workers")
+    if spec.decode_workers and gpu_model_of(spec.cost) is None:
+        raise SimUsageError("disaggregated pools need a profile that names its model (e.g. h100/llama-3-8b): "
+                            "the KV transfer's bytes come from its layout")
     if spec.index_mode not in INDEX_MODES:
         raise SimUsageError(f"--index-mode: unknown {spec.index_mode!r}; known: {', '.join(INDEX_MODES)}")
     accepted = workload_options(spec.workload)
@@ -304,7 +340,7 @@ def timed(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> list[WorkloadRe
     if spec.arrival == "trace":
         return trace(requests, _time_scale(spec, requests))
     rate = spec.rate if spec.rate is not None else rate_for_load(
-        requests, spec.load if spec.load is not None else DEFAULT_LOAD, spec.workers, spec.cost)
+        requests, spec.load if spec.load is not None else DEFAULT_LOAD, spec.instances, spec.cost)
     arrive = poisson if spec.arrival == "poisson" else bursty
     return arrive(requests, rate, spec.seed)
 
@@ -316,11 +352,7 @@ def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
     if span <= 0:
         raise SimUsageError("--rate/--load with trace arrivals rescale the workload's own times, but all its "
                             "requests arrive at once; use --arrival poisson or bursty")
-    if spec.rate is not None:
-        rate = spec.rate
-    else:
-        assert spec.load is not None  # neither given returned above
-        rate = rate_for_load(requests, spec.load, spec.workers, spec.cost)
+    rate = spec.rate if spec.rate is not None else rate_for_load(requests, spec.load, spec.instances, spec.cost)
     if not rate > 0:
         raise SimUsageError(f"the arrival rate must be > 0, got {rate}")
     return len(requests) / span / rate
@@ -353,10 +385,13 @@ def slos_for(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Sl
 def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig:
     """The simulator's configuration of a resolved spec under one policy."""
     ttl = ClusterConfig.index_ttl_s if spec.index_mode == "approximate" else None
-    assert spec.kv_blocks is not None and spec.max_num_batched_tokens is not None  # a resolve()d spec
+    named = gpu_model_of(spec.cost)
+    block_bytes = layout_for_model(named[1], SimConfig.block_size).bytes_per_block if named else 0
     return SimConfig(workers=spec.workers, policy=policy, cost=spec.cost, kv_blocks=spec.kv_blocks,
                      max_num_batched_tokens=spec.max_num_batched_tokens, queue_policy=spec.queue_policy,
-                     index_ttl_s=ttl, admission=spec.admission, slos=slos)
+                     index_ttl_s=ttl, admission=spec.admission, slos=slos, prefill_workers=spec.prefill_workers,
+                     decode_workers=spec.decode_workers, link=LINKS[spec.link], kv_bytes_per_block=block_bytes,
+                     max_local_prefill_tokens=spec.max_local_prefill_tokens)
 
 
 def total_requests(points: Sequence[Point]) -> int:
@@ -414,13 +449,19 @@ def print_results(points: Sequence[Point], results: Mapping[str, dict], variable
         if variable is not None:
             print(f"{variable}={point.label}")
         print_table(results[point.label])
+        if point.spec.decode_workers:
+            for policy, r in results[point.label].items():
+                overall = r["overall"]
+                print(f"{policy}: KV transfer mean {overall['transfer_mean_s'] * 1000:.1f} ms (link wait "
+                      f"included), decode wait mean {overall['decode_wait_mean_s'] * 1000:.1f} ms, "
+                      f"{overall['transfer_bytes'] / 1e9:,.1f} GB moved")
         floor_mean, floor_p99 = e2e_floor(point)
         print(f"floor: e2e mean {floor_mean * 1000:.1f} ms, p99 {floor_p99 * 1000:.1f} ms "
               "(each request decoding alone: no queue, no prefill; no policy goes below it)")
         speeds = ", ".join(f"{policy} {r['simulation']['wall_s']:.2f} s "
                            f"({r['simulation']['requests_per_wall_s']:,.0f} req/s)"
                            for policy, r in results[point.label].items())
-        print(f"simulated {len(point.requests):,} requests on {point.spec.workers:,} workers in: {speeds}")
+        print(f"simulated {len(point.requests):,} requests on {_cluster_text(point.spec)} in: {speeds}")
 
 
 def results_json(results: Mapping[str, dict], variable: str | None) -> str:
@@ -439,3 +480,12 @@ def write_plots(points: Sequence[Point], results: Mapping[str, dict], variable: 
         for policy, summary in results[point.label].items():
             by_policy.setdefault(policy, {})[point.value] = summary
     return plot_sweep(by_policy, variable, out_dir)
+
+
+def _cluster_text(spec: SimSpec) -> str:
+    """"8 workers", or with pools "2 prefill + 2 decode workers (+ 1 co-located) over rdma-400g"."""
+    if not spec.decode_workers:
+        return f"{spec.workers:,} workers"
+    colocated = f" (+ {spec.workers:,} co-located)" if spec.workers else ""
+    return (f"{spec.prefill_workers:,} prefill + {spec.decode_workers:,} decode workers{colocated} over "
+            f"{spec.link}")

@@ -18,14 +18,30 @@ ends, no arrival comes in between). Such a run of steps is one event: its steps'
 are summed one by one as separate events would sum them, and its sequences advance
 token by token when it ends, the last step through the scheduler as usual. The results
 are the same as stepping one at a time (`fuse_quiet_steps=False`; tests compare both).
+On a decode worker a quiet run also ends before a pull lands there, and there is none
+while a request bound for it has not started its pull (when it lands is not known yet).
 On the Mooncake trace this makes 6× fewer step events and ~15 % less wall time (most of
 what remains is per-block work: hashing, naming, the index's KV events).
 
-Co-located workers only for now; prefill/decode pools join when disaggregation does
-(a SimWorker per role, and a transfer delay between them).
+Disaggregated pools (docs/evaluation.md §3.1): co-located, prefill and decode workers may
+coexist. The policy, admission and the prefix index of the prefill side (prefill and
+co-located workers: where prefixes live) are one ClusterState; the decode pool has its
+own, whose index and loads choose the decode worker (disagg.rank_decode_workers). A
+request whose missing prefill on that decode worker (by its own cache, as the worker
+decides) is at most max_local_prefill_tokens stays there whole (conditional
+disaggregation; it skips admission). Otherwise the policy
+places its prefill; on a prefill worker the first token is sampled and streamed at once,
+the prompt's blocks stay under a lease, and the decode worker, once it has room to
+allocate the blocks it lacks, pulls them over the modelled link (disagg.LinkQueues). When
+they land the lease ends, the full blocks are named on the decode worker, and the request
+joins its running batch with its prompt computed. A request's record splits its time
+into queue, prefill, transfer (first token to landing: waiting for the decode worker's
+memory and the link, then the bytes) and decode wait (landing to its first decode step);
+its TPOT includes the transfer and the wait.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import heapq
@@ -33,15 +49,24 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.cost_model import CostModel
 from common.engine.block_manager import BlockManager
 from common.engine.queue_policy import make_queue_policy
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
-from common.engine.sequence import Sequence
+from common.engine.sequence import Sequence, SequenceStatus
 from common.hashing import root_hash
 from common.sampling_params import SamplingParams
+from services.eval.disagg import (
+    DEFAULT_LINK,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    LINKS,
+    DecodeCandidate,
+    Link,
+    LinkQueues,
+    blocks_to_move,
+    rank_decode_workers,
+)
 from services.eval.report import RequestRecord, RunTotals
 from services.eval.workloads.base import WorkloadRequest
 from services.router.admission import AdmissionConfig, AdmissionControl, Slo
@@ -53,7 +78,7 @@ STAND_IN_VOCAB = 30_000
 
 @dataclass(frozen=True)
 class SimConfig:
-    workers: int
+    workers: int  # co-located
     policy: str
     cost: CostModel
     kv_blocks: int = 32_768  # per worker
@@ -75,8 +100,26 @@ class SimConfig:
     # measures it), which shows in TPOT as (this) / (output tokens - 1).
     first_token_extra_s: float = 0.0
     fuse_quiet_steps: bool = True  # a quiet run of decode steps is one event (module docstring)
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    link: Link = LINKS[DEFAULT_LINK]  # what prefill-to-decode KV transfers move over
+    kv_bytes_per_block: int = 0  # KVLayout.bytes_per_block of the model; needed with pools
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+
+    @property
+    def instances(self) -> int:
+        return self.workers + self.prefill_workers + self.decode_workers
 
     def __post_init__(self) -> None:
+        if min(self.workers, self.prefill_workers, self.decode_workers) < 0:
+            raise ValueError("worker counts must not be negative")
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            raise ValueError(f"a prefill pool needs a decode pool and the other way round, got "
+                             f"{self.prefill_workers} prefill and {self.decode_workers} decode workers")
+        if self.workers + self.prefill_workers < 1:
+            raise ValueError("no worker to prefill on: give co-located or prefill workers")
+        if self.decode_workers and self.kv_bytes_per_block <= 0:
+            raise ValueError("disaggregated pools need kv_bytes_per_block (the model's KV layout)")
         if self.network_s < 0 or self.network_s + self.first_token_extra_s < 0:
             raise ValueError(f"network_s ({self.network_s}) and network_s + first_token_extra_s "
                              f"({self.network_s + self.first_token_extra_s}) must not be negative")
@@ -107,8 +150,9 @@ class _EventSink:
 class SimWorker:
     """One worker: the engine's scheduler and block manager, with modelled step times."""
 
-    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink):
+    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink, role: str = "colocated"):
         self.worker_id = worker_id
+        self.role = role  # colocated, prefill or decode
         self.config = config
         self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink)
         self.scheduler = Scheduler(
@@ -153,15 +197,23 @@ class Simulator:
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
             config.slos)
+        # The decode pool's own router state: its index says which decode worker holds what.
+        self.decode_cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl) \
+            if config.decode_workers else None
+        self.links = LinkQueues(config.link)
         self.workers: dict[str, SimWorker] = {}
-        for index in range(config.workers):
-            worker_id = f"worker-{index}"
-            self.cluster.add_worker(worker_id, config.kv_blocks)
-            self.workers[worker_id] = SimWorker(worker_id, config, _EventSink(self.cluster, worker_id,
-                                                                              lambda: self.now))
-        # (time, order, kind, payload): a WorkloadRequest ("arrive"), (worker, plan, steps)
-        # ("step_done") or None ("heartbeat")
-        self.events: list[tuple[float, int, str, Any]] = []
+        for role, prefix, count in (("colocated", "worker", config.workers), ("prefill", "prefill",
+                                    config.prefill_workers), ("decode", "decode", config.decode_workers)):
+            for index in range(count):
+                self._add_worker(f"{prefix}-{index}", role)
+        self.handoffs: dict[str, str] = {}  # request id -> its decode worker, until the prefill hands off
+        # Per decode worker: requests bound for it whose pull has not started (their landing
+        # time is unknown), and request id -> landing time of those whose pull has.
+        self.awaiting: collections.Counter[str] = collections.Counter()
+        self.landing: dict[str, dict[str, float]] = {}
+        self.pulls: dict[str, collections.deque[_Pull]] = {}  # decode worker id -> pulls waiting for its memory
+        self.transfer_bytes = 0
+        self.events: list[tuple[float, int, str, object]] = []
         self.order = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
@@ -169,6 +221,12 @@ class Simulator:
         self.steps = 0
         self.arrival_times: list[float] = []  # every arrival event's time, in order
         self.arrived = 0  # how many of them have been handled
+
+    def _add_worker(self, worker_id: str, role: str) -> None:
+        cluster = self.decode_cluster if role == "decode" else self.cluster
+        cluster.add_worker(worker_id, self.config.kv_blocks)
+        sink = _EventSink(cluster, worker_id, lambda: self.now)
+        self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role)
 
     # ---- driving -----------------------------------------------------------------------
 
@@ -190,6 +248,8 @@ class Simulator:
                 self._arrive(payload)
             elif kind == "step_done":
                 pending -= self._step_done(*payload)
+            elif kind == "kv_landed":
+                self._kv_landed(*payload)
             elif kind == "heartbeat":
                 self._heartbeat()
                 self._at(self.now + self.config.heartbeat_interval_s, "heartbeat", None)
@@ -198,8 +258,9 @@ class Simulator:
             if progress is not None and kind != "heartbeat":
                 progress(self.now)
         evictions = sum(worker.sink.evicted for worker in self.workers.values())
-        totals = RunTotals(duration_s=self.now, gpus=self.config.workers, evictions=evictions,
-                           eviction_recompute_s=evictions * self.config.cost.recompute_s(self.config.block_size))
+        totals = RunTotals(duration_s=self.now, gpus=self.config.instances, evictions=evictions,
+                           eviction_recompute_s=evictions * self.config.cost.recompute_s(self.config.block_size),
+                           transfer_bytes=self.transfer_bytes)
         return SimResult(list(self.records.values()), totals, self.steps)
 
     def _at(self, time: float, kind: str, payload) -> None:
@@ -211,28 +272,124 @@ class Simulator:
         record = RequestRecord(request.request_id, request.slo_class, request.arrival_s,
                                len(request.token_ids))
         self.records[request.request_id] = record
+        record.ideal_s = self._ideal_s(request)
         root = self._root_hash(request.tenant)
+        seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
+                       token_ids=request.token_ids.tolist(),
+                       params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                       arrival_index=0, root_hash=root, block_size=self.config.block_size,
+                       eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
+                       arrival_time=self.now)
+        self.sequences[request.request_id] = (seq, request)
+        decode = self._pair_decode(request, root) if self.decode_cluster is not None else None
+        if decode is not None and self._prefills_locally(self.workers[decode[1]], seq):
+            self._start(seq, decode[0], decode[1], self.decode_cluster, record)
+            return
         candidate = self.cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
                                          self.now, request.slo_class)
         preference = self.policy.choose(candidate, self.cluster, self.now)
         verdict = self.admission.decide(candidate, preference, self.cluster, self.now)
         if verdict.worker_id is None:
             record.rejected = True
+            del self.sequences[request.request_id]
             return
-        self.cluster.place(candidate, verdict.worker_id, self.now)
-        record.worker_id = verdict.worker_id
-        record.ideal_s = self._ideal_s(request)
-        worker = self.workers[verdict.worker_id]
-        seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
-                       token_ids=request.token_ids.tolist(),
-                       params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
-                       arrival_index=next(worker.arrivals), root_hash=root, block_size=self.config.block_size,
-                       eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
-                       arrival_time=self.now)
-        self.sequences[request.request_id] = (seq, request)
+        if self.workers[verdict.worker_id].role == "prefill" and decode is not None:
+            self.decode_cluster.place(decode[0], decode[1], self.now)
+            self.handoffs[request.request_id] = decode[1]
+            self.awaiting[decode[1]] += 1
+            seq.params = SamplingParams(max_tokens=1, ignore_eos=True)
+        self._start(seq, candidate, verdict.worker_id, self.cluster, record)
+
+    def _prefills_locally(self, decode: SimWorker, seq: Sequence) -> bool:
+        """Conditional disaggregation, decided as the decode worker would: by the prompt
+        tokens its own cache lacks (not the router's credit for blocks still in flight)."""
+        held = decode.block_manager.num_matched_cached(seq.block_hashes, (seq.prompt_len - 1) // seq.block_size)
+        return seq.prompt_len - held * seq.block_size <= self.config.max_local_prefill_tokens
+
+    def _pair_decode(self, request: WorkloadRequest, root: int):
+        """(the decode pool's view of the request, its best decode worker), or None for a
+        request that ends at its first token and so needs no decode worker."""
+        if request.output_tokens <= 1:
+            return None
+        cluster = self.decode_cluster
+        candidate = cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
+                                    self.now, request.slo_class)
+        per_block = self.config.kv_bytes_per_block / self.config.link.bandwidth_bytes_s
+        candidates = [DecodeCandidate(worker_id, state.decode_work_s, _room_blocks(state),
+                                      candidate.matched.get(worker_id, 0))
+                      for worker_id, state in cluster.workers.items()]
+        ranking = rank_decode_workers(candidates, candidate.num_tokens, self.config.block_size, per_block)
+        return candidate, ranking[0]
+
+    def _start(self, seq: Sequence, candidate, worker_id: str, cluster: ClusterState, record: RequestRecord) -> None:
+        """Place the request on `worker_id` (of `cluster`) and queue its sequence there."""
+        cluster.place(candidate, worker_id, self.now)
+        record.worker_id = worker_id
+        worker = self.workers[worker_id]
+        seq.arrival_index = next(worker.arrivals)
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
+
+    # ---- the KV transfer -----------------------------------------------------------------
+
+    def _hand_off(self, worker: SimWorker, seq: Sequence) -> None:
+        """The prefill worker sampled the first token: it ends the request there and keeps
+        the prompt's blocks under a lease until the decode worker's pull lands."""
+        decode_id = self.handoffs.pop(seq.request_id)
+        lease = list(seq.block_ids)
+        worker.block_manager.take(lease)
+        worker.scheduler.finish(seq, "length")
+        worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, 0))
+        self.records[seq.request_id].worker_id = f"{worker.worker_id}>{decode_id}"
+        self.pulls.setdefault(decode_id, collections.deque()).append(_Pull(worker, lease, seq, self.now))
+        self._start_pulls(self.workers[decode_id])
+
+    def _start_pulls(self, decode: SimWorker) -> None:
+        """Start the decode worker's waiting pulls, in order, while it has room for the
+        blocks each needs: it allocates them before it pulls into them (DESIGN.md §5)."""
+        queue = self.pulls.get(decode.worker_id)
+        manager, size = decode.block_manager, self.config.block_size
+        while queue:
+            pull = queue[0]
+            held = manager.match_prefix(pull.seq.block_hashes, pull.seq.token_ids, pull.seq.prompt_len // size)
+            moving = blocks_to_move(pull.seq.prompt_len, len(held), size)
+            if manager.blocks_to_take(held, moving) > manager.num_available:
+                return  # a step that frees blocks tries again
+            queue.popleft()
+            manager.take(held)
+            pull.blocks = held + manager.allocate(moving)
+            num_bytes = moving * self.config.kv_bytes_per_block
+            _, end = self.links.reserve(self.now, pull.prefill.worker_id, decode.worker_id, num_bytes)
+            self.transfer_bytes += num_bytes
+            self.records[pull.seq.request_id].transfer_s = end - pull.asked_at
+            self.awaiting[decode.worker_id] -= 1
+            self.landing.setdefault(decode.worker_id, {})[pull.seq.request_id] = end
+            self._at(end, "kv_landed", (pull, decode))
+
+    def _kv_landed(self, pull: _Pull, decode: SimWorker) -> None:
+        """The pulled blocks are on the decode worker: the prefill worker's lease ends, the
+        full blocks are named there, and the request joins the running batch with its
+        prompt computed and its first token already sent."""
+        request_id = pull.seq.request_id
+        del self.landing[decode.worker_id][request_id]
+        pull.prefill.block_manager.release(pull.lease)
+        _, request = self.sequences[request_id]
+        seq = Sequence(request_id=request_id, prompt_len=pull.seq.prompt_len, token_ids=list(pull.seq.token_ids),
+                       params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                       arrival_index=next(decode.arrivals), root_hash=pull.seq.root_hash,
+                       block_size=self.config.block_size, eos_token_ids=frozenset(),
+                       max_model_len=self.config.max_model_len, arrival_time=self.now)
+        seq.first_token_time = pull.seq.first_token_time
+        seq.block_ids, seq.num_computed = pull.blocks, seq.prompt_len
+        full = seq.prompt_len // self.config.block_size
+        decode.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids, 0, full)
+        seq.status = SequenceStatus.RUNNING
+        decode.scheduler.running.append(seq)
+        self.sequences[request_id] = (seq, request)
+        decode.changed = True
+        if not decode.busy:
+            self._start_step(decode)
 
     def _heartbeat(self) -> None:
         for worker_id, worker in self.workers.items():
@@ -240,11 +397,12 @@ class Simulator:
                 continue
             worker.changed = worker.busy
             manager, scheduler = worker.block_manager, worker.scheduler
-            self.cluster.report(worker_id, len(scheduler.running), len(scheduler.waiting), manager.num_used,
-                                manager.num_cached)
+            cluster = worker.sink.cluster
+            cluster.report(worker_id, len(scheduler.running), len(scheduler.waiting), manager.num_used,
+                           manager.num_cached)
             for request_id, ttft, outputs in worker.finished:
-                placement = self.cluster.finish(request_id, outputs)
-                if placement is not None:
+                placement = cluster.finish(request_id, outputs)
+                if placement is not None and cluster is self.cluster:
                     self.policy.finished(placement, ttft, self.now)
             worker.finished = []
 
@@ -269,9 +427,17 @@ class Simulator:
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = self.now
+                if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
+                    self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
         end = self.now + worker.step_time(plan)
         steps = 1
         next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
+        if worker.role == "decode":  # landing KV adds work too
+            landing = self.landing.get(worker.worker_id)
+            if self.awaiting[worker.worker_id]:
+                next_arrival = self.now  # a landing at a time not yet known: no quiet run
+            elif landing:
+                next_arrival = min(next_arrival, min(landing.values()))
         # Step `steps` starts at `end`; an arrival at or before that instant is handled
         # first (arrivals were queued first), and might join it.
         if self.config.fuse_quiet_steps and end < next_arrival:
@@ -317,6 +483,8 @@ class Simulator:
         for chunk in plan.chunks:
             if chunk.samples and self._sample(worker, chunk.seq):
                 completed += 1
+        if worker.role == "decode" and self.pulls.get(worker.worker_id):
+            self._start_pulls(worker)
         self._start_step(worker)
         return completed
 
@@ -334,14 +502,36 @@ class Simulator:
         seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
+        if seq.request_id in self.handoffs:
+            self._hand_off(worker, seq)
+            return False
         worker.scheduler.finish(seq, "length")
         assert record.first_token_s is not None and seq.first_token_time is not None  # set at its first token
         record.finish_s = max(self.now + self.config.network_s, record.first_token_s)
         record.output_tokens = seq.num_output_tokens
-        record.decode_s = self.now - seq.first_token_time
+        # A handed-off request's decode runs from its first step on the decode worker,
+        # which came after its first token.
+        record.decode_s = self.now - max(seq.first_token_time, seq.first_scheduled_time)
         worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens))
         del self.sequences[seq.request_id]
         return True
+
+
+@dataclass(slots=True)
+class _Pull:
+    """A decode worker's pull of one request's KV from the prefill worker holding it."""
+
+    prefill: SimWorker
+    lease: list[int]  # the prefill worker's blocks, held until the pull lands
+    seq: Sequence  # the request as the prefill worker ended it (prompt and first token)
+    asked_at: float
+    blocks: list[int] = field(default_factory=list)  # the decode worker's, once it has room
+
+
+def _room_blocks(state) -> int:
+    """Blocks a worker could still allocate as the router knows it: free or evictable
+    cache, less what placements took since its last report."""
+    return max(0, state.kv_blocks_total - state.kv_blocks_used - state.blocks_since_report)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,6 @@
 """`svc plan`: DistServe's search for the prefill/decode split with the best goodput per GPU."""
 import itertools
 import json
-import math
 import random
 
 import pytest
@@ -9,19 +8,26 @@ from click.testing import CliRunner
 
 from common.cost_model import CostModel, LatencyFit, ProfileError
 from services.cli import main
+from services.eval.disagg import Link
 from services.eval.planner import (
+    Layout,
+    LayoutGoodput,
     PhaseGoodputs,
     PlanError,
+    PoolPlan,
     best_colocated,
     disaggregated_goodput,
     highest_passing_rate,
     instance_profiles,
+    layouts,
+    lifetime_s,
     parse_capacities,
-    phase_model,
     run_length,
     search,
+    search_layouts,
 )
-from services.eval.report import RequestRecord, Slo
+from services.eval.report import Slo
+from services.eval.simulator import SimConfig
 from services.eval.workloads import make_workload
 
 LECTURE = "prefill=5.6,decode=10,colocated=1.6"  # 13B, 512 in / 64 out, A100 (docs/evaluation.md §4)
@@ -148,32 +154,54 @@ def test_profiles_by_name_search_every_tp_that_fits(tmp_path):
         instance_profiles("b100/opt-13b")
 
 
-def test_each_phase_counts_only_its_own_target():
-    cost = CostModel("hand", LatencyFit(0.01, 1e-4), LatencyFit(0.02, 1e-4, 1e-6))
+def test_the_layouts_are_all_colocated_then_every_split():
+    assert [layout.label for layout in layouts(4)] == ["4 co-located", "1P:3D", "2P:2D", "3P:1D"]
+    assert all(layout.instances == 4 for layout in layouts(4))
+    with pytest.raises(PlanError, match="at least 2 instances"):
+        layouts(1)
+
+
+def test_the_best_split_and_the_winner_compare_goodput_per_gpu():
+    def plan(*rates):
+        return PoolPlan(tuple(LayoutGoodput(layout, 2, rate) for layout, rate in zip(layouts(3), rates)),
+                        "nvlink", 0.9)
+
+    won = plan(6.0, 9.0, 9.0)  # 1P:2D and 2P:1D tie: the first tried wins
+    assert won.best_split.layout == Layout(prefill=1, decode=2) and won.winner == "disaggregated"
+    assert won.best_split.goodput_per_gpu == pytest.approx(9.0 / 6)
+    assert plan(9.0, 9.0, 3.0).winner == "colocated"  # a tie keeps co-located
+    summary = won.to_json()
+    assert summary["winner"] == "disaggregated" and summary["best_split"]["layout"] == "1P:2D"
+    assert summary["colocated"]["gpus"] == 6 and len(summary["candidates"]) == 3
+
+
+def test_a_run_spans_enough_request_lifetimes_within_the_sample():
     requests = make_workload("chat", 5, seed=1)
     slo = Slo(ttft_s=0.5, tpot_s=0.05)
-    prefill = phase_model("prefill", requests, cost, slo)
-    assert all(r.output_tokens == 1 for r in prefill.requests) and prefill.cost == cost
-    assert (prefill.ttft_s, prefill.tpot_s, prefill.lifetime_s) == (0.5, math.inf, 0.5)
-    decode = phase_model("decode", requests, cost, slo)
-    assert decode.cost.decode == cost.decode and decode.cost.prefill_s(2048) < 1e-5
-    assert (decode.ttft_s, decode.tpot_s) == (math.inf, 0.05)
-    # A decode request's first token came from the prefill pool on arrival: waiting counts.
-    late = RequestRecord("r", "chat", arrival_s=0.0, num_prompt_tokens=10, output_tokens=11,
-                         first_token_s=5.0, finish_s=5.4)
-    assert not decode.meets(late) and phase_model("colocated", requests, cost, slo).meets(
-        RequestRecord("r", "chat", 0.0, 10, 11, first_token_s=0.4, finish_s=0.8))
-    assert run_length(decode, rate=0.0, min_requests=3) == 3
-    assert run_length(decode, rate=1e6, min_requests=3) == len(requests)  # at most the sample
+    lifetime = lifetime_s(requests, slo)
+    assert lifetime == pytest.approx(0.5 + 0.05 * sum(r.output_tokens - 1 for r in requests) / 5)
+    assert run_length(lifetime, rate=0.0, min_requests=3, available=5) == 3
+    assert run_length(lifetime, rate=1e6, min_requests=3, available=5) == 5
 
 
-def test_a_small_simulated_plan_finds_positive_goodputs_within_the_budget():
-    plan = plan_json("--profile", "a6000/mistral-7b/tp1", "--workload", "toolbench", "--ttft-slo", "2",
-                     "--tpot-slo", "0.2", "--gpus", "3", "--num-requests", "20")
-    assert plan["prefill"]["goodput_per_gpu"] > 0 and plan["decode"]["goodput_per_gpu"] > 0
-    assert plan["goodput_per_gpu"] > 0 and plan["colocated"]["goodput_per_gpu"] > 0
-    assert plan["prefill"]["gpus"] + plan["decode"]["gpus"] <= 3
-    assert plan["colocated"]["tp"] == 1 and plan["colocated"]["gpus"] == 3
+def test_a_small_simulated_search_prices_every_layout():
+    cost = CostModel("hand", LatencyFit(0.01, 1e-4), LatencyFit(0.005, 1e-4, 0.0, 1e-7))
+    base = SimConfig(workers=1, policy="round_robin", cost=cost, link=Link("test", 1e9, 1e-4),
+                     kv_bytes_per_block=100_000, max_local_prefill_tokens=0)
+    requests = make_workload("toolbench", 40, seed=0, scale=0.2)
+    plan = search_layouts(base, 1, 2, requests, Slo(1.0, 0.05), 0.9, min_requests=20, precision=0.2)
+    assert [c.layout.label for c in plan.candidates] == ["2 co-located", "1P:1D"]
+    assert all(c.goodput_rps > 0 for c in plan.candidates) and plan.link == "test"
+
+
+def test_the_simulated_plan_command_prints_each_layout_and_the_winner():
+    args = ["--profile", "a6000/mistral-7b/tp1", "--workload", "toolbench", "--scale", "0.2", "--ttft-slo", "2",
+            "--tpot-slo", "0.2", "--gpus", "2", "--num-requests", "10", "--link", "nvlink"]
+    plan = plan_json(*args)["plan"]
+    assert plan["link"] == "nvlink" and plan["colocated"]["gpus"] == 2 and plan["best_split"]["layout"] == "1P:1D"
+    assert plan["winner"] in ("colocated", "disaggregated")
+    text = CliRunner().invoke(main, ["plan", *args]).output
+    assert "2 co-located" in text and "best split 1P:1D" in text and "wins" in text
 
 
 # ---- bad input -------------------------------------------------------------------------
@@ -210,3 +238,6 @@ def test_missing_slos_and_mixed_sources_are_refused():
     result = invoke("--profile", "a100/opt-13b", "--workload", "nope", "--ttft-slo", "1", "--tpot-slo", "1")
     assert result.exit_code == 2 and "unknown workload 'nope'" in result.output
     assert invoke("--capacities", LECTURE, "--gpus", "1").exit_code == 2
+    result = invoke("--profile", "a100/opt-13b", "--workload", "chat", "--ttft-slo", "1", "--tpot-slo", "1",
+                    "--link", "string-and-cans")
+    assert result.exit_code == 2 and "known: nvlink" in result.output

@@ -147,6 +147,11 @@ def test_a_rate_rescales_a_trace_and_num_requests_takes_a_prefix(tmp_path):
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--profile", "tpu/llama"],
      "unknown profile name"),
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--kv-blocks", "8"], "--kv-blocks: 8 blocks"),
+    (["--workload", "toolbench", "--prefill-workers", "1", "--policy", "e2"], "go together"),
+    (["--workload", "toolbench", "--prefill-workers", "1", "--decode-workers", "1", "--policy", "e2"],
+     "names its model"),
+    (["--workload", "toolbench", "--prefill-workers", "1", "--decode-workers", "1", "--policy", "e2",
+      "--profile", "a6000/mistral-7b", "--link", "smoke-signal"], "known: nvlink"),
 ])
 def test_bad_input_is_a_usage_error_naming_the_problem(args, message):
     result = CliRunner().invoke(main, ["sim", "--num-requests", "20", "--scale", "0.2", *args])
@@ -160,3 +165,13 @@ def test_a_bad_trace_record_is_an_error_naming_its_line(tmp_path):
     result = CliRunner().invoke(main, ["sim", "--trace", str(trace), "--workers", "1", "--policy", "e2"])
     assert result.exit_code == 1
     assert f"{trace}:2: not valid JSON" in result.output
+
+
+def test_pools_move_kv_over_the_named_link_and_report_it():
+    args = ["--workload", "loogle", "--num-requests", "20", "--scale", "0.1", "--policy", "e2", "--profile",
+            "a6000/mistral-7b", "--prefill-workers", "1", "--decode-workers", "1", "--json"]
+    fast, slow = run_sim(*args, "--link", "nvlink"), run_sim(*args, "--link", "tcp-10g")
+    assert "1 prefill + 1 decode workers over nvlink" in fast.stdout and "KV transfer mean" in fast.stdout
+    fast_overall, slow_overall = last_json(fast)["e2"]["overall"], last_json(slow)["e2"]["overall"]
+    assert fast_overall["gpus"] == 2 and fast_overall["transfer_bytes"] > 0
+    assert slow_overall["transfer_mean_s"] > 10 * fast_overall["transfer_mean_s"]
