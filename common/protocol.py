@@ -389,7 +389,8 @@ def decode(frames: list[bytes]) -> tuple[msgspec.Struct, list[np.ndarray]]:
     allowed = PAYLOAD_COUNTS.get(kind, (0,))
     payload_frames = frames[2:]
     if len(payload_frames) not in allowed:
-        counts = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else " or ".join(map(str, allowed))
+        counts = (f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range)
+                  else " or ".join(map(str, allowed)))
         raise ProtocolError(f"{kind.name} carries {counts} payload frame(s), got {len(payload_frames)}")
     if kind in RAW_PAYLOAD_TYPES:
         return message, [np.frombuffer(frame, dtype=np.uint8) for frame in payload_frames]

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-ensure_venv engine,test
+ensure_venv engine,test,ucx  # ucx: the KV transfer tests run over UCX too
 export BATON_CACHE_DIR="${BATON_CACHE_DIR:-$PWD/.cache}"
 # Settings in pyproject.toml ([tool.ruff], [tool.mypy]); any error fails the run. Both
 # keep their caches under .cache/, so a second run re-checks only what changed.

@@ -1,7 +1,7 @@
 """KV leases: a finished prefill's blocks, held for the decode worker that will pull them.
 
 A prefill worker computes a prompt, samples its first token, and then keeps the prompt's
-blocks referenced under a lease instead of releasing them (docs/architecture.md §6). The
+blocks referenced under a lease instead of releasing them (docs/architecture.md §7). The
 decode worker pulls the blocks and releases the lease; a lease nobody renews expires
 after its TTL, so a lost decode worker costs at most one TTL of held blocks.
 

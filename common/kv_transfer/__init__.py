@@ -6,6 +6,10 @@ logs which it chose. Both implement KvTransport (transport.py).
 """
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from common.kv_transfer.plan import PlanError, PoolGeometry, compat_hash, plan_pieces
 from common.kv_transfer.transport import (
     HandshakeRefused,
@@ -18,6 +22,7 @@ from common.kv_transfer.transport import (
 )
 from common.kv_transfer.zmq_transport import ZmqTransport
 from common.logs import get_logger
+from common.sockets import Security
 
 KV_TRANSPORTS = ("auto", "ucx", "zmq")
 
@@ -33,8 +38,8 @@ def ucx_available() -> str | None:
     return None
 
 
-def make_transport(setting: str, pool, geometry: PoolGeometry, model_fingerprint: str, security, peer_id: str,
-                   options: TransferOptions | None = None) -> KvTransport:
+def make_transport(setting: str, pool: np.ndarray, geometry: PoolGeometry, model_fingerprint: str,
+                   security: Security, peer_id: str, options: TransferOptions | None = None) -> KvTransport:
     """The transport `kv_transport = setting` asks for. `ucx` fails loudly if UCX cannot
     start; `auto` falls back to ZeroMQ with a warning. The choice is made here, once, and
     logged: a transport never changes under a running transfer."""
@@ -56,7 +61,7 @@ def make_transport(setting: str, pool, geometry: PoolGeometry, model_fingerprint
     return transport
 
 
-def _start_ucx(*args) -> KvTransport:
+def _start_ucx(*args: Any) -> KvTransport:
     reason = ucx_available()
     if reason is not None:
         raise RuntimeError(f"ucxx does not import ({reason})")

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
+from common.engine.kv_layout import DTYPE_BYTES, KVLayout
 from common.protocol import PROTOCOL_VERSION, KvCompat
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 COMPAT_NAMESPACE = "baton.kv-transfer.v1"
 MAX_PIECES = 1 << 24  # the UCX tag keeps 24 bits for the piece index
 
@@ -40,7 +40,7 @@ class PoolGeometry:
     num_blocks: int
 
     @classmethod
-    def of(cls, layout, num_blocks: int) -> PoolGeometry:
+    def of(cls, layout: KVLayout, num_blocks: int) -> PoolGeometry:
         """From a KVLayout (or anything with its fields) and the pool's block count."""
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
                    num_blocks)
@@ -134,7 +134,7 @@ def plan_pieces(src: PoolGeometry, dst: PoolGeometry, src_ids: Sequence[int], ds
     if max_piece_bytes <= 0:
         raise PlanError("max_piece_bytes must be positive")
     runs = paired_runs(src_ids, dst_ids)
-    pieces = []
+    pieces: list[Piece] = []
     for plane in range(src.num_planes):
         for src_start, dst_start, count in runs:
             pieces.extend(_cut(src.offset(plane, src_start), dst.offset(plane, dst_start),

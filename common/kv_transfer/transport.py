@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -59,6 +59,11 @@ from common.protocol import (
     peek_request_id,
 )
 from common.sockets import Security, check_endpoint
+
+if TYPE_CHECKING:
+    from common.engine.kv_cache import KVCache  # torch: only for the annotation
+
+T = TypeVar("T")
 
 log = get_logger("kv_transfer")
 
@@ -324,18 +329,18 @@ class KvTransport:
             os.close(self._wake_read)
             os.close(self._wake_write)
 
-    def __enter__(self):
+    def __enter__(self) -> KvTransport:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- the command channel ---------------------------------------------------------------
 
-    def _call(self, function: Callable, *args, timeout: float | None = None):
+    def _call(self, function: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         if not self._running:
             raise RuntimeError("the KV transport is closed")
-        result: Future = Future()
+        result: Future[T] = Future()
         try:
             self._commands.put((function, args, result), timeout=self.options.command_timeout_s)
         except queue.Full:
@@ -387,8 +392,8 @@ class KvTransport:
         for socket, _ in self._poller.poll(timeout_ms):  # the data plane may add its own fd
             if socket == self._wake_read:
                 self._run_commands()
-            elif socket is self._server:
-                self._receive_all(socket, self._on_server_frames)
+            elif self._server is not None and socket is self._server:
+                self._receive_all(self._server, self._on_server_frames)
             elif socket in self._peers_by_socket:
                 self._receive_all(socket, self._on_peer_frames)
 
@@ -466,7 +471,7 @@ class KvTransport:
 
     def _accept_client(self, identity: bytes, hello: KvHello) -> str | None:
         """Record the puller; None, or why its data-plane address is unusable."""
-        geometry = PoolGeometry.of(self.geometry, hello.pool_blocks)
+        geometry = replace(self.geometry, num_blocks=hello.pool_blocks)
         client = _Client(identity, hello.peer_id[:MAX_ID_CHARS], geometry)
         try:
             client.ucx_endpoint = self._client_endpoint(hello)
@@ -480,6 +485,7 @@ class KvTransport:
         exposure = self._exposures.get(pull.transfer_id)
         refusal = self._pull_refusal(client, exposure, pull)
         if refusal is None:
+            assert client is not None and exposure is not None  # _pull_refusal refuses a missing one
             try:
                 pieces = plan_pieces(self.geometry, client.geometry, pull.src_block_ids, pull.dst_block_ids,
                                      pull.max_piece_bytes)
@@ -488,6 +494,7 @@ class KvTransport:
         if refusal is not None:
             self._refuse(identity, pull.transfer_id, pull.nonce, ErrorCode.REFUSED, refusal)
             return
+        assert client is not None and exposure is not None  # as above
         timeout = min(pull.timeout_s, MAX_TIMEOUT_S)
         serve = _Serve(exposure, client, pull.nonce, pieces, time.monotonic() + timeout)
         serve.next_send_at = time.monotonic() + self.options.send_pause_s
@@ -553,6 +560,7 @@ class KvTransport:
     def _try_settle(self, serve: _Serve, now: float) -> None:
         settled = self._sends_settled(serve)
         if settled or now >= serve.settle_deadline:
+            assert serve.ending is not None  # only an ending serve is settling
             self._settling.remove(serve)
             serve.ending.settled = settled
             self._emit(serve.ending)
@@ -571,9 +579,16 @@ class KvTransport:
         nonce = nonce if isinstance(nonce, int) and 0 <= nonce < 1 << 40 else 0
         self._send_to_client(identity, KvEnd(transfer_id[:MAX_ID_CHARS], nonce, "failed", code, reason[:500]))
 
+    @property
+    def _bound_server(self) -> zmq.Socket:
+        """The control socket pullers talk to (it exists once the transport listens)."""
+        if self._server is None:
+            raise RuntimeError("the KV transport is not listening")
+        return self._server
+
     def _send_to_client(self, identity: bytes, message: msgspec.Struct) -> None:
         try:
-            self._server.send_multipart([identity, *encode(message)], zmq.NOBLOCK)
+            self._bound_server.send_multipart([identity, *encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as error:  # gone or not reading: its own deadline ends its side
             log.warning("kv_reply_lost", error=str(error), message=type(message).__name__)
 
@@ -653,7 +668,7 @@ class KvTransport:
         now = time.monotonic()
         if deadline <= now:
             raise ValueError("the pull's deadline has already passed")
-        pieces = plan_pieces(PoolGeometry.of(self.geometry, peer.pool_blocks), self.geometry, src_ids, dst_ids,
+        pieces = plan_pieces(replace(self.geometry, num_blocks=peer.pool_blocks), self.geometry, src_ids, dst_ids,
                              self.options.max_piece_bytes)
         pull = _Pull(transfer_id, self._new_nonce(), peer, pieces, deadline, handle, now)
         self._post_receives(pull)  # before asking: the bytes must find their place ready
@@ -831,7 +846,7 @@ class KvTransport:
         return True
 
 
-def pool_bytes(cache) -> np.ndarray:
+def pool_bytes(cache: KVCache) -> np.ndarray:
     """The flat uint8 numpy view of a KVCache's pool (CPU), sharing its memory."""
     import torch
 

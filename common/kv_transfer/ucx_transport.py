@@ -22,6 +22,7 @@ memory, since every message a pull expects has its receive posted before it is a
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import zmq
@@ -75,7 +76,7 @@ class UcxTransport(KvTransport):
     def _own_ucx_address(self) -> bytes:
         return self._address
 
-    def _client_endpoint(self, hello: KvHello):
+    def _client_endpoint(self, hello: KvHello) -> Any:  # a ucxx endpoint (ucxx is untyped)
         if not 0 < len(hello.ucx_address) <= MAX_UCX_ADDRESS_BYTES:
             raise ValueError(f"a UCX worker address of {len(hello.ucx_address)} bytes")
         address = self._api.UCXAddress.create_from_buffer(hello.ucx_address)

@@ -55,7 +55,7 @@ class ZmqTransport(KvTransport):
             views = [self.pool[piece.src_offset:piece.src_offset + piece.length] for piece in serve.pieces[first:end]]
             frames = [serve.client.identity, *encode(KvData(serve.exposure.transfer_id, serve.nonce, first), views)]
             try:
-                tracker = self._server.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
+                tracker = self._bound_server.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
             except zmq.Again:  # the puller's queue is full: try again next turn
                 return
             serve.in_flight.append(tracker)

@@ -96,6 +96,8 @@ def _simulated_plans(profile, workload, scale, option_pairs, ttft_slo, tpot_slo,
                      max_local_prefill_tokens, policy, num_requests, seed):
     """A PoolPlan per tensor-parallel degree of the profile that leaves at least two
     instances in the budget."""
+    from typing import Any
+
     from common.cost_model import ProfileError
     from services.eval import sim_runner
     from services.eval.disagg import LINKS
@@ -123,7 +125,7 @@ def _simulated_plans(profile, workload, scale, option_pairs, ttft_slo, tpot_slo,
     except (ProfileError, PlanError) as error:
         raise click.BadParameter(str(error), param_hint="--profile") from error
     try:
-        options = dict(sim_runner.parse_options(option_pairs, None))
+        options: dict[str, Any] = dict(sim_runner.parse_options(option_pairs, None))  # make_workload checks them
         requests = make_workload(workload, num_requests * MAX_REQUESTS_FACTOR, seed, scale=scale, **options)
     except (ValueError, TypeError) as error:
         raise click.BadParameter(str(error), param_hint="--workload") from error

@@ -350,6 +350,7 @@ class PoolPlan:
             if candidate.layout.decode and (best is None or candidate.goodput_per_gpu >
                                             best.goodput_per_gpu * (1 + TIE_TOLERANCE)):
                 best = candidate
+        assert best is not None  # search_layouts tries every P:D split of its >= 2 instances
         return best
 
     @property

@@ -60,9 +60,10 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
 @click.option("--admission", is_flag=True, help="refuse requests predicted to miss their SLO")
 @click.option("--index-mode", default="events", show_default=True,
               help="router's prefix index: events (KV events) or approximate (from placements)")
-def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, max_local_prefill_tokens, policy_list, profile, sweep_text, as_json, plot_dir, num_requests, seed,
-        rate, load, arrival, time_scale, scale, zipf, option_pairs, queue_policy, kv_blocks,
-        max_num_batched_tokens, ttft_slo, tpot_slo, admission, index_mode) -> None:
+def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, max_local_prefill_tokens, policy_list,
+        profile, sweep_text, as_json, plot_dir, num_requests, seed, rate, load, arrival, time_scale, scale, zipf,
+        option_pairs, queue_policy, kv_blocks, max_num_batched_tokens, ttft_slo, tpot_slo, admission,
+        index_mode) -> None:
     """Simulate a workload on WORKERS workers under each policy in discrete virtual time
     (the live router's policies and the engine's scheduler, with step times from the
     cost profile) and print the metrics table: TTFT, TPOT, end-to-end latency, SLO

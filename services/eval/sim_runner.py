@@ -352,7 +352,11 @@ def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
     if span <= 0:
         raise SimUsageError("--rate/--load with trace arrivals rescale the workload's own times, but all its "
                             "requests arrive at once; use --arrival poisson or bursty")
-    rate = spec.rate if spec.rate is not None else rate_for_load(requests, spec.load, spec.instances, spec.cost)
+    if spec.rate is not None:
+        rate = spec.rate
+    else:
+        assert spec.load is not None  # neither given returned above
+        rate = rate_for_load(requests, spec.load, spec.instances, spec.cost)
     if not rate > 0:
         raise SimUsageError(f"the arrival rate must be > 0, got {rate}")
     return len(requests) / span / rate
@@ -387,6 +391,7 @@ def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig
     ttl = ClusterConfig.index_ttl_s if spec.index_mode == "approximate" else None
     named = gpu_model_of(spec.cost)
     block_bytes = layout_for_model(named[1], SimConfig.block_size).bytes_per_block if named else 0
+    assert spec.kv_blocks is not None and spec.max_num_batched_tokens is not None  # a resolve()d spec
     return SimConfig(workers=spec.workers, policy=policy, cost=spec.cost, kv_blocks=spec.kv_blocks,
                      max_num_batched_tokens=spec.max_num_batched_tokens, queue_policy=spec.queue_policy,
                      index_ttl_s=ttl, admission=spec.admission, slos=slos, prefill_workers=spec.prefill_workers,

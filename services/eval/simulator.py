@@ -49,6 +49,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
 
 from common.cost_model import CostModel
 from common.engine.block_manager import BlockManager
@@ -213,7 +214,7 @@ class Simulator:
         self.landing: dict[str, dict[str, float]] = {}
         self.pulls: dict[str, collections.deque[_Pull]] = {}  # decode worker id -> pulls waiting for its memory
         self.transfer_bytes = 0
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, _Event]] = []  # (time, order, event)
         self.order = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
@@ -224,6 +225,7 @@ class Simulator:
 
     def _add_worker(self, worker_id: str, role: str) -> None:
         cluster = self.decode_cluster if role == "decode" else self.cluster
+        assert cluster is not None  # decode workers come with decode_cluster (config.decode_workers > 0)
         cluster.add_worker(worker_id, self.config.kv_blocks)
         sink = _EventSink(cluster, worker_id, lambda: self.now)
         self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role)
@@ -237,25 +239,26 @@ class Simulator:
 
     def _run(self, requests: Iterable[WorkloadRequest], progress) -> SimResult:
         for request in requests:
-            self._at(request.arrival_s + self.config.network_s, "arrive", request)
-        self.arrival_times = sorted(time for time, _, _, _ in self.events)
-        self._at(self.config.heartbeat_interval_s, "heartbeat", None)
+            self._at(request.arrival_s + self.config.network_s, ("arrive", request))
+        self.arrival_times = sorted(time for time, _, _ in self.events)
+        self._at(self.config.heartbeat_interval_s, ("heartbeat",))
         pending = len(self.events) - 1
         while self.events and pending:
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == "arrive":
+            self.now, _, event = heapq.heappop(self.events)
+            # Each test of event[0] narrows the rest of the event to that kind's fields.
+            if event[0] == "arrive":
                 self.arrived += 1
-                self._arrive(payload)
-            elif kind == "step_done":
-                pending -= self._step_done(*payload)
-            elif kind == "kv_landed":
-                self._kv_landed(*payload)
-            elif kind == "heartbeat":
+                self._arrive(event[1])
+                if self.records[event[1].request_id].rejected:
+                    pending -= 1
+            elif event[0] == "step_done":
+                pending -= self._step_done(*event[1:])
+            elif event[0] == "kv_landed":
+                self._kv_landed(*event[1:])
+            elif event[0] == "heartbeat":
                 self._heartbeat()
-                self._at(self.now + self.config.heartbeat_interval_s, "heartbeat", None)
-            if kind == "arrive" and self.records[payload.request_id].rejected:
-                pending -= 1
-            if progress is not None and kind != "heartbeat":
+                self._at(self.now + self.config.heartbeat_interval_s, ("heartbeat",))
+            if progress is not None and event[0] != "heartbeat":
                 progress(self.now)
         evictions = sum(worker.sink.evicted for worker in self.workers.values())
         totals = RunTotals(duration_s=self.now, gpus=self.config.instances, evictions=evictions,
@@ -263,8 +266,8 @@ class Simulator:
                            transfer_bytes=self.transfer_bytes)
         return SimResult(list(self.records.values()), totals, self.steps)
 
-    def _at(self, time: float, kind: str, payload) -> None:
-        heapq.heappush(self.events, (time, next(self.order), kind, payload))
+    def _at(self, time: float, event: _Event) -> None:
+        heapq.heappush(self.events, (time, next(self.order), event))
 
     # ---- the router ----------------------------------------------------------------------
 
@@ -283,6 +286,7 @@ class Simulator:
         self.sequences[request.request_id] = (seq, request)
         decode = self._pair_decode(request, root) if self.decode_cluster is not None else None
         if decode is not None and self._prefills_locally(self.workers[decode[1]], seq):
+            assert self.decode_cluster is not None  # a decode worker is paired only with a decode pool
             self._start(seq, decode[0], decode[1], self.decode_cluster, record)
             return
         candidate = self.cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
@@ -294,6 +298,7 @@ class Simulator:
             del self.sequences[request.request_id]
             return
         if self.workers[verdict.worker_id].role == "prefill" and decode is not None:
+            assert self.decode_cluster is not None  # a decode worker is paired only with a decode pool
             self.decode_cluster.place(decode[0], decode[1], self.now)
             self.handoffs[request.request_id] = decode[1]
             self.awaiting[decode[1]] += 1
@@ -312,6 +317,7 @@ class Simulator:
         if request.output_tokens <= 1:
             return None
         cluster = self.decode_cluster
+        assert cluster is not None  # _arrive pairs a decode worker only with a decode pool
         candidate = cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
                                     self.now, request.slo_class)
         per_block = self.config.kv_bytes_per_block / self.config.link.bandwidth_bytes_s
@@ -340,6 +346,7 @@ class Simulator:
         lease = list(seq.block_ids)
         worker.block_manager.take(lease)
         worker.scheduler.finish(seq, "length")
+        assert seq.first_token_time is not None  # _sample hands off after setting it (the prefill's only token)
         worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, 0))
         self.records[seq.request_id].worker_id = f"{worker.worker_id}>{decode_id}"
         self.pulls.setdefault(decode_id, collections.deque()).append(_Pull(worker, lease, seq, self.now))
@@ -365,7 +372,7 @@ class Simulator:
             self.records[pull.seq.request_id].transfer_s = end - pull.asked_at
             self.awaiting[decode.worker_id] -= 1
             self.landing.setdefault(decode.worker_id, {})[pull.seq.request_id] = end
-            self._at(end, "kv_landed", (pull, decode))
+            self._at(end, ("kv_landed", pull, decode))
 
     def _kv_landed(self, pull: _Pull, decode: SimWorker) -> None:
         """The pulled blocks are on the decode worker: the prefill worker's lease ends, the
@@ -446,7 +453,7 @@ class Simulator:
                 end += worker.step_time(plan, steps)
                 steps += 1
         self.steps += steps
-        self._at(end, "step_done", (worker, plan, steps))
+        self._at(end, ("step_done", worker, plan, steps))
 
     def _quiet_steps(self, worker: SimWorker, plan: SchedulePlan) -> int:
         """How many steps from this one on change nothing but their sequences' progress:
@@ -507,6 +514,7 @@ class Simulator:
             return False
         worker.scheduler.finish(seq, "length")
         assert record.first_token_s is not None and seq.first_token_time is not None  # set at its first token
+        assert seq.first_scheduled_time is not None  # _start_step set it when it scheduled the chunk
         record.finish_s = max(self.now + self.config.network_s, record.first_token_s)
         record.output_tokens = seq.num_output_tokens
         # A handed-off request's decode runs from its first step on the decode worker,
@@ -526,6 +534,13 @@ class _Pull:
     seq: Sequence  # the request as the prefill worker ended it (prompt and first token)
     asked_at: float
     blocks: list[int] = field(default_factory=list)  # the decode worker's, once it has room
+
+
+# What a simulator event carries, by its kind (the first item).
+_Event: TypeAlias = (tuple[Literal["arrive"], WorkloadRequest]
+                     | tuple[Literal["step_done"], SimWorker, SchedulePlan, int]  # worker, plan, steps it ends
+                     | tuple[Literal["kv_landed"], _Pull, SimWorker]  # the pull and its decode worker
+                     | tuple[Literal["heartbeat"]])
 
 
 def _room_blocks(state) -> int:
