@@ -22,7 +22,7 @@ from common.engine.kv_layout import KVLayout
 from common.profiles import MODELS, ModelShape
 
 DEFAULT_LINK = "rdma-400g"
-DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1000  # Dynamo's conditional disaggregation threshold (DESIGN.md §6.4)
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1000  # Dynamo's conditional disaggregation threshold (docs/evaluation.md §3.1)
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,7 @@ class Simulator:
 
     def _start_pulls(self, decode: SimWorker) -> None:
         """Start the decode worker's waiting pulls, in order, while it has room for the
-        blocks each needs: it allocates them before it pulls into them (DESIGN.md §5)."""
+        blocks each needs: it allocates them before it pulls into them (docs/evaluation.md §3.1)."""
         queue = self.pulls.get(decode.worker_id)
         manager, size = decode.block_manager, self.config.block_size
         while queue:
