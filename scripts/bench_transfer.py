@@ -60,7 +60,7 @@ def make_pool(model: str, block_size: int, num_bytes: int, seed: int | None):
     flat = pool_bytes(cache)
     if seed is not None:
         flat[:] = np.random.default_rng(seed).integers(0, 256, flat.nbytes, dtype=np.uint8)
-    return flat, PoolGeometry.of(layout, num_blocks), cache
+    return flat, PoolGeometry(layout, num_blocks), cache
 
 
 def _security():
@@ -214,7 +214,7 @@ def summarise(times: dict[str, dict[int, list[float]]]) -> dict:
 
 
 def print_table(report: dict, transports: list[str], geometry, repeats: int) -> None:
-    print(f"KV layout: {geometry.num_layers} layers x K,V; {geometry.plane_block_bytes} B per block and plane, "
+    print(f"KV layout: {geometry.layout.num_layers} layers x K,V; {geometry.plane_block_bytes} B per block and plane, "
           f"{geometry.bytes_per_block} B per block; medians of {repeats} pulls")
     print(f"{'size':>9} {'memcpy GB/s':>12} " + " ".join(f"{name + ' GB/s':>10} {'ms':>8} {'ratio':>6}"
                                                         for name in transports))

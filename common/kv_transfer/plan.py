@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from common.engine.kv_layout import DTYPE_BYTES, KVLayout
+from common.engine.kv_layout import KVLayout
 from common.protocol import PROTOCOL_VERSION, KvCompat
 
 COMPAT_NAMESPACE = "baton.kv-transfer.v1"
@@ -30,32 +30,23 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """The byte layout of one process's pool: what plans are made from."""
+    """The byte layout of one process's pool: the engine's KV layout and how many blocks
+    the pool has; what plans are made from."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
+    layout: KVLayout
     num_blocks: int
-
-    @classmethod
-    def of(cls, layout: KVLayout, num_blocks: int) -> PoolGeometry:
-        """From a KVLayout (or anything with its fields) and the pool's block count."""
-        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
-                   num_blocks)
 
     @property
     def num_planes(self) -> int:
-        return 2 * self.num_layers
+        return 2 * self.layout.num_layers
 
     @property
     def plane_block_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.layout.bytes_per_block // self.num_planes
 
     @property
     def bytes_per_block(self) -> int:
-        return self.num_planes * self.plane_block_bytes
+        return self.layout.bytes_per_block
 
     @property
     def pool_bytes(self) -> int:
@@ -76,9 +67,9 @@ class Piece:
 
 
 def compat_of(geometry: PoolGeometry, model_fingerprint: str) -> KvCompat:
-    return KvCompat(model_fingerprint=model_fingerprint, kv_dtype=geometry.dtype,
-                    num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
-                    head_dim=geometry.head_dim, block_size=geometry.block_size)
+    layout = geometry.layout
+    return KvCompat(model_fingerprint=model_fingerprint, kv_dtype=layout.dtype, num_layers=layout.num_layers,
+                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, block_size=layout.block_size)
 
 
 def compat_hash(compat: KvCompat, protocol_version: int = PROTOCOL_VERSION) -> str:

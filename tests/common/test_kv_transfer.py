@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from common.config import ClusterConfig
+from common.engine.kv_layout import KVLayout
 from common.kv_transfer import (
     HandshakeRefused,
     PlanError,
@@ -33,7 +34,8 @@ from common.sockets import Security
 UCX_MISSING = ucx_available()
 TRANSPORTS = ["zmq", pytest.param("ucx", marks=pytest.mark.skipif(
     UCX_MISSING is not None, reason=f"ucxx does not import: {UCX_MISSING}"))]
-GEOMETRY = PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16", num_blocks=64)
+GEOMETRY = PoolGeometry(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16"),
+                        num_blocks=64)
 FINGERPRINT = "model-a"
 SERVER_SEED = 7
 WAIT_S = 20.0  # no single wait in these tests may take longer than this
@@ -153,17 +155,17 @@ def test_plan_refuses_bad_block_lists(src, dst):
 def test_geometry_offsets_match_the_engine_pool_tensor():
     import torch
 
-    from common.engine.kv_cache import KVCache, KVLayout
+    from common.engine.kv_cache import KVCache
 
-    layout = KVLayout(GEOMETRY.num_layers, GEOMETRY.num_kv_heads, GEOMETRY.head_dim, GEOMETRY.block_size, "bfloat16")
+    layout = GEOMETRY.layout
     cache = KVCache(layout, GEOMETRY.num_blocks, torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape))
     flat = pool_bytes(cache)
-    geometry = PoolGeometry.of(layout, cache.num_blocks)
+    geometry = PoolGeometry(layout, cache.num_blocks)
     assert flat.nbytes == geometry.pool_bytes and geometry.bytes_per_block == layout.bytes_per_block
-    block, slots = 5, slice(5 * GEOMETRY.block_size, 6 * GEOMETRY.block_size)
+    block, slots = 5, slice(5 * GEOMETRY.layout.block_size, 6 * GEOMETRY.layout.block_size)
     expected = b"".join(cache.data[layer, kv, slots].contiguous().view(torch.uint8).numpy().tobytes()
-                        for layer in range(GEOMETRY.num_layers) for kv in range(2))
+                        for layer in range(GEOMETRY.layout.num_layers) for kv in range(2))
     assert block_bytes(flat, geometry, block) == expected
 
 
@@ -213,9 +215,9 @@ def test_pulled_blocks_equal_the_source_and_the_server_learns_done(spawn_server,
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("field,change", [
-    ("block_size", {"geometry": replace(GEOMETRY, block_size=8)}),
-    ("kv_dtype", {"geometry": replace(GEOMETRY, dtype="float16")}),
-    ("num_layers", {"geometry": replace(GEOMETRY, num_layers=3)}),
+    ("block_size", {"geometry": replace(GEOMETRY, layout=replace(GEOMETRY.layout, block_size=8))}),
+    ("kv_dtype", {"geometry": replace(GEOMETRY, layout=replace(GEOMETRY.layout, dtype="float16"))}),
+    ("num_layers", {"geometry": replace(GEOMETRY, layout=replace(GEOMETRY.layout, num_layers=3))}),
     ("model_fingerprint", {"fingerprint": "model-b"}),
 ])
 def test_handshake_refuses_a_mismatch_naming_the_field(spawn_server, transport, field, change):
