@@ -32,9 +32,13 @@ ENV_PREFIX = "BATON_"
 ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")
 INDEX_MODES = ("events", "approximate")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+KV_TRANSPORTS = ("auto", "ucx", "zmq")  # common/kv_transfer's make_transport takes these
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SLO_CLASS_NAME_MAX_CHARS = 64  # the longest name a request may carry (HTTP checks it too)
 TABLE_KEYS = ("api_keys", "slo_classes")  # TOML tables that are values, not sections
 
+KV_PORT_OFFSET = 40  # prefill worker i serves KV on port_base + 40 + i
+MAX_ENGINES = (KV_PORT_OFFSET - 10) // 2  # engine i's ports, 10 + 2i and 11 + 2i, stay below the KV ports
 PORT_BASE = Check(lambda value: 0 < value <= 65535 - 11, "in 1..65524 (ports up to port_base+11 are derived)")
 PORT = Check(lambda value: 0 < value < 65536, "a port number in 1..65535")
 ENDPOINT = Check(lambda value: not value or "://" in value, "a ZeroMQ endpoint like tcp://host:port")
@@ -105,6 +109,18 @@ class ClusterConfig(EngineSettings):
     default_slo_class: str = setting("", "the class of requests that name none and whose tenant has none "
                                      "(default: no SLO)")
 
+    kv_transport: str = setting("auto", "how prefill and decode workers move KV: ucx, zmq, or auto (UCX when it "
+                                "starts, else ZeroMQ with a warning)", choices=KV_TRANSPORTS)
+    kv_transfer_timeout_s: float = setting(10.0, "deadline of one KV pull, both sides", check=POSITIVE)
+    max_local_prefill_tokens: int = setting(1000, "a prompt whose missing prefill is at most this many tokens is "
+                                            "computed by its decode worker itself: no KV moves",
+                                            check=NOT_NEGATIVE)
+    kv_load_failure_policy: str = setting("recompute", "a decode worker whose KV pull failed recomputes the "
+                                          "prompt, or fails the request (kv_transfer_failed)",
+                                          choices=KV_LOAD_FAILURE_POLICIES)
+    kv_send_pause_s: float = setting(0.0, "fault injection: a prefill worker pauses this long before each KV "
+                                     "piece it sends (tests slow transfers with it)", check=NOT_NEGATIVE)
+
     api_keys: dict[str, str] = setting(default_factory=dict, help="HTTP bearer key -> tenant: a TOML "
                                        "[api_keys] table, or key=tenant,...")
     curve_enabled: bool = setting(False, "encrypt and authenticate every ZeroMQ socket with CURVE")
@@ -154,6 +170,10 @@ class ClusterConfig(EngineSettings):
 
     def worker_metrics_port(self, index: int) -> int:
         return self.port(11 + 2 * index)
+
+    def worker_kv_address(self, index: int) -> str:
+        """Where prefill worker `index` serves its leased KV blocks."""
+        return self.address(KV_PORT_OFFSET + index)
 
     # ---- SLO classes ---------------------------------------------------------------
 

@@ -11,6 +11,7 @@ HTTP_STATUS = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.KV_TRANSFER_FAILED: 503,
 }
 
 
@@ -57,12 +58,19 @@ class WorkerLost(BatonError):
     code = ErrorCode.WORKER_LOST
 
 
+class KvTransferFailed(BatonError):
+    """A disaggregated request's prompt KV could not be moved to its decode worker, and
+    `kv_load_failure_policy = fail` ends it rather than recomputing."""
+
+    code = ErrorCode.KV_TRANSFER_FAILED
+
+
 class InternalError(BatonError):
     code = ErrorCode.INTERNAL
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, Rejected, Unauthorized, RequestTimeout,
-                                      ServerUnavailable, WorkerLost, InternalError)}
+                                      ServerUnavailable, WorkerLost, KvTransferFailed, InternalError)}
 
 
 def error_from_code(code: ErrorCode, message: str, retry_after_s: float = 0.0) -> BatonError:

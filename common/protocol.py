@@ -51,6 +51,8 @@ class MessageType(enum.IntEnum):
     KV_PULL = 18
     KV_DATA = 19
     KV_END = 20
+    KV_READY = 21
+    KV_LEASE = 22
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -62,6 +64,7 @@ class ErrorCode(str, enum.Enum):  # noqa: UP042
     TIMEOUT = "timeout"
     REFUSED = "refused"
     INTERNAL = "internal"
+    KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,6 +110,7 @@ class Hello(msgspec.Struct, forbid_unknown_fields=True):
     kv_dtype: str = ""  # with the fingerprints and block size, what roots its block hashes
     adapter_id: str = ""
     running: list[RunningRequest] = []
+    kv_address: str = ""  # prefill role: where its KV transport serves the leased blocks
 
 
 class Welcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -141,8 +145,24 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     seq: int = 0  # numbers the heartbeats of one worker process
 
 
+class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
+    """What a decode worker needs to pull a prefilled request's prompt KV: the prefill
+    worker's lease (docs/architecture.md §7) and where to pull it from."""
+
+    prefill_worker_id: str
+    kv_address: str
+    lease_id: str
+    block_ids: list[int]  # block_ids[i] holds the prompt's tokens [i·block_size, (i+1)·block_size)
+    block_hashes: list[int]  # the names of the full blocks
+    num_tokens: int
+    first_token_id: int
+    queue_s: float = 0.0  # on the prefill worker: arrival to first step
+    prefill_s: float = 0.0  # on the prefill worker: first step to first token
+
+
 class Generate(msgspec.Struct, forbid_unknown_fields=True):
-    """A tokenised request; the prompt's token ids travel as payload frame 0."""
+    """A tokenised request; the prompt's token ids travel as payload frame 0. With
+    `kv_handle` (router to a decode worker) the prompt is already computed: pull its KV."""
 
     request_id: str
     sampling: Sampling
@@ -152,6 +172,7 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True):
     deadline: float = 0.0  # wall-clock seconds; 0 = none
     slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
     origin: str = ""  # the sending tokenizer's identity, set by the router whatever the sender put
+    kv_handle: KvHandle | None = None
 
 
 class Placed(msgspec.Struct, forbid_unknown_fields=True):
@@ -178,6 +199,7 @@ class Tokens(msgspec.Struct, forbid_unknown_fields=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}  # a disaggregated request's split: queue_s, prefill_s, decode_wait_s, transfer_s
 
 
 class Error(msgspec.Struct, forbid_unknown_fields=True):
@@ -188,6 +210,31 @@ class Error(msgspec.Struct, forbid_unknown_fields=True):
     message: str
     retry_after_s: float = 0.0
     worker_id: str = ""  # the worker that failed it, when one did
+
+
+class KvReady(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill worker to router: the prompt is computed, its first token streamed, and
+    its KV held under this lease for the decode worker the router picks."""
+
+    request_id: str
+    lease_id: str
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_tokens: int
+    first_token_id: int
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class KvLeaseUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    """Decode worker to prefill worker, through the router: `renew` a lease while the
+    request waits for room, or `release` it unpulled (the decode worker holds every block
+    by hash, or gave the request up)."""
+
+    request_id: str
+    lease_id: str
+    prefill_worker_id: str
+    action: str  # renew | release
 
 
 class StatusRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -205,6 +252,7 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
     kv_blocks_cached: int
     kv_blocks_total: int
     metrics_address: str
+    role: str = "worker"
 
 
 class Status(msgspec.Struct, forbid_unknown_fields=True):
@@ -244,6 +292,7 @@ class Chunk(msgspec.Struct, forbid_unknown_fields=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}  # as Tokens.timings, gathered over the request's stream
 
 
 class TokensBatch(msgspec.Struct, forbid_unknown_fields=True):
@@ -345,6 +394,8 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.KV_PULL: KvPull,
     MessageType.KV_DATA: KvData,
     MessageType.KV_END: KvEnd,
+    MessageType.KV_READY: KvReady,
+    MessageType.KV_LEASE: KvLeaseUpdate,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),

@@ -69,7 +69,7 @@ def _security():
     from common.config import ClusterConfig
     from common.sockets import Security
 
-    return Security(zmq.Context.instance(), ClusterConfig(), "worker")
+    return Security(zmq.Context.instance(), ClusterConfig(), "decode")
 
 
 def options(piece_kib: int):

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import click
 
-from common.config import LOG_LEVELS, ClusterConfig, flag_name
+from common.config import LOG_LEVELS, MAX_ENGINES, ClusterConfig, flag_name
 from common.engine.config import EngineSettings
 from common.logs import configure_logging
 from common.settings import SCALARS, ConfigError, setting_types
+from common.sockets import ENGINE_ROLES
 
 # ---- options from the declared settings (common/settings.py) ---------------------------
 
@@ -188,12 +189,15 @@ def _check_bind_policy(config, role: str) -> None:
 
 
 @main.command()
-@click.argument("role", type=click.Choice(["tokenizer", "router", "worker"]))
-@click.option("--index", type=int, default=0, show_default=True, help="worker number (ports derive from it)")
+@click.argument("role", type=click.Choice(["tokenizer", "router", "worker", "prefill", "decode"]))
+@click.option("--index", type=int, default=0, show_default=True,
+              help="engine number, unique across worker, prefill and decode (ports derive from it)")
 @click.option("--check-config", is_flag=True, help="validate the configuration and exit")
 @role_options
 def start(role: str, index: int, check_config: bool, config_path: Path | None, **flags) -> None:
     """Run one role of a cluster in this process."""
+    if not 0 <= index < MAX_ENGINES:
+        raise click.BadParameter(f"must be in 0..{MAX_ENGINES - 1}", param_hint="--index")
     config = _load_config(config_path, flags)
     configure_logging(config.log_level)
     _check_bind_policy(config, role)
@@ -206,10 +210,10 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
             from services.router.main import run as run_router
 
             run_router(config)
-        elif role == "worker":
-            from services.worker.main import run as run_worker
+        elif role in ENGINE_ROLES:
+            from services.worker.main import run as run_engine
 
-            run_worker(config, index)
+            run_engine(config, index, role)
         else:
             from services.tokenizer.main import run as run_tokenizer
 
@@ -220,7 +224,7 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
 
 def _check_role(role: str, config) -> None:
     """What starting the role would check first, without starting it."""
-    if role in ("worker", "tokenizer") and config.model:
+    if role in (*ENGINE_ROLES, "tokenizer") and config.model:
         from common.engine.checkpoint import CheckpointError, load_model_config
 
         try:
@@ -230,17 +234,28 @@ def _check_role(role: str, config) -> None:
 
 
 @main.command()
-@click.option("--workers", type=int, default=1, show_default=True)
+@click.option("--workers", type=int, default=None, help="co-located workers  [default: 1, or 0 with --prefill]")
+@click.option("--prefill", "prefill", type=int, default=0, show_default=True, help="prefill workers")
+@click.option("--decode", "decode", type=int, default=0, show_default=True, help="decode workers")
 @role_options
-def up(workers: int, config_path: Path | None, **flags) -> None:
-    """Start a single-node cluster (router, workers, tokenizer) and supervise it."""
+def up(workers: int | None, prefill: int, decode: int, config_path: Path | None, **flags) -> None:
+    """Start a single-node cluster (router, engines, tokenizer) and supervise it: co-located
+    workers, a disaggregated prefill and decode pool, or both."""
     import signal
     import threading
 
     from services.supervisor import Child, Supervisor
 
-    if workers < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--workers")
+    if prefill < 0 or decode < 0 or (prefill == 0) != (decode == 0):
+        raise click.BadParameter("give both --prefill and --decode (each at least 1), or neither",
+                                 param_hint="--prefill/--decode")
+    workers = (0 if prefill else 1) if workers is None else workers
+    if workers < 0 or workers + prefill == 0:
+        raise click.BadParameter("at least 1 worker, or a prefill and decode pool", param_hint="--workers")
+    if workers + prefill + decode > MAX_ENGINES:
+        raise click.BadParameter(f"at most {MAX_ENGINES} engines on one node", param_hint="--workers")
+    engines = [*(("worker", i) for i in range(workers)), *(("prefill", workers + i) for i in range(prefill)),
+               *(("decode", workers + prefill + i) for i in range(decode))]
     config = _load_config(config_path, flags)
     _check_bind_policy(config, "cluster")
     if not config.model:
@@ -248,13 +263,13 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
 
         flags["model"] = str(default_model_dir())
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
-        flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // workers)
+        flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // len(engines))
     base = [sys.executable, "-m", "services.cli", "start"]
     passed = _as_flags(_overrides(flags))
     if config_path is not None:
         passed += ["--config", str(config_path)]
     children = [Child("router", [*base, "router", *passed])]
-    children += [Child(f"worker-{i}", [*base, "worker", "--index", str(i), *passed]) for i in range(workers)]
+    children += [Child(f"{role}-{i}", [*base, role, "--index", str(i), *passed]) for role, i in engines]
     children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
     supervisor = Supervisor(children)
     stop = threading.Event()
@@ -262,12 +277,13 @@ def up(workers: int, config_path: Path | None, **flags) -> None:
         signal.signal(signum, lambda *_: stop.set())
     try:
         supervisor.start_all()
-        click.echo(f"baton cluster up: {workers} worker(s)\n"
+        pools = f"{workers} worker(s)" + (f", {prefill} prefill and {decode} decode" if prefill else "")
+        click.echo(f"baton cluster up: {pools}\n"
                    f"  SDK      {config.sdk}\n"
                    f"  HTTP     http://{config.http_host}:{config.http_port}/v1\n"
                    f"  metrics  http://{config.http_host}:{config.http_port}/metrics (tokenizer), "
                    f"http://{config.host}:{config.router_metrics_port}/metrics (router), "
-                   f"http://{config.host}:{config.worker_metrics_port(0)}/metrics (worker-0, +2 per worker)\n"
+                   f"http://{config.host}:{config.worker_metrics_port(0)}/metrics ({engines[0][0]}-0, +2 per engine)\n"
                    f"  status   svc status --port-base {config.port_base}", )
         supervisor.watch(stop)
     except RuntimeError as error:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]
-PORTS_PER_CLUSTER = 40
+PORTS_PER_CLUSTER = 64  # up to port_base + 55 (KV transfer ports), the HTTP port last
 LOWEST_PORT = 10000  # below it sit well-known services' ports
 
 
@@ -122,17 +122,20 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
-                  timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Cluster:
+                  timeout_s: float = 120.0, env: dict[str, str] | None = None, prefill: int = 0,
+                  decode: int = 0) -> Cluster:
     """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are, `env`
-    (BATON_* variables, say) into its environment."""
+    (BATON_* variables, say) into its environment. Engines are numbered workers first,
+    then prefill, then decode workers."""
     base = free_port_base()
     http_port = base + PORTS_PER_CLUSTER - 1
-    argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port-base", str(base),
+    pools = ["--prefill", str(prefill), "--decode", str(decode)] if prefill or decode else []
+    argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), *pools, "--port-base", str(base),
             "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=child_env(PYTHONUNBUFFERED="1", **(env or {})),
                                cwd=REPO, start_new_session=True)
-    cluster = Cluster(process, base, http_port, workers)
+    cluster = Cluster(process, base, http_port, workers + prefill + decode)
     up = threading.Event()
 
     def read() -> None:

@@ -6,10 +6,11 @@ logs which it chose. Both implement KvTransport (transport.py).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.config import KV_TRANSPORTS
 from common.kv_transfer.plan import PlanError, PoolGeometry, compat_hash, plan_pieces
 from common.kv_transfer.transport import (
     HandshakeRefused,
@@ -24,7 +25,9 @@ from common.kv_transfer.zmq_transport import ZmqTransport
 from common.logs import get_logger
 from common.sockets import Security
 
-KV_TRANSPORTS = ("auto", "ucx", "zmq")
+if TYPE_CHECKING:
+    from common.engine.kv_cache import KVCache  # torch: only for the annotation
+
 
 log = get_logger("kv_transfer")
 
@@ -61,6 +64,13 @@ def make_transport(setting: str, pool: np.ndarray, geometry: PoolGeometry, model
     return transport
 
 
+def transport_for_cache(setting: str, cache: KVCache, model_fingerprint: str, security: Security, peer_id: str,
+                        options: TransferOptions | None = None) -> KvTransport:
+    """`make_transport` over an engine's KV cache (a CPU pool; ValueError otherwise)."""
+    return make_transport(setting, pool_bytes(cache), PoolGeometry(cache.layout, cache.num_blocks),
+                          model_fingerprint, security, peer_id, options)
+
+
 def _start_ucx(*args: Any) -> KvTransport:
     reason = ucx_available()
     if reason is not None:
@@ -72,4 +82,4 @@ def _start_ucx(*args: Any) -> KvTransport:
 
 __all__ = ["HandshakeRefused", "KV_TRANSPORTS", "KvTransport", "PlanError", "PoolGeometry", "PullHandle",
            "PullResult", "TransferEvent", "TransferOptions", "ZmqTransport", "compat_hash", "make_transport",
-           "plan_pieces", "pool_bytes", "ucx_available"]
+           "plan_pieces", "pool_bytes", "transport_for_cache", "ucx_available"]

@@ -67,7 +67,8 @@ T = TypeVar("T")
 
 log = get_logger("kv_transfer")
 
-WORKER_ROLE = "worker"  # prefill and decode engines run as workers on the control socket
+SERVER_ROLE = "prefill"  # the role whose pool is pulled from (its key, with CURVE)
+PULLER_ROLE = "decode"  # the only role a server hands KV to
 MIN_PIECE_BYTES = 4 << 10
 MAX_PIECE_BYTES = 64 << 20
 MAX_TIMEOUT_S = 600.0
@@ -422,7 +423,7 @@ class KvTransport:
     def _do_listen(self, address: str) -> str:
         if self._server is not None:
             raise RuntimeError("this KV transport already listens")
-        self._server = self.security.server(zmq.ROUTER, address, accept=(WORKER_ROLE,))
+        self._server = self.security.server(zmq.ROUTER, address, accept=(PULLER_ROLE,))
         self._poller.register(self._server, zmq.POLLIN)
         bound = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("kv_transport_listening", transport=self.name, address=bound)
@@ -634,7 +635,7 @@ class KvTransport:
             return peer
         if peer is not None:
             self._drop_peer(address)
-        socket = self.security.client(zmq.DEALER, address, WORKER_ROLE)
+        socket = self.security.client(zmq.DEALER, address, SERVER_ROLE)
         peer = _Peer(address, socket)
         self._peers[address] = peer
         self._peers_by_socket[socket] = peer

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.cost_model import load_cost_model
@@ -40,6 +41,9 @@ from common.protocol import (
     Heartbeat,
     Hello,
     KvEvents,
+    KvHandle,
+    KvLeaseUpdate,
+    KvReady,
     Placed,
     ProtocolError,
     Status,
@@ -49,15 +53,17 @@ from common.protocol import (
     decode,
     peek_request_id,
 )
-from common.sockets import Security, check_endpoint, connect, peer_role, send, split_routed
+from common.sockets import ENGINE_ROLES, Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
+from services.router.pairing import computes_locally, pick_decode_worker
 from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 # What each role may send the router; with CURVE off no role is proven and all may.
-ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents), "tokenizer": (Generate, Abort, StatusRequest)}
+ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents), "prefill": (Hello, Heartbeat, KvEvents, KvReady),
+                 "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate), "tokenizer": (Generate, Abort, StatusRequest)}
 
 
 @dataclass
@@ -68,6 +74,15 @@ class Member:
     identity: bytes
     last_seen: float
     heartbeat: Heartbeat | None = None
+
+
+@dataclass
+class Handoff:
+    """A disaggregated request whose prefill runs: what its decode worker will be sent."""
+
+    request: Generate
+    prompt: Any  # the prompt's token id array (payload 0)
+    prefill_worker_id: str
 
 
 class RouterMetrics:
@@ -89,7 +104,12 @@ class RouterService:
         self.config = config
         self.policy = make_policy(config.policy)
         ttl = config.index_ttl_s if config.index_mode == "approximate" else None
-        self.cluster = ClusterState(config.block_size, load_cost_model(config.profile), config.load_window_s, ttl)
+        cost = load_cost_model(config.profile)
+        # The engines that prefill (co-located workers and the prefill pool), which the policy
+        # places on, and the decode pool, which pairing picks from (docs/router.md §7).
+        self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl)
+        self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl)
+        self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
             {slo.name: slo for slo in config.slo_classes})
@@ -105,20 +125,23 @@ class RouterService:
         self.failed_over: dict[str, set[str]] = {}  # dropped worker -> its requests failed meanwhile
         self.context = zmq.Context()
         self.security = Security(self.context, config, "router")
-        self.socket = self.security.server(zmq.ROUTER, config.router, accept=("worker", "tokenizer"))
-        self.events = self.security.subscriber("worker")
+        self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
+        # One subscriber per role: a CURVE client pins one server key.
+        self.events = {role: self.security.subscriber(role) for role in ENGINE_ROLES}
         self.subscribed: set[str] = set()
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
         # message type -> handler(identity, message of that type, payloads)
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
-            Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report}
+            Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report,
+            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update}
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.events, zmq.POLLIN)
+        for events in self.events.values():
+            poller.register(events, zmq.POLLIN)
         log.info("ready", role="router", address=self.config.router, policy=self.policy.name,
                  metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
         print(f"baton router ready on {self.config.router}", flush=True)
@@ -127,8 +150,9 @@ class RouterService:
                 ready = dict(poller.poll(100))
                 if self.socket in ready:
                     self._drain(self.socket, self._on_routed)
-                if self.events in ready:
-                    self._drain(self.events, self._on_event)
+                for events in self.events.values():
+                    if events in ready:
+                        self._drain(events, self._on_event)
                 self._drop_silent_workers()
         finally:
             self.close()
@@ -175,6 +199,9 @@ class RouterService:
                                         message=f"the router does not take {type(message).__name__} "
                                                 f"from {role or 'this peer'}"))
             return
+        if isinstance(message, Hello) and role is not None and message.role != role:
+            self._reply(identity, Welcome(accepted=False, reason=f"a {role} key cannot join as {message.role!r}"))
+            return
         handler(identity, message, payloads)
 
     def _on_event(self, frames: list[zmq.Frame]) -> None:
@@ -195,9 +222,17 @@ class RouterService:
         self.metrics.kv_events.inc(len(message.stored), kind="stored")
         self.metrics.kv_events.inc(len(message.removed), kind="removed")
         if message.worker_id in self.members:
-            self.cluster.kv_removed(message.worker_id, message.removed)
-            self.cluster.kv_stored(message.worker_id, message.stored, time.monotonic())
-        self.metrics.index_blocks.set(len(self.cluster.index))
+            pool = self._pool_of(message.worker_id)
+            pool.kv_removed(message.worker_id, message.removed)
+            pool.kv_stored(message.worker_id, message.stored, time.monotonic())
+        self.metrics.index_blocks.set(len(self.cluster.index) + len(self.decode_pool.index))
+
+    def _pool_of(self, worker_id: str) -> ClusterState:
+        member = self.members.get(worker_id)
+        return self._pool_for(member.hello.role if member else "worker")
+
+    def _pool_for(self, role: str) -> ClusterState:
+        return self.decode_pool if role == "decode" else self.cluster
 
     def _reply(self, identity: bytes, message, payloads=None) -> bool:
         try:
@@ -210,7 +245,7 @@ class RouterService:
     # ---- workers -------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, hello: Hello, _payloads) -> None:
-        refusal = self._refusal(hello) or self._subscribe(hello.events_address)
+        refusal = self._refusal(hello) or self._subscribe(hello.events_address, hello.role)
         if refusal:
             log.error("worker_refused", worker_id=hello.worker_id, reason=refusal)
             self._reply(identity, Welcome(accepted=False, reason=refusal))
@@ -219,22 +254,22 @@ class RouterService:
         self.hash_root = self.hash_root or _hash_root(hello)
         previous = self.members.pop(hello.worker_id, None)
         self.members[hello.worker_id] = Member(hello, identity, time.monotonic())
+        pool = self._pool_for(hello.role)
         if previous is None or previous.hello.instance_id != hello.instance_id:
             # A new process, or one this router has not met: what an old one held is gone.
-            self._fail_requests(self.cluster.remove_worker(hello.worker_id), hello.worker_id,
-                                "the worker restarted")
-            self.cluster.add_worker(hello.worker_id, hello.kv_blocks)
+            self._fail_requests(pool.remove_worker(hello.worker_id), hello.worker_id, "the worker restarted")
+            pool.add_worker(hello.worker_id, hello.kv_blocks)
         abort = self._resume(hello)
         self.metrics.workers.set(len(self.members))
         log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks,
                  resumed=len(hello.running) - len(abort), aborted=len(abort))
         self._reply(identity, Welcome(accepted=True, abort=abort))
 
-    def _subscribe(self, events_address: str) -> str:
+    def _subscribe(self, events_address: str, role: str) -> str:
         """Subscribe to a worker's KV events; the refusal's reason if its address is bad."""
         if events_address not in self.subscribed:
             try:
-                connect(self.events, events_address)
+                connect(self.events[role], events_address)
             except ValueError as error:
                 return f"events_address: {error}"
             self.subscribed.add(events_address)
@@ -246,19 +281,28 @@ class RouterService:
         failed = self.failed_over.pop(hello.worker_id, set())
         abort = []
         now = time.monotonic()
+        pool = self._pool_for(hello.role)
         for running in hello.running:
-            placement = self.cluster.placements.get(running.request_id)
+            placement = self.cluster.placements.get(running.request_id) or \
+                self.decode_pool.placements.get(running.request_id)
             if running.request_id in failed or (placement and placement.worker_id != hello.worker_id):
                 abort.append(running.request_id)
                 continue
             if placement is not None:  # still known here: nothing to take back
                 continue
-            self.cluster.resume(running.request_id, hello.worker_id, running.num_prompt_tokens,
+            pool.resume(running.request_id, hello.worker_id, running.num_prompt_tokens,
                                 max(running.max_tokens - running.output_tokens, 1), now)
             self.origins[running.request_id] = running.origin.encode()
         return abort
 
     def _refusal(self, hello: Hello) -> str:
+        if hello.role not in ENGINE_ROLES:
+            return f"role: {hello.role!r} is not one of {', '.join(ENGINE_ROLES)}"
+        if hello.role == "prefill":
+            try:
+                check_endpoint(hello.kv_address)
+            except ValueError as error:
+                return f"kv_address: {error}"
         if hello.protocol_version != PROTOCOL_VERSION:
             return (f"protocol version mismatch: worker {hello.worker_id} speaks "
                     f"{hello.protocol_version}, router speaks {PROTOCOL_VERSION}")
@@ -283,12 +327,21 @@ class RouterService:
         now = time.monotonic()
         member.last_seen = now
         member.heartbeat = beat
-        self.cluster.report(beat.worker_id, beat.running, beat.waiting, beat.kv_blocks_used, beat.kv_blocks_cached)
+        pool = self._pool_for(member.hello.role)
+        pool.report(beat.worker_id, beat.running, beat.waiting, beat.kv_blocks_used, beat.kv_blocks_cached)
         for finished in beat.finished:
-            self.origins.pop(finished.request_id, None)
-            placement = self.cluster.finish(finished.request_id, finished.output_tokens)
-            if placement is not None:
+            request_id = finished.request_id
+            if self._placed_elsewhere(request_id, beat.worker_id):
+                continue  # this worker's part ended; the request goes on on another
+            self.origins.pop(request_id, None)
+            self.handoffs.pop(request_id, None)
+            placement = pool.finish(request_id, finished.output_tokens)
+            if placement is not None and pool is self.cluster:
                 self.policy.finished(placement, finished.ttft_s, now)
+
+    def _placed_elsewhere(self, request_id: str, worker_id: str) -> bool:
+        placement = self.cluster.placements.get(request_id) or self.decode_pool.placements.get(request_id)
+        return placement is not None and placement.worker_id != worker_id
 
     def _drop_silent_workers(self) -> None:
         now = time.monotonic()
@@ -296,7 +349,7 @@ class RouterService:
         for worker_id in silent:
             member = self.members.pop(worker_id)
             self.metrics.workers.set(len(self.members))
-            placements = self.cluster.remove_worker(worker_id)
+            placements = self._pool_for(member.hello.role).remove_worker(worker_id)
             log.error("worker_lost", worker_id=worker_id, in_flight=len(placements),
                       silent_s=round(now - member.last_seen, 2))
             self.failed_over[worker_id] = {placement.request_id for placement in placements}
@@ -304,6 +357,7 @@ class RouterService:
 
     def _fail_requests(self, placements: list[Placement], worker_id: str, why: str) -> None:
         for placement in placements:
+            self.handoffs.pop(placement.request_id, None)
             origin = self.origins.pop(placement.request_id, None)
             if origin is not None:
                 self.metrics.placed.inc(outcome="worker_lost")
@@ -325,9 +379,13 @@ class RouterService:
                          UNAVAILABLE_RETRY_AFTER_S, "unavailable")
             return
         now = time.monotonic()
+        if self.decode_pool.worker_ids and self._place_on_decode(identity, request, payloads, now):
+            return
         candidate = self.cluster.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
                                          request.sampling.max_tokens, now, request.slo_class)
         preference = self.policy.choose(candidate, self.cluster, now)
+        if not self.decode_pool.worker_ids:  # a prefill worker alone cannot finish a request
+            preference = [w for w in preference if self.members[w].hello.role != "prefill"]
         while preference:
             verdict = self.admission.decide(candidate, preference, self.cluster, now)
             if verdict.worker_id is None:
@@ -337,14 +395,82 @@ class RouterService:
                 return
             if self._reply(self.members[verdict.worker_id].identity, request, payloads):
                 self.cluster.place(candidate, verdict.worker_id, now)
-                self.origins[request.request_id] = identity
-                self.requests_routed += 1
-                self.metrics.placed.inc(outcome="placed")
-                self._reply(identity, Placed(request_id=request.request_id, worker_id=verdict.worker_id))
+                if self.members[verdict.worker_id].hello.role == "prefill":
+                    self.handoffs[request.request_id] = Handoff(request, payloads[0], verdict.worker_id)
+                self._placed(identity, request.request_id, verdict.worker_id)
                 return
             preference = [w for w in preference if w != verdict.worker_id]
         self._refuse(identity, request, ErrorCode.UNAVAILABLE, "no worker could take the request",
                      UNAVAILABLE_RETRY_AFTER_S, "unavailable")
+
+    def _placed(self, identity: bytes, request_id: str, worker_id: str) -> None:
+        self.origins[request_id] = identity
+        self.requests_routed += 1
+        self.metrics.placed.inc(outcome="placed")
+        self._reply(identity, Placed(request_id=request_id, worker_id=worker_id))
+
+    def _place_on_decode(self, identity: bytes, request: Generate, payloads, now: float) -> bool:
+        """Conditional disaggregation: send the request straight to a decode worker when its
+        missing prefill is short (or nothing else can prefill). False: place it as usual."""
+        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
+                                             request.sampling.max_tokens, now, request.slo_class)
+        worker_id = pick_decode_worker(candidate, self.decode_pool, now)
+        if worker_id is None:
+            return False
+        if self.cluster.worker_ids and not computes_locally(candidate, worker_id,
+                                                            self.config.max_local_prefill_tokens):
+            return False
+        if not self._reply(self.members[worker_id].identity, request, payloads):
+            return False
+        self.decode_pool.place(candidate, worker_id, now)
+        self._placed(identity, request.request_id, worker_id)
+        return True
+
+    def _on_kv_ready(self, identity: bytes, ready: KvReady, _payloads) -> None:
+        """A prefill worker holds a request's KV: finish its prefill placement and send the
+        request, with the handle, to the decode worker pairing picks."""
+        prefill_worker_id = identity.decode(errors="replace")
+        handoff = self.handoffs.get(ready.request_id)
+        if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
+            log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
+            self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+                                                prefill_worker_id=prefill_worker_id, action="release"))
+            return
+        del self.handoffs[ready.request_id]
+        now = time.monotonic()
+        placement = self.cluster.finish(ready.request_id, 1)
+        if placement is not None:
+            self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
+        member = self.members.get(prefill_worker_id)
+        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=member.hello.kv_address if member else "",
+                          lease_id=ready.lease_id, block_ids=ready.block_ids, block_hashes=ready.block_hashes,
+                          num_tokens=ready.num_tokens, first_token_id=ready.first_token_id,
+                          queue_s=ready.queue_s, prefill_s=ready.prefill_s)
+        request = replace(handoff.request, kv_handle=handle)
+        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), handoff.prompt,
+                                             request.sampling.max_tokens, now, request.slo_class)
+        tried: frozenset[str] = frozenset()
+        while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
+            if self._reply(self.members[worker_id].identity, request, [handoff.prompt]):
+                self.decode_pool.place(candidate, worker_id, now)
+                return
+            tried |= {worker_id}
+        self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+                                            prefill_worker_id=prefill_worker_id, action="release"))
+        origin = self.origins.pop(ready.request_id, None)
+        if origin is not None:
+            self.metrics.placed.inc(outcome="unavailable")
+            self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE,
+                                      message="no decode worker could take the prefilled request"))
+
+    def _on_lease_update(self, identity: bytes, update: KvLeaseUpdate, _payloads) -> None:
+        """A decode worker renews or releases a lease: pass it to the prefill worker."""
+        member = self.members.get(update.prefill_worker_id)
+        if member is None or member.hello.role != "prefill":
+            log.warning("lease_update_dropped", request_id=update.request_id, prefill=update.prefill_worker_id,
+                        why="no such prefill worker")
+            return
+        self._reply(member.identity, update)
 
     def _refuse(self, identity: bytes, request: Generate, code: ErrorCode, why: str, retry_after_s: float,
                 outcome: str) -> None:
@@ -360,7 +486,8 @@ class RouterService:
         return self.root_hashes[tenant]
 
     def _on_abort(self, identity: bytes, abort: Abort, _payloads) -> None:
-        placement = self.cluster.placements.get(abort.request_id)
+        placement = self.cluster.placements.get(abort.request_id) or \
+            self.decode_pool.placements.get(abort.request_id)
         member = self.members.get(placement.worker_id) if placement else None
         if member is not None:
             self._reply(member.identity, abort)
@@ -369,13 +496,14 @@ class RouterService:
         now = time.monotonic()
         workers = []
         for worker_id, member in self.members.items():
-            state = self.cluster.workers[worker_id]
+            state = self._pool_for(member.hello.role).workers[worker_id]
             beat = member.heartbeat
             workers.append(WorkerStatus(
                 worker_id=worker_id, healthy=True, last_seen_s=round(now - member.last_seen, 3),
                 running=state.running, waiting=state.waiting, in_flight=len(state.in_flight),
                 kv_blocks_used=state.kv_blocks_used, kv_blocks_cached=beat.kv_blocks_cached if beat else 0,
-                kv_blocks_total=member.hello.kv_blocks, metrics_address=member.hello.metrics_address))
+                kv_blocks_total=member.hello.kv_blocks, metrics_address=member.hello.metrics_address,
+                role=member.hello.role))
         self._reply(identity, Status(policy=self.policy.name, workers=workers,
                                      requests_routed=self.requests_routed,
                                      kv_events_received=self.kv_events_received))

@@ -1,4 +1,5 @@
-"""Entry point of the `worker` role: build the engine, then serve it."""
+"""Entry point of the engine roles (`worker`, `prefill`, `decode`): build the engine,
+then serve it."""
 from __future__ import annotations
 
 import signal
@@ -33,7 +34,19 @@ def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
     return EngineConfig(model_dir=Path(config.model) if config.model else default_model_dir(), **settings)
 
 
-def run(config: ClusterConfig, index: int) -> None:
+def service_class(role: str) -> type[WorkerService]:
+    if role == "prefill":
+        from services.prefill.service import PrefillService
+
+        return PrefillService
+    if role == "decode":
+        from services.decode.service import DecodeService
+
+        return DecodeService
+    return WorkerService
+
+
+def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -41,16 +54,17 @@ def run(config: ClusterConfig, index: int) -> None:
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
     engine = Engine(engine_config(config, index), kv_events=events)
-    log.info("engine_settings", worker_id=f"worker-{index}", **engine_settings(engine.config))
+    service = service_class(role)
+    log.info("engine_settings", worker_id=f"{role}-{index}", **engine_settings(engine.config))
     step_log = None
     if config.step_log_dir:
-        path = Path(config.step_log_dir) / f"worker-{index}.steps.jsonl"
+        path = Path(config.step_log_dir) / f"{role}-{index}.steps.jsonl"
         try:
             step_log = engine.step_observer = StepLogWriter(path)
         except OSError as error:
             raise SystemExit(f"step_log_dir: cannot write {path}: {error.strerror or error}") from None
     try:
-        WorkerService(config, index, engine, events).run(stop)
+        service(config, index, engine, events).run(stop)
     finally:
         if step_log is not None:
             step_log.close()

@@ -107,10 +107,15 @@ class WorkerMetrics:
 
 
 class WorkerService:
+    """The co-located role; services/prefill and services/decode extend it through the
+    hooks `_start`, `_tokens`, `_abort`, `_tend` and `_busy`."""
+
+    role = "worker"
+
     def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
         self.config = config
         self.index = index
-        self.worker_id = f"worker-{index}"
+        self.worker_id = f"{self.role}-{index}"
         self.engine = engine
         self.events = events
         self.registry = Registry()
@@ -120,7 +125,7 @@ class WorkerService:
         self.finished: list[FinishedRequest] = []
         self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
         self.context = zmq.Context()
-        self.security = Security(self.context, config, "worker")
+        self.security = Security(self.context, config, self.role)
         self.router = self.security.client(zmq.DEALER, config.router, "router", self.worker_id)
         self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
         self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
@@ -143,10 +148,10 @@ class WorkerService:
         self.metrics_server.start()
         try:
             self._hello()
-            log.info("ready", role="worker", worker_id=self.worker_id, router=self.config.router,
+            log.info("ready", role=self.role, worker_id=self.worker_id, router=self.config.router,
                      events=self.config.worker_events_address(self.index),
                      metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
-            print(f"baton worker {self.worker_id} ready", flush=True)
+            print(f"baton {self.role} {self.worker_id} ready", flush=True)
             self._report()
             beats = threading.Thread(target=self._heartbeat_loop, args=(stop,), name="heartbeat", daemon=True)
             beats.start()
@@ -168,7 +173,7 @@ class WorkerService:
         """Ok only while requests would be served: joined to the router, loop turning."""
         stalled = self.stalled()
         return {"ok": self.joined and not stalled, "joined": self.joined, "stalled": stalled,
-                "role": "worker", "worker_id": self.worker_id, "pid": os.getpid(),
+                "role": self.role, "worker_id": self.worker_id, "pid": os.getpid(),
                 "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_blocks_used": self.engine.block_manager.num_used,
                 "kv_blocks_total": self.engine.block_manager.num_blocks}
@@ -179,14 +184,14 @@ class WorkerService:
         self.joined_after_beat = self.beats_sent
         engine = self.engine
         hello = Hello(
-            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id, role="worker",
+            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id, role=self.role,
             model_fingerprint=engine.model_fingerprint, tokenizer_fingerprint=engine.tokenizer_fingerprint,
             kv_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
             max_model_len=engine.max_model_len, kv_dtype=engine.config.dtype,
             adapter_id=engine.config.adapter_id, instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
             metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}",
-            running=self._running_requests())
+            running=self._running_requests(), kv_address=self._kv_address())
         send(self.router, hello)
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -205,6 +210,10 @@ class WorkerService:
             return
         raise TimeoutError(f"no answer from the router at {self.config.router} within {HELLO_TIMEOUT_S:.0f} s")
 
+    def _kv_address(self) -> str:
+        """Where peers pull this worker's KV ("": it serves none)."""
+        return ""
+
     def _running_requests(self) -> list[RunningRequest]:
         return [RunningRequest(request_id, progress.origin, progress.num_prompt_tokens, progress.output_tokens,
                                progress.max_tokens) for request_id, progress in self.progress.items()]
@@ -221,7 +230,7 @@ class WorkerService:
         self.last_turn = time.monotonic()
         if self.rehello.is_set():
             self._rejoin()
-        busy = self.engine.has_unfinished()
+        busy = self._busy()
         wait_ms = 0 if busy else int(self.config.heartbeat_interval_s * 500)
         if self.router.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_TURN):
@@ -229,11 +238,19 @@ class WorkerService:
                 if not self.router.poll(0):
                     break
         self._expire_deadlines()
+        self._tend()
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
         self._publish_events()
         if time.monotonic() - self.last_report >= self.config.heartbeat_interval_s:
             self._report()
+
+    def _busy(self) -> bool:
+        """Work to do without waiting for a message."""
+        return self.engine.has_unfinished()
+
+    def _tend(self) -> None:
+        """Each turn, before the engine steps: the role's own upkeep (transfers, leases)."""
 
     def _receive(self):
         frames = self.router.recv_multipart(copy=True)
@@ -261,10 +278,14 @@ class WorkerService:
                 return
             self._start(message, payloads[0])
         elif isinstance(message, Abort):
-            if self.engine.abort(message.request_id):
+            if self._abort(message.request_id):
                 self._forget(message.request_id, "aborted")
-        elif message is not None:
+        elif message is not None and not self._handle_role_message(message):
             log.warning("unexpected_message", type=type(message).__name__)
+
+    def _handle_role_message(self, message) -> bool:
+        """A message only this role takes; False if it is not one."""
+        return False
 
     def _start(self, request: Generate, prompt: np.ndarray) -> None:
         request_id = request.request_id
@@ -274,22 +295,28 @@ class WorkerService:
         self.streams[request_id] = request.stream_address
         self.progress[request_id] = RequestProgress(time.monotonic(), request.origin, len(prompt),
                                                     request.sampling.max_tokens)
-        try:
-            params = params_from_sampling(request.sampling)
-            prompt_ids = prompt.astype(np.int64).tolist()
-            self.engine.add_request(request_id, prompt_ids, params, tenant_salt=request.tenant)
-        except InvalidRequestError as error:
-            self._fail(request_id, ErrorCode.INVALID_REQUEST, str(error))
-            return
         if request.deadline:
             self.deadlines[request_id] = request.deadline
+        try:
+            self._admit(request, prompt.astype(np.int64).tolist())
+        except InvalidRequestError as error:
+            self._fail(request_id, ErrorCode.INVALID_REQUEST, str(error))
+
+    def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
+        """Hand the request to the engine (InvalidRequestError names a bad parameter)."""
+        self.engine.add_request(request.request_id, prompt_ids, params_from_sampling(request.sampling),
+                                tenant_salt=request.tenant)
+
+    def _abort(self, request_id: str) -> bool:
+        """Stop a request this worker serves; False if it serves no such request."""
+        return self.engine.abort(request_id)
 
     def _expire_deadlines(self) -> None:
         if not self.deadlines:
             return
         now = time.time()
         for request_id in [r for r, deadline in self.deadlines.items() if deadline <= now]:
-            self.engine.abort(request_id)
+            self._abort(request_id)
             self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
@@ -297,19 +324,23 @@ class WorkerService:
         batches: dict[str, list[Tokens]] = {}
         for output in outputs:
             address = self.streams.get(output.request_id)
-            if address is not None:
-                batches.setdefault(address, []).append(Tokens(
-                    request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
-                    finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
-                    num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens))
+            tokens = self._tokens(output)
+            if address is not None and tokens is not None:
+                batches.setdefault(address, []).append(tokens)
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
             self._note_progress(output)
-            if output.finished:
+            if tokens is not None and tokens.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
         self.metrics.generated.inc(len(outputs))
         for address, items in batches.items():
             self._push_to(address, TokensBatch(items=items))
+
+    def _tokens(self, output: RequestOutput) -> Tokens | None:
+        """What the tokenizer gets of one output (None: nothing)."""
+        return Tokens(request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
+                      finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
+                      num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
 
     def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
         self._push(request_id, Error(request_id=request_id, code=code, message=text, worker_id=self.worker_id))
@@ -322,11 +353,14 @@ class WorkerService:
                 progress.ttft_s = time.monotonic() - progress.received
             progress.output_tokens += len(output.new_token_ids)
 
-    def _forget(self, request_id: str, outcome: str) -> None:
+    def _forget(self, request_id: str, outcome: str, report: bool = True) -> None:
+        """Stop tracking a request; `report` tells the router it ended here (a prefill
+        worker's hand-off is reported by KvReady instead)."""
         self.streams.pop(request_id, None)
         self.deadlines.pop(request_id, None)
         progress = self.progress.pop(request_id, None) or RequestProgress(0.0)
-        self.finished.append(FinishedRequest(request_id, round(progress.ttft_s, 6), progress.output_tokens))
+        if report:
+            self.finished.append(FinishedRequest(request_id, round(progress.ttft_s, 6), progress.output_tokens))
         self.metrics.requests.inc(outcome=outcome)
 
     def _push(self, request_id: str, message) -> None:

@@ -52,7 +52,7 @@ def block_bytes(pool: np.ndarray, geometry: PoolGeometry, block: int) -> bytes:
                     for plane in range(geometry.num_planes))
 
 
-def _security(keys_dir: str = "", role: str = "worker") -> Security:
+def _security(keys_dir: str = "", role: str = "decode") -> Security:
     config = ClusterConfig(curve_enabled=True, curve_keys_dir=keys_dir) if keys_dir else ClusterConfig()
     return Security(zmq.Context.instance(), config, role)
 
@@ -61,7 +61,7 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
            keys_dir: str) -> None:
     """The child: serve a seeded pool and answer the test's commands until told to stop."""
     pool = seeded_pool(geometry, SERVER_SEED)
-    server = make_transport(transport, pool, geometry, fingerprint, _security(keys_dir), "prefill-0", options)
+    server = make_transport(transport, pool, geometry, fingerprint, _security(keys_dir, role="prefill"), "prefill-0", options)
     conn.send(server.listen("tcp://127.0.0.1:0"))
     while True:
         command, *args = conn.recv()
@@ -259,7 +259,7 @@ def test_unknown_or_unexposed_transfers_are_refused_and_service_goes_on(spawn_se
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_frames_get_an_error_and_the_server_goes_on(spawn_server, transport):
     server = spawn_server(transport)
-    socket = _security().client(zmq.DEALER, server.address, "worker")
+    socket = _security().client(zmq.DEALER, server.address, "prefill")
     try:
         for frames in ([b"\x12", b"\xc1"], [b"\xff", b""], [b"\x13", encode(KvEnd("x", 1, "done"))[1], b"zz"]):
             socket.send_multipart(frames)
@@ -361,7 +361,7 @@ def test_huge_pages_keep_the_pool_contents():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_with_curve_only_workers_get_a_handshake(spawn_server, transport, tmp_path):
+def test_with_curve_only_decode_workers_get_a_handshake(spawn_server, transport, tmp_path):
     from common.sockets import generate_curve_keys
 
     generate_curve_keys(tmp_path)

@@ -12,8 +12,9 @@ def make_cluster(tiny_model_dir):
     """Start clusters on the tiny model with the test flags; stops them all at the end."""
     started = []
 
-    def make(workers: int = 1, extra: list[str] | None = None):
-        cluster = start_cluster(tiny_model_dir, workers=workers, extra=TEST_FLAGS + (extra or []))
+    def make(workers: int = 1, extra: list[str] | None = None, prefill: int = 0, decode: int = 0, env=None):
+        cluster = start_cluster(tiny_model_dir, workers=workers, extra=TEST_FLAGS + (extra or []),
+                                prefill=prefill, decode=decode, env=env)
         started.append(cluster)
         return cluster
 

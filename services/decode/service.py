@@ -1,0 +1,253 @@
+"""The `decode` role: continues requests whose prompt a prefill worker computed, pulling
+their KV over the KV transport (docs/disaggregation.md).
+
+A Generate with a `kv_handle` is imported: the engine allocates blocks for the prompt,
+reusing those it holds by hash, and the transport pulls only the rest from the prefill
+worker's lease. While the pool or the batch is full the request waits here and its lease
+is renewed through the router. Once every byte has landed the request joins the decode
+batch with the prefill worker's first token (which the client has had already). A pull
+that fails or passes its deadline is cancelled, and only once no late byte can land are
+its blocks freed; then `kv_load_failure_policy` says what happens: `recompute` (the
+prompt and first token are prefilled here) or `fail` (kv_transfer_failed to the client).
+A Generate without a handle is served whole (conditional disaggregation: the router
+sends short prefills straight here).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from msgspec.structs import replace
+
+from common.config import ClusterConfig
+from common.engine.engine import Engine, KvImport, KvImportError, RequestOutput
+from common.kv_transfer import HandshakeRefused, PullHandle, PullResult, TransferOptions, transport_for_cache
+from common.logs import get_logger
+from common.metrics import Registry
+from common.protocol import ErrorCode, Generate, KvHandle, KvLeaseUpdate, Tokens, params_from_sampling
+from common.sampling_params import InvalidRequestError
+from common.sockets import send
+from services.worker.service import KvEventBuffer, WorkerService
+
+log = get_logger("decode")
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class DecodeMetrics:
+    def __init__(self, registry: Registry):
+        self.bytes = registry.counter("baton_kv_transfer_bytes_total", "KV bytes pulled from prefill workers")
+        self.seconds = registry.histogram("baton_kv_transfer_seconds", "Duration of KV pulls that completed",
+                                          buckets=TRANSFER_BUCKETS)
+        self.failures = registry.counter("baton_kv_transfer_failures_total", "KV pulls that did not complete, "
+                                         "by cause", labels=("cause",))
+        self.blocks_reused = registry.counter("baton_kv_import_blocks_reused_total",
+                                              "Prompt blocks not pulled: this worker held them by hash")
+        self.waiting = registry.gauge("baton_kv_imports_waiting", "Handed-off requests waiting for KV room")
+        self.recomputed = registry.counter("baton_kv_imports_recomputed_total",
+                                           "Requests whose pull failed and whose prompt was computed here")
+
+
+@dataclass
+class Import:
+    """A handed-off request on this worker, from its handle to its first decode step."""
+
+    request: Generate
+    handle: KvHandle
+    prompt_ids: list[int]
+    arrived: float  # monotonic
+    renewed: float  # monotonic: when its lease was last renewed
+    kv_import: KvImport | None = None
+    pull: PullHandle | None = None
+    pull_started: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DecodeService(WorkerService):
+    role = "decode"
+
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
+        super().__init__(config, index, engine, events)
+        try:
+            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
+                                                 self.security, self.worker_id,
+                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
+        except BaseException:
+            super().close()
+            raise
+        self.kv_metrics = DecodeMetrics(self.registry)
+        self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
+        self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
+        self.recomputed: set[str] = set()  # requests whose prompt (plus first token) is prefilled here
+        self.landing: set[str] = set()  # imports whose next output is the first token, already streamed
+        self.peers: set[str] = set()  # KV addresses handshaken with
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            super().close()
+
+    # ---- requests ------------------------------------------------------------------
+
+    def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
+        handle = request.kv_handle
+        if handle is None:  # a short prefill the router left to this worker
+            super()._admit(request, prompt_ids)
+            return
+        _check_handle(handle, prompt_ids, self.engine.config.block_size)
+        params_from_sampling(request.sampling).validate()
+        now = time.monotonic()
+        self.imports[request.request_id] = Import(request, handle, prompt_ids, now, now)
+        self._begin(self.imports[request.request_id])
+
+    def _begin(self, item: Import) -> None:
+        """Take blocks and start the pull; leaves the import waiting when there is no room."""
+        request, handle = item.request, item.handle
+        try:
+            self._connect(handle.kv_address)
+            kv_import = self.engine.import_request(request.request_id, item.prompt_ids, handle.first_token_id,
+                                                   params_from_sampling(request.sampling), request.tenant,
+                                                   handle.block_hashes)
+        except (KvImportError, InvalidRequestError, HandshakeRefused) as error:
+            self._give_up(item, ErrorCode.INVALID_REQUEST, str(error))
+            return
+        except (TimeoutError, ConnectionError, ValueError) as error:
+            self._pull_failed(item, PullResult(request.request_id, "failed", "unreachable", str(error)))
+            return
+        if kv_import is None:
+            return
+        item.kv_import = kv_import
+        self.kv_metrics.blocks_reused.inc(len(handle.block_ids) - len(kv_import.src_block_indices))
+        item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
+        if not kv_import.src_block_indices:  # every block was here already
+            self._update_lease(item, "release")
+            self._landed(item)
+            return
+        source = [handle.block_ids[i] for i in kv_import.src_block_indices]
+        item.pull_started = time.monotonic()
+        item.pull = self.transport.pull(handle.kv_address, handle.lease_id, source, list(kv_import.dst_block_ids),
+                                        item.pull_started + self.config.kv_transfer_timeout_s)
+
+    def _connect(self, address: str) -> None:
+        if address not in self.peers:
+            self.transport.connect(address)
+            self.peers.add(address)
+
+    def _tend(self) -> None:
+        now = time.monotonic()
+        renew_every = self.engine.config.kv_lease_ttl_s / 3
+        for item in list(self.imports.values()):
+            if item.kv_import is None:
+                self._begin(item)
+                if item.kv_import is None and item.request.request_id in self.imports \
+                        and now - item.renewed >= renew_every:
+                    item.renewed = now
+                    self._update_lease(item, "renew")
+            elif item.pull is not None and item.pull.done():
+                result = item.pull.wait(0)
+                if result.status == "done":
+                    self.kv_metrics.bytes.inc(result.nbytes)
+                    self.kv_metrics.seconds.observe(result.seconds)
+                    item.timings["transfer_s"] = round(time.monotonic() - item.pull_started, 6)
+                    self._landed(item)
+                else:
+                    self._pull_failed(item, result)
+        self.kv_metrics.waiting.set(sum(item.kv_import is None for item in self.imports.values()))
+
+    def _busy(self) -> bool:
+        return bool(self.imports) or super()._busy()
+
+    def _landed(self, item: Import) -> None:
+        request_id = item.request.request_id
+        del self.imports[request_id]
+        self.timings[request_id] = item.timings
+        self.landing.add(request_id)
+        self._emit([self.engine.complete_import(request_id)])
+
+    def _pull_failed(self, item: Import, result: PullResult) -> None:
+        """Settle a pull that did not complete, then apply kv_load_failure_policy."""
+        request_id = item.request.request_id
+        self.kv_metrics.failures.inc(cause=result.code or result.status)
+        log.warning("kv_pull_failed", request_id=request_id, status=result.status, code=result.code,
+                    reason=result.reason, policy=self.config.kv_load_failure_policy)
+        del self.imports[request_id]
+        if not result.settled:  # late bytes may still land: the blocks stay out of use
+            log.error("kv_blocks_quarantined", request_id=request_id)
+            self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
+            return
+        self.engine.abort(request_id)
+        if item.kv_import is None:  # nothing was pulled: the lease may still be held
+            self._update_lease(item, "release")
+        if self.config.kv_load_failure_policy == "fail":
+            self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED,
+                       f"the prompt's KV could not be moved from {item.handle.prefill_worker_id}: "
+                       f"{result.status} ({result.reason})")
+            return
+        self._recompute(item)
+
+    def _recompute(self, item: Import) -> None:
+        """Prefill the prompt and the first token here, and go on from there."""
+        request = item.request
+        sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - 1)
+        try:
+            self.engine.add_request(request.request_id, [*item.prompt_ids, item.handle.first_token_id],
+                                    params_from_sampling(sampling), tenant_salt=request.tenant)
+        except InvalidRequestError as error:
+            self._fail(request.request_id, ErrorCode.KV_TRANSFER_FAILED, f"recompute refused: {error}")
+            return
+        self.recomputed.add(request.request_id)
+        self.kv_metrics.recomputed.inc()
+
+    def _give_up(self, item: Import, code: ErrorCode, why: str) -> None:
+        self.imports.pop(item.request.request_id, None)
+        self._update_lease(item, "release")
+        self._fail(item.request.request_id, code, why)
+
+    def _update_lease(self, item: Import, action: str) -> None:
+        send(self.router, KvLeaseUpdate(request_id=item.request.request_id, lease_id=item.handle.lease_id,
+                                        prefill_worker_id=item.handle.prefill_worker_id, action=action))
+
+    def _abort(self, request_id: str) -> bool:
+        item = self.imports.pop(request_id, None)
+        if item is None:
+            self.recomputed.discard(request_id)
+            self.timings.pop(request_id, None)
+            return super()._abort(request_id)
+        if item.pull is not None and not item.pull.done() and not self.transport.cancel(item.handle.lease_id):
+            log.error("kv_blocks_quarantined", request_id=request_id)  # late bytes may land: keep them
+            return True
+        if item.kv_import is None:
+            self._update_lease(item, "release")
+        super()._abort(request_id)
+        return True
+
+    # ---- output --------------------------------------------------------------------
+
+    def _tokens(self, output: RequestOutput) -> Tokens | None:
+        tokens = super()._tokens(output)
+        if tokens is None:
+            return None
+        request_id = output.request_id
+        if request_id in self.landing:  # the client has had this token from the prefill worker
+            self.landing.discard(request_id)
+            if not output.finished:
+                return None
+            tokens = replace(tokens, token_ids=[], logprobs=[])
+        if request_id in self.recomputed:
+            tokens = replace(tokens, num_prompt_tokens=tokens.num_prompt_tokens - 1)
+        if output.finished:
+            self.recomputed.discard(request_id)
+            tokens = replace(tokens, timings=self.timings.pop(request_id, {}))
+        return tokens
+
+
+def _check_handle(handle: KvHandle, prompt_ids: list[int], block_size: int) -> None:
+    """A handle from the wire must describe this prompt's blocks (InvalidRequestError if not)."""
+    blocks = -(-len(prompt_ids) // block_size)
+    if handle.num_tokens != len(prompt_ids):
+        raise InvalidRequestError("kv_handle.num_tokens", f"{handle.num_tokens}, the prompt has {len(prompt_ids)}")
+    if len(handle.block_ids) != blocks or len(set(handle.block_ids)) != blocks:
+        raise InvalidRequestError("kv_handle.block_ids", f"must be {blocks} distinct ids, got {len(handle.block_ids)}")
+    if len(handle.block_hashes) != len(prompt_ids) // block_size:
+        raise InvalidRequestError("kv_handle.block_hashes", f"must name the {len(prompt_ids) // block_size} full "
+                                  f"blocks, got {len(handle.block_hashes)}")

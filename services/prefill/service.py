@@ -1,0 +1,164 @@
+"""The `prefill` role: computes prompts, streams each one's first token, and holds the
+prompt's KV under a lease until a decode worker has pulled it (docs/disaggregation.md).
+
+A Generate runs in the engine with one output token and `hold_kv`. When that token is
+out, either it ends the request (end of sequence, a stop, max_tokens = 1: the lease is
+let go at once) or the blocks stay held: the KV transport exposes them under the lease
+id for `kv_lease_ttl_s`, the token goes to the tokenizer unfinished, and KvReady tells
+the router, which picks the decode worker. The exposure's one TransferEvent (pulled,
+failed, cancelled, expired, withdrawn) frees the blocks, and only once no send reads
+them any more; an exposure that could not be made sure of keeps its blocks out of use.
+The transport's lease is the one clock: the decode worker renews it through the router
+while the request waits there for room (KvLeaseUpdate), and a lost decode worker costs
+at most one lease of held blocks.
+"""
+from __future__ import annotations
+
+import time
+
+from msgspec.structs import replace
+
+from common.config import ClusterConfig
+from common.engine.engine import Engine, RequestOutput
+from common.engine.leases import LeaseError
+from common.kv_transfer import TransferEvent, TransferOptions, transport_for_cache
+from common.logs import get_logger
+from common.metrics import Registry
+from common.protocol import Generate, KvLeaseUpdate, KvReady, Tokens, params_from_sampling
+from common.sockets import send
+from services.worker.service import KvEventBuffer, WorkerService
+
+log = get_logger("prefill")
+EVENTS_PER_TURN = 1024
+
+
+class PrefillMetrics:
+    def __init__(self, registry: Registry):
+        self.leased_blocks = registry.gauge("baton_kv_leased_blocks", "KV blocks held for decode workers")
+        self.exposures = registry.counter("baton_kv_exposures_total", "Leases that ended, by how",
+                                          labels=("outcome",))
+        self.lease_refused = registry.counter("baton_kv_lease_updates_refused_total",
+                                              "Lease renewals or releases naming no live lease of that request")
+
+
+class PrefillService(WorkerService):
+    role = "prefill"
+
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
+        super().__init__(config, index, engine, events)
+        try:
+            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
+                                                 self.security, self.worker_id,
+                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
+        except BaseException:
+            super().close()
+            raise
+        self.kv_metrics = PrefillMetrics(self.registry)
+        self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
+        self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
+        try:
+            self.bound_kv_address = self.transport.listen(config.worker_kv_address(index))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            super().close()
+
+    def _kv_address(self) -> str:
+        return self.config.advertised(self.bound_kv_address)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
+        params_from_sampling(request.sampling).validate()  # what the decode worker would refuse
+        first_only = params_from_sampling(replace(request.sampling, max_tokens=1))
+        self.engine.add_request(request.request_id, prompt_ids, first_only, tenant_salt=request.tenant,
+                                hold_kv=True)
+        self.max_tokens[request.request_id] = request.sampling.max_tokens
+
+    def _abort(self, request_id: str) -> bool:
+        self.max_tokens.pop(request_id, None)
+        return super()._abort(request_id)
+
+    def _tokens(self, output: RequestOutput) -> Tokens | None:
+        tokens = super()._tokens(output)
+        lease = output.kv_lease
+        if lease is None or tokens is None:
+            return tokens
+        max_tokens = self.max_tokens.pop(output.request_id, 1)
+        if output.finish_reason != "length" or max_tokens <= 1:  # the first token ended it
+            self.engine.release_lease(lease.lease_id, lease.request_id)
+            return tokens
+        progress = self.progress.get(output.request_id)
+        queue_s = output.queue_s or 0.0
+        prefill_s = max(0.0, time.monotonic() - progress.received - queue_s) if progress else 0.0
+        try:
+            self.transport.expose(lease.lease_id, list(lease.block_ids), self.engine.config.kv_lease_ttl_s)
+        except Exception as error:  # noqa: BLE001 (the transport is gone or full: the request ends here)
+            log.error("kv_expose_failed", request_id=output.request_id, error=str(error))
+            self.engine.release_lease(lease.lease_id, lease.request_id)
+            return replace(tokens, finished=True, finish_reason="length")
+        self.exposed[lease.lease_id] = lease.request_id
+        send(self.router, KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
+                                  block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
+                                  num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
+                                  queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6)))
+        self._note_progress(output)
+        self._forget(output.request_id, "handed_off", report=False)
+        return replace(tokens, finished=False, finish_reason=None,
+                       timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
+
+    # ---- leases --------------------------------------------------------------------
+
+    def _handle_role_message(self, message) -> bool:
+        if not isinstance(message, KvLeaseUpdate):
+            return False
+        lease_id, request_id = message.lease_id, message.request_id
+        try:
+            self.engine.lease(lease_id, request_id)
+            if self.exposed.get(lease_id) != request_id:
+                raise LeaseError("not exposed")
+        except LeaseError:
+            self.kv_metrics.lease_refused.inc()
+            log.warning("lease_update_refused", request_id=request_id, action=message.action,
+                        why="no live lease of that request")
+            return True
+        if message.action == "renew":
+            self.transport.renew(lease_id, self.engine.config.kv_lease_ttl_s)
+        elif message.action == "release":
+            self.transport.withdraw(lease_id)  # its TransferEvent frees the blocks
+        else:
+            log.warning("lease_update_refused", request_id=request_id, action=message.action,
+                        why="unknown action")
+        return True
+
+    def _tend(self) -> None:
+        for _ in range(EVENTS_PER_TURN):
+            event = self.transport.next_event(0)
+            if event is None:
+                return
+            self._exposure_ended(event)
+
+    def _exposure_ended(self, event: TransferEvent) -> None:
+        request_id = self.exposed.pop(event.transfer_id, None)
+        if request_id is None:
+            return
+        self.kv_metrics.exposures.inc(outcome=event.status)
+        if not event.settled:  # a send may still read these blocks: never reuse them
+            log.error("kv_blocks_quarantined", request_id=request_id, status=event.status, reason=event.reason)
+            return
+        if event.status != "done":
+            log.warning("kv_lease_ended", request_id=request_id, status=event.status, reason=event.reason)
+        self.engine.release_lease(event.transfer_id, request_id)
+
+    def _report(self) -> None:
+        self.kv_metrics.leased_blocks.set(self.engine.leases.num_blocks)
+        super()._report()
+
+    def health(self) -> dict:
+        return super().health() | {"kv_blocks_leased": self.engine.leases.num_blocks,
+                                   "kv_address": self._kv_address()}
