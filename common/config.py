@@ -112,6 +112,8 @@ class ClusterConfig(EngineSettings):
     kv_transport: str = setting("auto", "how prefill and decode workers move KV: ucx, zmq, or auto (UCX when it "
                                 "starts, else ZeroMQ with a warning)", choices=KV_TRANSPORTS)
     kv_transfer_timeout_s: float = setting(10.0, "deadline of one KV pull, both sides", check=POSITIVE)
+    kv_lease_ttl_s: float = setting(30.0, "how long a prefill worker holds a prompt's KV blocks for a decode "
+                                    "worker that has neither pulled nor renewed them", check=POSITIVE)
     max_local_prefill_tokens: int = setting(1000, "a prompt whose missing prefill is at most this many tokens is "
                                             "computed by its decode worker itself: no KV moves",
                                             check=NOT_NEGATIVE)

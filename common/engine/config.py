@@ -91,8 +91,6 @@ class EngineSettings:
     wait_for_shared_prefill: bool = setting(True, "a request whose next uncached prompt block another request "
                                             "is prefilling waits a step and reuses it, so a burst of copies "
                                             "of a long prompt prefills it once")
-    kv_lease_ttl_s: float = setting(30.0, "prefill role: how long a finished prefill's KV blocks stay held for "
-                                    "the decode worker that has not pulled or renewed them", check=POSITIVE)
 
     def __post_init__(self) -> None:
         check_settings(self)

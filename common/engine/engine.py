@@ -124,7 +124,7 @@ class Engine:
         # common.engine.step_log); None: no one is watching.
         self.step_observer: Callable[[SchedulePlan, float], None] | None = None
         self._seqs: dict[str, Sequence] = {}
-        self.leases = KvLeases(config.kv_lease_ttl_s)
+        self.leases = KvLeases()
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
         self._eos = frozenset(self.model_config.eos_token_ids)
@@ -219,19 +219,10 @@ class Engine:
         """A live lease (LeaseError if forged, stale or released)."""
         return self.leases.get(lease_id, request_id)
 
-    def renew_lease(self, lease_id: str, request_id: str, now: float | None = None) -> float:
-        return self.leases.renew(lease_id, request_id, time.monotonic() if now is None else now)
-
     def release_lease(self, lease_id: str, request_id: str) -> None:
         """The decode side has the KV (or gave up): free the blocks (they stay cached)."""
         self.block_manager.release(self.leases.release(lease_id, request_id))
 
-    def expire_leases(self, now: float | None = None) -> list[KvLease]:
-        """Free the blocks of every lease nobody renewed in time; returns those leases."""
-        expired = self.leases.expire(time.monotonic() if now is None else now)
-        for lease in expired:
-            self.block_manager.release(lease.block_ids)
-        return expired
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""
@@ -310,7 +301,7 @@ class Engine:
         self.block_manager.release(blocks[prompt_blocks:])  # the prompt's KV is what moves
         return self.leases.grant(seq.request_id, blocks[:prompt_blocks],
                                  seq.block_hashes[:seq.prompt_len // self.config.block_size],
-                                 seq.prompt_len, last_token_id, time.monotonic())
+                                 seq.prompt_len, last_token_id)
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.stop_text is not None and seq.detokenizer is not None:  # the detokenizer found it

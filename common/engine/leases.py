@@ -2,8 +2,10 @@
 
 A prefill worker computes a prompt, samples its first token, and then keeps the prompt's
 blocks referenced under a lease instead of releasing them (docs/architecture.md §7). The
-decode worker pulls the blocks and releases the lease; a lease nobody renews expires
-after its TTL, so a lost decode worker costs at most one TTL of held blocks.
+decode worker pulls the blocks, and the lease is released. How long a lease may wait is
+not kept here: the prefill role exposes the blocks on its KV transport for
+`kv_lease_ttl_s`, and that exposure's end releases the lease (services/prefill), so
+there is one clock, the one that knows whether a send still reads the blocks.
 
 This module is bookkeeping only: it never touches the block manager. The engine takes
 the blocks a lease returns and releases them there. Lease ids are 128 random bits, so a
@@ -37,20 +39,11 @@ class KvLease:
     first_token_id: int
 
 
-@dataclass
-class _Held:
-    lease: KvLease
-    expires_at: float
-
-
 class KvLeases:
     """The live leases of one engine, by lease id."""
 
-    def __init__(self, ttl_s: float):
-        if not ttl_s > 0:
-            raise ValueError(f"a lease TTL must be > 0 s, got {ttl_s}")
-        self.ttl_s = ttl_s
-        self._held: dict[str, _Held] = {}
+    def __init__(self) -> None:
+        self._held: dict[str, KvLease] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -58,44 +51,28 @@ class KvLeases:
     @property
     def num_blocks(self) -> int:
         """Blocks held under leases (the leased-blocks gauge)."""
-        return sum(len(held.lease.block_ids) for held in self._held.values())
+        return sum(len(lease.block_ids) for lease in self._held.values())
 
     def grant(self, request_id: str, block_ids: Seq[int], block_hashes: Seq[int], num_tokens: int,
-              first_token_id: int, now: float) -> KvLease:
+              first_token_id: int) -> KvLease:
         lease = KvLease(os.urandom(16).hex(), request_id, tuple(block_ids), tuple(block_hashes),
                         num_tokens, first_token_id)
-        self._held[lease.lease_id] = _Held(lease, now + self.ttl_s)
+        self._held[lease.lease_id] = lease
         return lease
 
     def get(self, lease_id: str, request_id: str) -> KvLease:
-        return self._find(lease_id, request_id).lease
-
-    def renew(self, lease_id: str, request_id: str, now: float) -> float:
-        """Push the lease's expiry to now + TTL; returns the new expiry."""
-        held = self._find(lease_id, request_id)
-        held.expires_at = now + self.ttl_s
-        return held.expires_at
+        lease = self._held.get(lease_id)
+        if lease is None or lease.request_id != request_id:
+            raise LeaseError(f"no live KV lease {lease_id[:8]}… for request {request_id!r} "
+                             "(it was released, or never existed)")
+        return lease
 
     def release(self, lease_id: str, request_id: str) -> tuple[int, ...]:
         """End a lease; returns its blocks for the caller to release."""
-        self._find(lease_id, request_id)
-        return self._held.pop(lease_id).lease.block_ids
-
-    def expire(self, now: float) -> list[KvLease]:
-        """End every lease past its expiry; returns them (their blocks to release)."""
-        expired = [held.lease for held in self._held.values() if held.expires_at <= now]
-        for lease in expired:
-            del self._held[lease.lease_id]
-        return expired
+        self.get(lease_id, request_id)
+        return self._held.pop(lease_id).block_ids
 
     def block_tables(self) -> list[tuple[int, ...]]:
         """Each lease's blocks, for the block manager's integrity check (a lease holds
         one reference to each)."""
-        return [held.lease.block_ids for held in self._held.values()]
-
-    def _find(self, lease_id: str, request_id: str) -> _Held:
-        held = self._held.get(lease_id)
-        if held is None or held.lease.request_id != request_id:
-            raise LeaseError(f"no live KV lease {lease_id[:8]}… for request {request_id!r} "
-                             "(it expired, was released, or never existed)")
-        return held
+        return [lease.block_ids for lease in self._held.values()]

@@ -135,7 +135,7 @@ class DecodeService(WorkerService):
 
     def _tend(self) -> None:
         now = time.monotonic()
-        renew_every = self.engine.config.kv_lease_ttl_s / 3
+        renew_every = self.config.kv_lease_ttl_s / 3
         for item in list(self.imports.values()):
             if item.kv_import is None:
                 self._begin(item)

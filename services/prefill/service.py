@@ -97,7 +97,7 @@ class PrefillService(WorkerService):
         queue_s = output.queue_s or 0.0
         prefill_s = max(0.0, time.monotonic() - progress.received - queue_s) if progress else 0.0
         try:
-            self.transport.expose(lease.lease_id, list(lease.block_ids), self.engine.config.kv_lease_ttl_s)
+            self.transport.expose(lease.lease_id, list(lease.block_ids), self.config.kv_lease_ttl_s)
         except Exception as error:  # noqa: BLE001 (the transport is gone or full: the request ends here)
             log.error("kv_expose_failed", request_id=output.request_id, error=str(error))
             self.engine.release_lease(lease.lease_id, lease.request_id)
@@ -128,7 +128,7 @@ class PrefillService(WorkerService):
                         why="no live lease of that request")
             return True
         if message.action == "renew":
-            self.transport.renew(lease_id, self.engine.config.kv_lease_ttl_s)
+            self.transport.renew(lease_id, self.config.kv_lease_ttl_s)
         elif message.action == "release":
             self.transport.withdraw(lease_id)  # its TransferEvent frees the blocks
         else:

@@ -61,7 +61,8 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
            keys_dir: str) -> None:
     """The child: serve a seeded pool and answer the test's commands until told to stop."""
     pool = seeded_pool(geometry, SERVER_SEED)
-    server = make_transport(transport, pool, geometry, fingerprint, _security(keys_dir, role="prefill"), "prefill-0", options)
+    security = _security(keys_dir, role="prefill")
+    server = make_transport(transport, pool, geometry, fingerprint, security, "prefill-0", options)
     conn.send(server.listen("tcp://127.0.0.1:0"))
     while True:
         command, *args = conn.recv()

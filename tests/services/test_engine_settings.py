@@ -28,7 +28,6 @@ NON_DEFAULT = {
     "attention_backend": "sdpa",
     "enable_prefix_caching": False,
     "wait_for_shared_prefill": False,
-    "kv_lease_ttl_s": 12.5,
 }
 README_PARAGRAPH = re.compile(r"^Engine settings \(.*?(?=\n\n)", re.MULTILINE | re.DOTALL)
 
