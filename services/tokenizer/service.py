@@ -65,7 +65,7 @@ from common.protocol import (
     sampling_from_params,
 )
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
-from common.sockets import Security, split_routed
+from common.sockets import ENGINE_ROLES, Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent
 
 log = get_logger("tokenizer")
@@ -135,7 +135,7 @@ class TokenizerService:
         self.context = zmq.asyncio.Context()
         self.security = Security(self.context, config, "tokenizer")
         self.sdk = self.security.server(zmq.ROUTER, config.sdk, accept=("client",))
-        self.stream = self.security.server(zmq.PULL, config.stream, accept=("worker",))
+        self.stream = self.security.server(zmq.PULL, config.stream, accept=ENGINE_ROLES)
         self.router = self.security.client(zmq.DEALER, config.router, "router", self.identity)
         self.router.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a router that is not there
 

@@ -9,12 +9,24 @@ import zmq
 import zmq.auth
 
 from common.engine.checkpoint import fingerprints
-from common.protocol import PROTOCOL_VERSION, Error, Generate, Hello, Sampling, Welcome, decode, encode
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Generate,
+    Hello,
+    KvLeaseUpdate,
+    KvReady,
+    Sampling,
+    Welcome,
+    decode,
+    encode,
+)
 from common.sockets import load_curve_keys
 from services.client import Client, ServerUnavailable, curve_keys
 from services.local_cluster import REPO, child_env
 
 API_KEYS = '[api_keys]\n"sk-alice" = "alice"\n'
+ENGINES = ["decode-2", "prefill-1", "worker-0"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +44,10 @@ def keys_dir(tmp_path_factory):
 def curve_cluster(make_cluster, keys_dir):
     config = keys_dir.parent / "cluster.toml"
     config.write_text(f'curve_enabled = true\ncurve_keys_dir = "{keys_dir}"\n{API_KEYS}')
-    running = make_cluster(workers=1, extra=["--config", str(config)])
+    # A co-located worker beside a prefill/decode pair: every role, and the KV transport,
+    # under its own key; no local prefill, so requests alternate between the two paths.
+    running = make_cluster(workers=1, prefill=1, decode=1,
+                           extra=["--config", str(config), "--max-local-prefill-tokens", "0"])
     yield running
     running.stop()
 
@@ -97,25 +112,61 @@ def test_a_client_key_can_neither_register_a_worker_nor_place_a_request(curve_cl
     finally:
         context.destroy(linger=0)
     with Client(curve_cluster.sdk, curve=curve_keys(keys_dir), api_key="sk-alice", timeout_s=60) as client:
-        assert len(client.status().workers) == 1
+        assert sorted(w.worker_id for w in client.status().workers) == ENGINES
         assert client.generate("still mine", max_tokens=2).token_ids
+
+
+def _kv_ready() -> list:
+    return encode(KvReady(request_id="r-1", lease_id="0" * 32, block_ids=[1], block_hashes=[], num_tokens=3,
+                          first_token_id=5))
+
+
+def _lease_release() -> list:
+    return encode(KvLeaseUpdate(request_id="r-1", lease_id="0" * 32, prefill_worker_id="prefill-1",
+                                action="release"))
+
+
+PROBES = {"hello": lambda: encode(_worker_hello("worker-9")), "generate": lambda: _generate("g-1"),
+          "kv_ready": _kv_ready, "lease": _lease_release}
 
 
 @pytest.mark.parametrize("role, message, refused", [
     ("tokenizer", "hello", "Hello from tokenizer"),
     ("worker", "generate", "Generate from worker"),
+    ("prefill", "generate", "Generate from prefill"),
+    ("worker", "kv_ready", "KvReady from worker"),
+    ("decode", "kv_ready", "KvReady from decode"),
+    ("prefill", "lease", "KvLeaseUpdate from prefill"),
+    ("tokenizer", "lease", "KvLeaseUpdate from tokenizer"),
 ])
 def test_each_role_may_send_only_its_own_messages(curve_cluster, keys_dir, role, message, refused):
     context, socket = _dealer_as(keys_dir, role, curve_cluster.router, f"{role}-probe".encode())
     try:
-        socket.send_multipart(encode(_worker_hello("worker-9")) if message == "hello" else _generate("g-1"))
+        socket.send_multipart(PROBES[message]())
         assert socket.poll(5000), "no answer"
         reply, _ = decode(socket.recv_multipart())
         assert isinstance(reply, Error) and refused in reply.message
     finally:
         context.destroy(linger=0)
     with Client(curve_cluster.sdk, curve=curve_keys(keys_dir), api_key="sk-alice", timeout_s=30) as client:
-        assert [w.worker_id for w in client.status().workers] == ["worker-0"]
+        assert sorted(w.worker_id for w in client.status().workers) == ENGINES
+
+
+def test_a_key_joins_only_as_its_own_role(curve_cluster, keys_dir):
+    """A worker's key cannot register a prefill worker (whose KV address decode workers
+    would then pull from), nor a decode worker."""
+    for claimed in ("prefill", "decode"):
+        context, socket = _dealer_as(keys_dir, "worker", curve_cluster.router, f"{claimed}-9".encode())
+        try:
+            hello = _worker_hello(f"{claimed}-9")
+            hello.role, hello.kv_address = claimed, "tcp://127.0.0.1:1"
+            socket.send_multipart(encode(hello))
+            assert socket.poll(5000), "no answer"
+            reply, _ = decode(socket.recv_multipart())
+            assert isinstance(reply, Welcome) and not reply.accepted
+            assert f"a worker key cannot join as '{claimed}'" in reply.reason
+        finally:
+            context.destroy(linger=0)
 
 
 def test_a_bad_events_address_is_refused_and_the_router_carries_on(curve_cluster, keys_dir, tiny_model_dir):
