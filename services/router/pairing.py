@@ -1,4 +1,4 @@
-"""Picking the decode worker of a disaggregated request (docs/router.md §7).
+"""Picking the decode worker of a disaggregated request (docs/router.md §6).
 
 The prefill is placed by the placement policy over the engines that prefill; the decode
 worker is picked here, over the decode pool, by one cost in seconds: its decode load

@@ -106,7 +106,7 @@ class RouterService:
         ttl = config.index_ttl_s if config.index_mode == "approximate" else None
         cost = load_cost_model(config.profile)
         # The engines that prefill (co-located workers and the prefill pool), which the policy
-        # places on, and the decode pool, which pairing picks from (docs/router.md §7).
+        # places on, and the decode pool, which pairing picks from (docs/router.md §6).
         self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl)
         self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl)
         self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off

@@ -1,5 +1,5 @@
 """Picking the decode worker of a disaggregated request (services/router/pairing.py,
-docs/router.md §7), on constructed pool states with caller-given times."""
+docs/router.md §6), on constructed pool states with caller-given times."""
 import numpy as np
 
 from common.cost_model import TINY_CPU
