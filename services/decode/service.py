@@ -30,6 +30,8 @@ from common.sockets import send
 from services.worker.service import KvEventBuffer, WorkerService
 
 log = get_logger("decode")
+PULL_POLL_MS = 2
+UNREACHABLE_S = 5.0  # a KV peer whose handshake failed is not tried again for this long
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -80,6 +82,7 @@ class DecodeService(WorkerService):
         self.recomputed: set[str] = set()  # requests whose prompt (plus first token) is prefilled here
         self.landing: set[str] = set()  # imports whose next output is the first token, already streamed
         self.peers: set[str] = set()  # KV addresses handshaken with
+        self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
 
     def close(self) -> None:
         try:
@@ -129,9 +132,19 @@ class DecodeService(WorkerService):
                                         item.pull_started + self.config.kv_transfer_timeout_s)
 
     def _connect(self, address: str) -> None:
-        if address not in self.peers:
+        """Handshake once per peer; a peer that just failed one fails at once (a dead
+        prefill worker must not cost each of its requests a handshake timeout)."""
+        if address in self.peers:
+            return
+        if self.unreachable.get(address, 0.0) > time.monotonic():
+            raise ConnectionError(f"the KV peer {address} did not answer a handshake in the last {UNREACHABLE_S} s")
+        try:
             self.transport.connect(address)
-            self.peers.add(address)
+        except (TimeoutError, ConnectionError):
+            self.unreachable[address] = time.monotonic() + UNREACHABLE_S
+            raise
+        self.unreachable.pop(address, None)
+        self.peers.add(address)
 
     def _tend(self) -> None:
         now = time.monotonic()
@@ -154,8 +167,10 @@ class DecodeService(WorkerService):
                     self._pull_failed(item, result)
         self.kv_metrics.waiting.set(sum(item.kv_import is None for item in self.imports.values()))
 
-    def _busy(self) -> bool:
-        return bool(self.imports) or super()._busy()
+    def _wait_ms(self) -> int:
+        """While pulls run, look at them every PULL_POLL_MS rather than spin."""
+        wait_ms = super()._wait_ms()
+        return min(wait_ms, PULL_POLL_MS) if self.imports else wait_ms
 
     def _landed(self, item: Import) -> None:
         request_id = item.request.request_id

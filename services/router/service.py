@@ -432,13 +432,11 @@ class RouterService:
         prefill_worker_id = identity.decode(errors="replace")
         handoff = self.handoffs.get(ready.request_id)
         if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
-            log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
-            self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
-                                                prefill_worker_id=prefill_worker_id, action="release"))
+            self._drop_handoff(identity, prefill_worker_id, ready)
             return
         del self.handoffs[ready.request_id]
         now = time.monotonic()
-        placement = self.cluster.finish(ready.request_id, 1)
+        placement = self.cluster.finish(ready.request_id)
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
         member = self.members.get(prefill_worker_id)
@@ -455,13 +453,28 @@ class RouterService:
                 self.decode_pool.place(candidate, worker_id, now)
                 return
             tried |= {worker_id}
+        self._end_handoff(identity, prefill_worker_id, ready, "no decode worker could take the prefilled request")
+
+    def _drop_handoff(self, identity: bytes, prefill_worker_id: str, ready: KvReady) -> None:
+        """KvReady for a hand-off this router does not hold (it restarted since the
+        placement, say): the request cannot go on without its Generate, so it ends."""
+        log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
+        if self._placed_elsewhere(ready.request_id, prefill_worker_id):
+            self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+                                                prefill_worker_id=prefill_worker_id, action="release"))
+            return
+        self.cluster.finish(ready.request_id)
+        self._end_handoff(identity, prefill_worker_id, ready, "the router lost the request's hand-off "
+                                                             "(it restarted during the prefill)")
+
+    def _end_handoff(self, identity: bytes, prefill_worker_id: str, ready: KvReady, why: str) -> None:
+        """Release the lease and fail the request to its tokenizer."""
         self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
                                             prefill_worker_id=prefill_worker_id, action="release"))
         origin = self.origins.pop(ready.request_id, None)
         if origin is not None:
             self.metrics.placed.inc(outcome="unavailable")
-            self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE,
-                                      message="no decode worker could take the prefilled request"))
+            self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE, message=why))
 
     def _on_lease_update(self, identity: bytes, update: KvLeaseUpdate, _payloads) -> None:
         """A decode worker renews or releases a lease: pass it to the prefill worker."""

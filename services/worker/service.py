@@ -108,7 +108,8 @@ class WorkerMetrics:
 
 class WorkerService:
     """The co-located role; services/prefill and services/decode extend it through the
-    hooks `_start`, `_tokens`, `_abort`, `_tend` and `_busy`."""
+    hooks `_admit`, `_tokens`, `_abort`, `_tend`, `_wait_ms`, `_kv_address` and
+    `_handle_role_message`."""
 
     role = "worker"
 
@@ -230,9 +231,7 @@ class WorkerService:
         self.last_turn = time.monotonic()
         if self.rehello.is_set():
             self._rejoin()
-        busy = self._busy()
-        wait_ms = 0 if busy else int(self.config.heartbeat_interval_s * 500)
-        if self.router.poll(wait_ms):
+        if self.router.poll(self._wait_ms()):
             for _ in range(MAX_MESSAGES_PER_TURN):
                 self._handle_safely(*self._receive())
                 if not self.router.poll(0):
@@ -245,9 +244,9 @@ class WorkerService:
         if time.monotonic() - self.last_report >= self.config.heartbeat_interval_s:
             self._report()
 
-    def _busy(self) -> bool:
-        """Work to do without waiting for a message."""
-        return self.engine.has_unfinished()
+    def _wait_ms(self) -> int:
+        """How long a turn may wait for a message: not at all while the engine has work."""
+        return 0 if self.engine.has_unfinished() else int(self.config.heartbeat_interval_s * 500)
 
     def _tend(self) -> None:
         """Each turn, before the engine steps: the role's own upkeep (transfers, leases)."""
