@@ -101,3 +101,17 @@ def test_svc_up_gives_its_children_every_flag_it_was_given():
 
     assert _as_flags({"enable_prefix_caching": False, "max_model_len": 512, "insecure": True, "policy": None}) == \
         ["--max-model-len", "512", "--enable-prefix-caching", "False", "--insecure"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["up", "--prefill", "1"], "give both --prefill and --decode"),
+    (["up", "--decode", "2"], "give both --prefill and --decode"),
+    (["up", "--workers", "0"], "at least 1 worker, or a prefill and decode pool"),
+    (["up", "--workers", "10", "--prefill", "3", "--decode", "3"], "at most 15 engines"),
+    (["start", "decode", "--index", "15"], "must be in 0..14"),
+    (["start", "prefill", "--kv-transport", "rdma"], "'rdma' is not one of 'auto', 'ucx', 'zmq'"),
+    (["start", "decode", "--kv-load-failure-policy", "retry"], "'retry' is not one of 'recompute', 'fail'"),
+])
+def test_bad_pool_shapes_and_disaggregation_settings_fail_before_anything_starts(args, fragment):
+    done = svc(*args)
+    assert done.returncode != 0 and fragment in done.stderr
