@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drive a Baton cluster with concurrent requests and compare it with the in-process engine.
 
-    scripts/bench_serving.py [--address tcp://…:7101 | --url http://…:8000] [--json]
+    scripts/bench_serving.py [--address tcp://…:7101 | --url http://…:8000 | --pd] [--json]
                              [--concurrency 32] [--requests 64] [--repeats 5]
                              [--vllm-url http://…:8001]
 
@@ -15,6 +15,16 @@ generated tokens per second, TTFT and TPOT percentiles (as the clients saw them)
 `ratio_vs_inprocess` (of the medians) and `ttft_overhead_ms` (median TTFT through the
 services minus in-process). With --vllm-url the same requests go to a vLLM OpenAI server
 too (once, after the rounds).
+
+With --pd it compares two clusters of two engines each instead, both started here: a
+disaggregated one (`svc up --workers 0 --prefill 1 --decode 1 --max-local-prefill-tokens
+0`: every request's KV moves) and a co-located one (`svc up --workers 2`). Each round
+sends the same fresh prompts (none cached from an earlier round) to one, then the other;
+TTFT and TPOT (p50, p90) are medians over the rounds, and the disaggregated requests'
+TTFT split (services.eval.report.ttft_split, over every round's requests) says how long
+the workers queued, prefilled, waited and moved the KV, and the transfer's share of the
+time to the second token: the prefill worker streams the first token before the KV
+moves, so the transfer delays the second token, not the first.
 """
 from __future__ import annotations
 
@@ -46,7 +56,8 @@ def summarise(name: str, wall_s: float, records: list[dict]) -> dict:
     tpots = [r["tpot_s"] for r in records if r["tokens"] > 1]
     return {"name": name, "requests": len(records), "tokens": tokens, "wall_s": wall_s,
             "tok_s": tokens / wall_s, "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
-            "ttft_p99_ms": percentile(ttfts, 0.99) * 1000, "tpot_p50_ms": percentile(tpots, 0.5) * 1000,
+            "ttft_p90_ms": percentile(ttfts, 0.9) * 1000, "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
+            "tpot_p50_ms": percentile(tpots, 0.5) * 1000, "tpot_p90_ms": percentile(tpots, 0.9) * 1000,
             "tpot_p99_ms": percentile(tpots, 0.99) * 1000}
 
 
@@ -59,7 +70,9 @@ async def run_sdk(address: str, prompts: list[list[int]], max_tokens: int, concu
             async with gate:
                 result = await client.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0,
                                                ignore_eos=True)
-                return {"tokens": len(result.token_ids), "ttft_s": result.ttft_s, "tpot_s": result.tpot_s}
+                return {"tokens": len(result.token_ids), "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+                        "e2e_s": result.e2e_s, "second_token_s": result.second_token_s,
+                        "timings": result.timings}
 
         start = time.perf_counter()
         records = await asyncio.gather(*[one(p) for p in prompts])
@@ -139,9 +152,76 @@ def run_inprocess_batches(engine, prompts: list[list[int]], args: argparse.Names
 def median_run(runs: list[dict]) -> dict:
     """Each figure's median over the rounds (the name and counts of the first)."""
     merged = dict(runs[0])
-    for key in ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+    for key in ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+                "tpot_p99_ms"):
         merged[key] = statistics.median(run[key] for run in runs)
     return merged
+
+
+def split_of(records: list[dict]) -> dict | None:
+    """services.eval.report.ttft_split of SDK records (each as sent at 0): the same
+    definitions as `svc bench`'s TTFT split section."""
+    from services.eval.report import RequestRecord, ttft_split
+
+    return ttft_split([RequestRecord(str(i), "", 0.0, 0, output_tokens=r["tokens"], first_token_s=r["ttft_s"],
+                                     finish_s=r["e2e_s"],
+                                     second_token_s=r["second_token_s"] if r["tokens"] > 1 else None,
+                                     timings=r["timings"]) for i, r in enumerate(records)])
+
+
+def run_pd(args: argparse.Namespace, model_dir: Path) -> dict:
+    """The disaggregated cluster against the co-located one, same requests, alternating
+    rounds, both up for the whole run (see the module's docstring)."""
+    from services.local_cluster import start_cluster
+
+    flags = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    clusters = {}
+    try:
+        clusters["pd"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
+                                       extra=[*flags, "--max-local-prefill-tokens", "0"])
+        clusters["colocated"] = start_cluster(model_dir, workers=2, extra=flags)
+        rng = random.Random(args.seed)
+        for cluster in clusters.values():  # warm-up, on prompts of its own
+            asyncio.run(run_sdk(cluster.sdk, draw_prompts(rng, 4, args.prompt_len), 4, 4))
+        rounds: dict[str, list[dict]] = {name: [] for name in clusters}
+        pd_records: list[dict] = []
+        for _ in tqdm(range(args.repeats), desc="bench_serving --pd", unit="round", disable=None):
+            prompts = draw_prompts(rng, args.requests, args.prompt_len)
+            for name, cluster in clusters.items():
+                wall, records = asyncio.run(run_sdk(cluster.sdk, prompts, args.max_tokens, args.concurrency))
+                rounds[name].append(summarise(name, wall, records))
+                if name == "pd":
+                    pd_records += records
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    pd, colocated = median_run(rounds["pd"]), median_run(rounds["colocated"])
+    return {"pd": pd, "colocated": colocated, "ttft_split": split_of(pd_records),
+            "ttft_p50_delta_ms": pd["ttft_p50_ms"] - colocated["ttft_p50_ms"],
+            "tpot_p50_delta_ms": pd["tpot_p50_ms"] - colocated["tpot_p50_ms"],
+            "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency, "threads": args.threads, "repeats": args.repeats}
+
+
+def print_pd(report: dict) -> None:
+    print(f"{'run':<11}{'tok/s':>8}{'ttft p50':>11}{'ttft p90':>11}{'tpot p50':>11}{'tpot p90':>11}")
+    for row in (report["pd"], report["colocated"]):
+        print(f"{row['name']:<11}{row['tok_s']:>8.0f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p90_ms']:>9.1f}ms"
+              f"{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p90_ms']:>9.2f}ms")
+    split = report["ttft_split"]
+    if split is None:
+        print("pd: no request carried timings (none was disaggregated)")
+        return
+    print(f"pd split over {split['requests']} requests, ms p50/p90: "
+          + "  ".join(f"{name} {split[name + '_p50_s'] * 1000:.1f}/{split[name + '_p90_s'] * 1000:.1f}"
+                      for name in ("queue", "prefill", "decode_wait", "transfer")))
+    print(f"transfer_share_of_first_decode p50 {split['transfer_share_of_first_decode_p50']:.3f} "
+          f"p90 {split['transfer_share_of_first_decode_p90']:.3f} (transfer_s / time to the 2nd token, which "
+          "the transfer delays; the 1st token is streamed before it)")
+
+
+def draw_prompts(rng: random.Random, count: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(4, 500) for _ in range(length)] for _ in range(count)]
 
 
 def main() -> None:
@@ -149,6 +229,8 @@ def main() -> None:
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--address", help="a running cluster's SDK address")
     target.add_argument("--url", help="a running cluster's HTTP gateway")
+    target.add_argument("--pd", action="store_true", help="a disaggregated 1 prefill + 1 decode cluster against a "
+                        "co-located 2-worker one, both started here (see above)")
     parser.add_argument("--model", type=Path, help="checkpoint (default: the tiny default model)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
@@ -165,12 +247,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.pd and args.vllm_url:
+        parser.error("--pd takes no --vllm-url")
 
     from common.engine.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
+    if args.pd:
+        pd_report = run_pd(args, model_dir)
+        print_pd(pd_report)
+        if args.json:
+            print(json.dumps(pd_report))
+        return
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(4, 500) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    prompts = draw_prompts(rng, args.requests, args.prompt_len)
     cluster = None
     if not args.address and not args.url:
         from services.local_cluster import start_cluster

@@ -27,17 +27,28 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"
 
 @dataclass
 class StreamChunk:
-    """New tokens of a streaming request and the text they completed."""
+    """New tokens of a streaming request and the text they completed; the final chunk
+    (finished) carries the request's `timings` (see Result)."""
 
     request_id: str
     token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class Result:
+    """A finished request. ttft_s, second_token_s, tpot_s and e2e_s are measured here,
+    from sending the request (second_token_s: to the arrival of the output's second token;
+    0.0 with fewer than two). `timings` is the server's split of a disaggregated request,
+    in seconds: queue_s (arrival to first step on the prefill worker), prefill_s (first
+    step to first token), decode_wait_s (the KV handle's arrival at the decode worker to
+    the start of its pull) and transfer_s (the pull); {} for a request served by one
+    worker, and a key is missing where its step did not happen (no pull when the decode
+    worker held every block)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -48,6 +59,8 @@ class Result:
     tpot_s: float
     e2e_s: float
     logprobs: list[dict] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    second_token_s: float = 0.0
 
 
 def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
@@ -160,19 +173,26 @@ class Accumulator:
         self.request_id = request_id
         self.start = time.perf_counter()
         self.first_at: float | None = None
+        self.second_at: float | None = None
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict] = []
+        self.timings: dict[str, float] = {}
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> StreamChunk:
+        now = time.perf_counter()
         if self.first_at is None and chunk.token_ids:
-            self.first_at = time.perf_counter()
+            self.first_at = now
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
+        if self.second_at is None and len(self.token_ids) >= 2:
+            self.second_at = now
         self.logprobs.extend(chunk.logprobs)
+        self.timings.update(chunk.timings)
         self.last = chunk
-        return StreamChunk(self.request_id, list(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason)
+        return StreamChunk(self.request_id, list(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason,
+                           dict(chunk.timings))
 
     def result(self) -> Result:
         end = time.perf_counter()
@@ -182,7 +202,8 @@ class Accumulator:
         return Result(self.request_id, "".join(self.text), self.token_ids,
                       last.finish_reason if last else None, last.num_prompt_tokens if last else 0,
                       last.num_cached_tokens if last else 0, first - self.start,
-                      (end - first) / (count - 1) if count > 1 else 0.0, end - self.start, self.logprobs)
+                      (end - first) / (count - 1) if count > 1 else 0.0, end - self.start, self.logprobs,
+                      dict(self.timings), self.second_at - self.start if self.second_at is not None else 0.0)
 
 
 __all__ = ["Accumulator", "BatonError", "DEFAULT_ADDRESS", "Result", "StreamChunk", "build_submit",

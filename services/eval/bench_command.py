@@ -42,7 +42,11 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
           profile, scale, vocab_size, seed, slo_class, ttft_slo, tpot_slo, drain_timeout, as_json) -> None:
     """Send a workload to a running cluster, open loop (each request at its arrival time,
     never waiting for earlier ones), and report TTFT, TPOT, end-to-end latency, SLO
-    attainment, cache hit rate and fairness as the clients observed them."""
+    attainment, cache hit rate and fairness as the clients observed them. When requests
+    were disaggregated (through the SDK), a "TTFT split" section follows: the workers'
+    queue, prefill, decode wait and KV transfer times (p50, p90), and the transfer's share
+    of the time to the second token, which it delays (the prefill worker streams the first
+    token before the transfer)."""
     import asyncio
     import dataclasses
 
@@ -51,7 +55,7 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
     from common.cost_model import ProfileError
     from common.errors import BatonError
     from services.eval.loadgen import Target, WorkloadSpec, bench as run_bench, plan_requests
-    from services.eval.report import json_line, print_table
+    from services.eval.report import json_line, print_table, print_ttft_split
 
     if address and url:
         raise click.UsageError("give at most one of --address and --url")
@@ -83,6 +87,7 @@ def bench(workload, rate, load, duration, num_requests, arrivals, trace_path, ad
                    err=True)
     results = {result.key: result.summary}
     print_table(results)
+    print_ttft_split(results)
     if as_json:
         click.echo(json_line(results))
 

@@ -7,8 +7,10 @@ the offered load down. Each finished request becomes a report.RequestRecord: arr
 it was actually sent (run-relative), first token = arrival + TTFT, finish = arrival +
 end-to-end latency, as the client measured them; a Rejected error (overloaded) marks it
 rejected, any other request failure (timeout, worker lost, unavailable...) failed. The
-client does not learn which worker served a request, nor the queue/prefill/decode
-breakdown, so those fields stay empty.
+client does not learn which worker served a request, nor the simulator's breakdown, so
+those fields stay empty; through the SDK a record also gets its second token's time and
+the split the workers report for a disaggregated request (Result.timings), which the
+report's "ttft_split" section summarises.
 
 Two ways in: the ZeroMQ SDK (AsyncClient, `tcp://` addresses) and the OpenAI HTTP API
 (`http://` URLs, /v1/completions with the prompt as token ids, streamed).
@@ -42,6 +44,8 @@ class Outcome:
     e2e_s: float
     output_tokens: int
     num_cached_tokens: int
+    second_token_s: float | None = None  # None: fewer than two tokens, or not measured (HTTP)
+    timings: Mapping[str, float] = field(default_factory=dict)  # Result.timings ({} when co-located)
 
 
 Sender = Callable[[WorkloadRequest], Awaitable[Outcome]]  # raises BatonError when the request fails
@@ -195,6 +199,9 @@ def _complete(record: RequestRecord, outcome: Outcome) -> None:
     record.finish_s = record.arrival_s + outcome.e2e_s
     record.output_tokens = outcome.output_tokens
     record.num_cached_tokens = outcome.num_cached_tokens
+    if outcome.second_token_s is not None:
+        record.second_token_s = record.arrival_s + outcome.second_token_s
+    record.timings = dict(outcome.timings)
 
 
 # ---- senders -------------------------------------------------------------------------
@@ -202,12 +209,15 @@ def _complete(record: RequestRecord, outcome: Outcome) -> None:
 
 def sdk_sender(client, slo_class: str = "") -> Sender:
     """Send through an AsyncClient: the request's tokens, max_tokens = its output
-    length, EOS ignored, greedy."""
+    length, EOS ignored, greedy. The outcome keeps the result's second token time and
+    worker timings."""
 
     async def send(request: WorkloadRequest) -> Outcome:
         result = await client.generate(token_ids=request.token_ids.tolist(), max_tokens=request.output_tokens,
                                        temperature=0.0, ignore_eos=True, slo_class=slo_class)
-        return Outcome(result.ttft_s, result.e2e_s, len(result.token_ids), result.num_cached_tokens)
+        second = result.second_token_s if len(result.token_ids) >= 2 else None
+        return Outcome(result.ttft_s, result.e2e_s, len(result.token_ids), result.num_cached_tokens, second,
+                       result.timings)
 
     return send
 

@@ -19,7 +19,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -45,6 +45,12 @@ class RequestRecord:
     decode_s: float = 0.0
     ideal_s: float = 0.0  # service time alone on an idle worker (for slowdown); 0 = unknown
     worker_id: str = ""
+    # Live runs: the run-relative time of the second token (None: unknown, or fewer than
+    # two), and the split the workers reported for a disaggregated request (Result.timings:
+    # queue_s, prefill_s, decode_wait_s, transfer_s; {} when one worker served it). They
+    # feed the "ttft_split" section; the fields above are the simulator's.
+    second_token_s: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class SloLike(Protocol):
@@ -202,6 +208,47 @@ def _summarize_group(
     return summary
 
 
+SPLIT_KEYS = ("queue_s", "prefill_s", "decode_wait_s", "transfer_s")  # RequestRecord.timings' keys, in order
+
+
+def _ratio_stats(name: str, values: Sequence[float]) -> dict[str, float]:
+    return {f"{name}_p50": percentile(values, 50), f"{name}_p90": percentile(values, 90)}
+
+
+def ttft_split(records: Sequence[RequestRecord]) -> dict | None:
+    """Where the time of the disaggregated requests went, as their workers measured it;
+    None when no completed request carried timings (every one was served by one worker).
+
+    Over the completed requests with timings ("requests" of "completed"), each key's
+    median and p90 (`<key>_p50_s`, `<key>_p90_s`) among those that carry it (no
+    transfer_s where the decode worker already held every block). The prefill worker
+    streams the first token before the KV moves, so the transfer does not add to TTFT; it
+    delays the second token instead:
+      * transfer_share_of_first_decode_p50/_p90: per request, transfer_s / (time from
+        sending to the second token), over the requests with a transfer and a second
+        token (their count: second_token_requests; 0.0 when there are none);
+      * transfer_over_ttft_p50/_p90: per request, transfer_s / TTFT, a size comparison
+        (not a share: the two overlap, and it can exceed 1).
+    """
+    done = [r for r in records if is_completed(r)]
+    split = [r for r in done if r.timings]
+    if not split:
+        return None
+    section: dict[str, float] = {"requests": len(split), "completed": len(done)}
+    for key in SPLIT_KEYS:
+        values = [r.timings[key] for r in split if key in r.timings]
+        name = key.removesuffix("_s")
+        section.update({f"{name}_p50_s": percentile(values, 50), f"{name}_p90_s": percentile(values, 90)})
+    moved = [r for r in split if "transfer_s" in r.timings]
+    first_decode = [(r.timings["transfer_s"], r.second_token_s - r.arrival_s) for r in moved
+                    if r.second_token_s is not None and r.second_token_s > r.arrival_s]
+    section["second_token_requests"] = len(first_decode)
+    section.update(_ratio_stats("transfer_share_of_first_decode", [t / d for t, d in first_decode]))
+    section.update(_ratio_stats("transfer_over_ttft", [r.timings["transfer_s"] / ttft_of(r) for r in moved
+                                                       if ttft_of(r) > 0]))
+    return section
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slos: Mapping[str, SloLike],
@@ -229,7 +276,8 @@ def summarize(
         ("ideal", "e2e", or "none" when nothing completed).
       * max_slowdown: the largest e2e / ideal_s; 0.0 when no ideal time is known.
     "overall" adds the run totals: duration_s, gpus, evictions, eviction_recompute_s,
-    transfer_bytes. Classes are listed by name.
+    transfer_bytes. Classes are listed by name. A live run whose requests carried worker
+    timings adds "ttft_split" (see `ttft_split`).
     """
     overall = _summarize_group(records, slos, totals.duration_s, totals.gpus, attainment)
     overall.update(
@@ -248,7 +296,11 @@ def summarize(
         name: _summarize_group(by_class[name], slos, totals.duration_s, totals.gpus, attainment)
         for name in sorted(by_class)
     }
-    return {"overall": overall, "classes": classes}
+    result = {"overall": overall, "classes": classes}
+    split = ttft_split(records)
+    if split is not None:
+        result["ttft_split"] = split
+    return result
 
 
 # --- output -----------------------------------------------------------------------------
@@ -290,10 +342,37 @@ def print_table(results: Mapping[str, dict], file: TextIO | None = None) -> None
         print("  ".join(cells), file=out)
 
 
+def print_ttft_split(results: Mapping[str, dict], file: TextIO | None = None) -> None:
+    """Each policy's "ttft_split" section, when it has one (see `ttft_split`): the
+    workers' p50/p90 in milliseconds, then the transfer's share of the time to the
+    second token (or, when no request had a second token, transfer / TTFT)."""
+    out = file if file is not None else sys.stdout
+    for policy, result in results.items():
+        split = result.get("ttft_split")
+        if split is None:
+            continue
+        print(f"TTFT split, {policy}: {split['requests']:d} of {split['completed']:d} completed requests "
+              "disaggregated (worker-measured, ms)", file=out)
+        print(f"  {'':<12}{'p50':>9}{'p90':>9}", file=out)
+        for name in (key.removesuffix("_s") for key in SPLIT_KEYS):
+            print(f"  {name:<12}{split[name + '_p50_s'] * 1000:>9.1f}{split[name + '_p90_s'] * 1000:>9.1f}",
+                  file=out)
+        if split["second_token_requests"]:
+            print(f"  transfer_share_of_first_decode p50 {split['transfer_share_of_first_decode_p50']:.3f}  "
+                  f"p90 {split['transfer_share_of_first_decode_p90']:.3f}: transfer_s / (sending to the 2nd "
+                  "token); the 1st token comes from the prefill worker before the transfer, so the transfer "
+                  "delays the 2nd token, not the 1st", file=out)
+        else:
+            print(f"  transfer_over_ttft p50 {split['transfer_over_ttft_p50']:.3f}  "
+                  f"p90 {split['transfer_over_ttft_p90']:.3f}: transfer_s / TTFT, a size comparison only "
+                  "(no request had a 2nd token; the transfer does not add to TTFT)", file=out)
+
+
 def reported(results: Mapping[str, dict]) -> dict:
     """Each policy's result as reported in JSON: {"overall": ..., "classes": ...} and, for
-    a simulated run, "simulation" (the simulator's own speed)."""
-    return {name: {key: r[key] for key in ("overall", "classes", "simulation") if key in r}
+    a simulated run, "simulation" (the simulator's own speed), for a live run with worker
+    timings, "ttft_split"."""
+    return {name: {key: r[key] for key in ("overall", "classes", "simulation", "ttft_split") if key in r}
             for name, r in results.items()}
 
 

@@ -12,6 +12,8 @@ retry_after_s, and so are those sent that it never acknowledged as placed (Place
 streams already running go on, since workers push tokens here directly.
 Tokens for a request this tokenizer does not know (it restarted, or the request ended
 here first) make it abort that request upstream, so no worker computes for nobody.
+The timings workers attach to a disaggregated request's Tokens (its queue, prefill, decode
+wait and KV transfer) are checked, merged over its stream and sent on its final Chunk.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ STREAM_QUEUE_LIMIT = 4096
 ROUTER_WAIT_S = 10.0
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 RECENT_ABORTS = 4096  # unknown requests already aborted upstream, so each is aborted once
+TIMING_KEYS = frozenset({"queue_s", "prefill_s", "decode_wait_s", "transfer_s"})  # Tokens.timings' known keys
 
 
 @dataclass
@@ -97,6 +100,24 @@ class RequestState:
     lost_workers: set[str] = field(default_factory=set)  # a late token from these is stale
     sink: Callable[[object], None] | None = None  # takes events directly (SDK) instead of `queue`
     timer: asyncio.TimerHandle | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # the valid Tokens.timings so far, merged
+
+
+def valid_timings(message: Tokens) -> dict[str, float]:
+    """The entries of a worker's `Tokens.timings` kept for the client: a known key
+    (TIMING_KEYS) with a finite, non-negative number. A worker's message is input from
+    outside this process: anything else is dropped, with a debug log."""
+    kept: dict[str, float] = {}
+    dropped: list[str] = []
+    for key, value in message.timings.items():
+        if key in TIMING_KEYS and type(value) in (int, float) and 0 <= value < math.inf:
+            kept[key] = float(value)
+        else:
+            dropped.append(key[:64])
+    if dropped:
+        log.debug("timings_dropped", request_id=message.request_id, worker_id=message.worker_id,
+                  keys=dropped[:8], count=len(dropped))
+    return kept
 
 
 class TokenizerMetrics:
@@ -328,6 +349,7 @@ class TokenizerService:
         if state is None or state.done or message.worker_id in state.lost_workers:
             return
         state.placed = True
+        state.timings.update(valid_timings(message))
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
             self._arm_request_timer(state)
@@ -564,7 +586,8 @@ class TokenizerService:
             self._queue_chunk(identity, Chunk(
                 request_id=client_id, token_ids=item.token_ids, text=item.text, finished=item.finished,
                 finish_reason=item.finish_reason, num_prompt_tokens=item.num_prompt_tokens,
-                num_cached_tokens=item.num_cached_tokens, logprobs=item.logprobs))
+                num_cached_tokens=item.num_cached_tokens, logprobs=item.logprobs,
+                timings=dict(state.timings) if item.finished else {}))
             if not item.finished:
                 return
             self._record_finish(state, item)

@@ -1,18 +1,22 @@
-"""The tokenizer role in process, against a stand-in router socket: what it sends the router."""
+"""The tokenizer role in process, against a stand-in router socket: what it sends the router,
+and what a real SDK client streams when a stand-in worker pushes tokens to it."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from common.config import ClusterConfig, SloClass
 from common.errors import InvalidRequest, ServerUnavailable
-from common.protocol import Abort, Generate, Placed, Status, StatusRequest, Tokens, decode, encode
+from common.protocol import Abort, Generate, Placed, Status, StatusRequest, Tokens, TokensBatch, decode, encode
 from common.sampling_params import SamplingParams
+from services.client import AsyncClient, StreamChunk
 from services.local_cluster import free_port_base
 from services.tokenizer.service import TokenizerService
 
@@ -153,3 +157,68 @@ def test_when_the_router_is_lost_what_it_never_placed_fails_as_unavailable(tiny_
     elapsed, error, placed_ended = asyncio.run(run())
     assert elapsed < config.worker_timeout_s + 0.5 and error.retry_after_s > 0
     assert not placed_ended  # the placed request is on its worker: it waits for its tokens
+
+
+def test_the_final_chunk_carries_the_valid_timings_merged_over_the_stream(tiny_model_dir):
+    """A disaggregated request's first tokens come from its prefill worker, its last from
+    its decode worker, each with part of the split; what is not a known key with a finite,
+    non-negative number is dropped (a worker's message is outside input), and the tokens
+    and their text flow as they would without timings."""
+    config = ClusterConfig(port_base=free_port_base())
+    stream = [
+        Tokens(request_id="", token_ids=[9], worker_id="prefill-0",
+               timings={"queue_s": 0.01, "prefill_s": 0.02, "bogus_s": 1.0}),
+        Tokens(request_id="", token_ids=[10], worker_id="decode-1"),
+        Tokens(request_id="", token_ids=[11], finished=True, finish_reason="length", worker_id="decode-1",
+               timings={"decode_wait_s": 0.003, "transfer_s": 4, "queue_s": math.nan, "prefill_s": -1.0,
+                        "extra_s": math.inf}),
+    ]
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream))
+    assert [chunk.token_ids for chunk in chunks] == [[9], [10], [11]]
+    assert [chunk.timings for chunk in chunks[:-1]] == [{}, {}]
+    assert chunks[-1].finished and chunks[-1].timings == {"queue_s": 0.01, "prefill_s": 0.02,
+                                                          "decode_wait_s": 0.003, "transfer_s": 4.0}
+
+
+def test_a_request_served_by_one_worker_ends_with_no_timings(tiny_model_dir):
+    config = ClusterConfig(port_base=free_port_base())
+    stream = [Tokens(request_id="", token_ids=[9], worker_id="worker-0"),
+              Tokens(request_id="", token_ids=[10], finished=True, finish_reason="length", worker_id="worker-0")]
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream))
+    assert [chunk.token_ids for chunk in chunks] == [[9], [10]] and chunks[-1].timings == {}
+
+
+async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Tokens]) -> list[StreamChunk]:
+    """The chunks a real SDK client streams for one request when its worker pushes
+    `stream` (request ids filled in) to the tokenizer's stream socket."""
+    context, router = _stand_in_router(config)
+    worker = context.socket(zmq.PUSH)
+    worker.setsockopt(zmq.LINGER, 0)
+    service = TokenizerService(config, model_dir)
+    # As if the router had just answered a status request (the client asks for it first).
+    service.last_status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0)
+    service.last_status_at = time.monotonic()
+    loops = [asyncio.ensure_future(loop()) for loop in (service._sdk_loop, service._stream_loop)]
+    client = AsyncClient(config.advertised(config.sdk), timeout_s=10)
+    chunks: list[StreamChunk] = []
+
+    async def read() -> None:
+        async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=len(stream)):
+            chunks.append(chunk)
+
+    reading = asyncio.ensure_future(read())
+    try:
+        generate, _ = decode((await asyncio.wait_for(router.recv_multipart(), 10))[1:])
+        assert isinstance(generate, Generate)
+        worker.connect(generate.stream_address)
+        items = [msgspec.structs.replace(tokens, request_id=generate.request_id) for tokens in stream]
+        await worker.send_multipart(encode(TokensBatch(items=items)))
+        await asyncio.wait_for(reading, 10)
+        return chunks
+    finally:
+        for task in [reading, *loops]:
+            task.cancel()
+        await asyncio.gather(reading, *loops, return_exceptions=True)
+        await client.close()
+        service.close()
+        context.destroy(linger=0)

@@ -42,6 +42,18 @@ def test_open_loop_sends_at_the_arrival_times_without_waiting_for_answers():
     assert (record.output_tokens, record.num_cached_tokens, record.num_prompt_tokens) == (3, 16, 16)
 
 
+def test_a_record_keeps_the_second_token_time_and_the_worker_timings():
+    timings = {"queue_s": 0.01, "prefill_s": 0.05, "decode_wait_s": 0.0, "transfer_s": 0.02}
+
+    async def send(req: WorkloadRequest) -> Outcome:
+        return Outcome(ttft_s=0.1, e2e_s=0.5, output_tokens=3, num_cached_tokens=0, second_token_s=0.2,
+                       timings=timings)
+
+    record = asyncio.run(open_loop([request(0, 0.0)], send, drain_timeout_s=5)).records[0]
+    assert record.second_token_s == pytest.approx(record.arrival_s + 0.2)
+    assert record.timings == timings
+
+
 def test_open_loop_counts_rejections_failures_and_abandoned_requests():
     async def send(req: WorkloadRequest) -> Outcome:
         if req.request_id == "r0":

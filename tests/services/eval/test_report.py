@@ -22,6 +22,7 @@ from services.eval.report import (
     percentile,
     plot_sweep,
     print_table,
+    print_ttft_split,
     summarize,
     tpot_of,
 )
@@ -178,6 +179,57 @@ def test_table_prints_each_policy_and_its_classes():
     assert lines[1].startswith("round_robin") and lines[4].startswith("prefix_aware")
     assert lines[2].startswith("  batch") and lines[3].startswith("  chat")
     assert "0.400" in lines[1]  # overall attainment
+
+
+def _disaggregated_records() -> list[RequestRecord]:
+    return [
+        RequestRecord("a", "chat", 0.0, 100, output_tokens=11, first_token_s=0.2, second_token_s=0.3, finish_s=1.2,
+                      timings={"queue_s": 0.01, "prefill_s": 0.1, "decode_wait_s": 0.002, "transfer_s": 0.03}),
+        # the decode worker held every block: no transfer
+        RequestRecord("b", "chat", 1.0, 100, output_tokens=5, first_token_s=1.5, second_token_s=1.6, finish_s=2.0,
+                      timings={"queue_s": 0.03, "prefill_s": 0.3, "decode_wait_s": 0.0}),
+        RequestRecord("c", "chat", 0.0, 100, output_tokens=3, first_token_s=0.1, finish_s=0.3),  # co-located
+        RequestRecord("d", "chat", 0.0, 100, failed=True, timings={"queue_s": 9.0}),  # not completed
+    ]
+
+
+def test_the_ttft_split_summarises_the_disaggregated_requests_worker_timings():
+    split = summarize(_disaggregated_records(), {}, TOTALS)["ttft_split"]
+    assert (split["requests"], split["completed"], split["second_token_requests"]) == (2, 3, 1)
+    assert split["queue_p50_s"] == pytest.approx(0.02) and split["queue_p90_s"] == pytest.approx(0.028)
+    assert split["prefill_p50_s"] == pytest.approx(0.2) and split["prefill_p90_s"] == pytest.approx(0.28)
+    assert split["decode_wait_p50_s"] == pytest.approx(0.001)
+    assert split["transfer_p50_s"] == split["transfer_p90_s"] == pytest.approx(0.03)  # a alone moved KV
+    # a: 0.03 of the 0.3 s to its second token; of its TTFT (which the transfer does not delay) 0.03 / 0.2
+    assert split["transfer_share_of_first_decode_p50"] == pytest.approx(0.1)
+    assert split["transfer_over_ttft_p50"] == pytest.approx(0.15)
+    assert json.loads(json_line({"live": summarize(_disaggregated_records(), {}, TOTALS)}))["live"]["ttft_split"] \
+        == pytest.approx(split)
+
+
+def test_a_run_without_timings_has_no_split_section():
+    result = summarize(_records(), SLOS, TOTALS)
+    out = io.StringIO()
+    print_ttft_split({"live": result}, file=out)
+    assert "ttft_split" not in result and out.getvalue() == ""
+
+
+def test_the_split_section_prints_each_step_and_the_transfer_share():
+    out = io.StringIO()
+    print_ttft_split({"live": summarize(_disaggregated_records(), {}, TOTALS)}, file=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("TTFT split, live: 2 of 3 completed requests disaggregated")
+    assert [line.split() for line in lines[2:6]] == [["queue", "20.0", "28.0"], ["prefill", "200.0", "280.0"],
+                                                     ["decode_wait", "1.0", "1.8"], ["transfer", "30.0", "30.0"]]
+    assert lines[6].split()[:5] == ["transfer_share_of_first_decode", "p50", "0.100", "p90", "0.100:"]
+
+
+def test_without_a_second_token_the_transfer_is_compared_with_ttft():
+    one_token = RequestRecord("a", "chat", 0.0, 100, output_tokens=1, first_token_s=0.2, finish_s=0.2,
+                              timings={"transfer_s": 0.05})
+    out = io.StringIO()
+    print_ttft_split({"live": summarize([one_token], {}, TOTALS)}, file=out)
+    assert out.getvalue().splitlines()[-1].split()[:3] == ["transfer_over_ttft", "p50", "0.250"]
 
 
 def test_plot_sweep_writes_pngs(tmp_path):
