@@ -7,7 +7,10 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY kernels ./kernels
 COPY services ./services
+# EXTRAS=engine,ucx adds UCX for the KV transfer between prefill and decode workers
+# (without it kv_transport = auto moves KV over ZeroMQ).
+ARG EXTRAS=engine
 RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir ".[engine]"
+    && pip install --no-cache-dir ".[${EXTRAS}]"
 ENV BATON_CACHE_DIR=/cache PYTHONUNBUFFERED=1
 ENTRYPOINT ["svc"]

@@ -2,7 +2,8 @@
 
 `make_transport(setting, …)` picks the data plane: `ucx` (ucxx tag messages, in place),
 `zmq` (ZeroMQ frames) or `auto` (UCX when it starts, else ZeroMQ with a warning), and
-logs which it chose. Both implement KvTransport (transport.py).
+logs which it chose. Both implement KvTransport (transport.py), over a CPU or a CUDA
+pool (pool.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from common.config import KV_TRANSPORTS
 from common.kv_transfer.plan import PlanError, PoolGeometry, compat_hash, plan_pieces
+from common.kv_transfer.pool import pool_bytes
 from common.kv_transfer.transport import (
     HandshakeRefused,
     KvTransport,
@@ -19,14 +21,15 @@ from common.kv_transfer.transport import (
     PullResult,
     TransferEvent,
     TransferOptions,
-    pool_bytes,
 )
 from common.kv_transfer.zmq_transport import ZmqTransport
 from common.logs import get_logger
 from common.sockets import Security
 
 if TYPE_CHECKING:
-    from common.engine.kv_cache import KVCache  # torch: only for the annotation
+    import torch  # only for the annotations
+
+    from common.engine.kv_cache import KVCache
 
 
 log = get_logger("kv_transfer")
@@ -41,7 +44,7 @@ def ucx_available() -> str | None:
     return None
 
 
-def make_transport(setting: str, pool: np.ndarray, geometry: PoolGeometry, model_fingerprint: str,
+def make_transport(setting: str, pool: np.ndarray | torch.Tensor, geometry: PoolGeometry, model_fingerprint: str,
                    security: Security, peer_id: str, options: TransferOptions | None = None) -> KvTransport:
     """The transport `kv_transport = setting` asks for. `ucx` fails loudly if UCX cannot
     start; `auto` falls back to ZeroMQ with a warning. The choice is made here, once, and
@@ -66,7 +69,8 @@ def make_transport(setting: str, pool: np.ndarray, geometry: PoolGeometry, model
 
 def transport_for_cache(setting: str, cache: KVCache, model_fingerprint: str, security: Security, peer_id: str,
                         options: TransferOptions | None = None) -> KvTransport:
-    """`make_transport` over an engine's KV cache (a CPU pool; ValueError otherwise)."""
+    """`make_transport` over an engine's KV cache: a CPU pool, or a CUDA one (which UCX
+    moves in GPU memory and ZeroMQ stages through host memory); ValueError otherwise."""
     return make_transport(setting, pool_bytes(cache), PoolGeometry(cache.layout, cache.num_blocks),
                           model_fingerprint, security, peer_id, options)
 

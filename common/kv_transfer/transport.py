@@ -33,7 +33,6 @@ import msgspec
 import numpy as np
 import zmq
 
-from common.kv_transfer.memory import advise_huge_pages
 from common.kv_transfer.plan import (
     Piece,
     PlanError,
@@ -44,6 +43,7 @@ from common.kv_transfer.plan import (
     first_mismatch,
     plan_pieces,
 )
+from common.kv_transfer.pool import as_pool
 from common.logs import get_logger
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -61,7 +61,7 @@ from common.protocol import (
 from common.sockets import Security, check_endpoint
 
 if TYPE_CHECKING:
-    from common.engine.kv_cache import KVCache  # torch: only for the annotation
+    import torch  # only for the annotation: the transports import it only for a CUDA pool
 
 T = TypeVar("T")
 
@@ -216,21 +216,20 @@ class KvTransport:
     name = "base"
     default_piece_bytes = 1 << 20
 
-    def __init__(self, pool: np.ndarray, geometry: PoolGeometry, model_fingerprint: str, security: Security,
-                 peer_id: str, options: TransferOptions | None = None):
-        """`pool` is the flat uint8 view of the whole KV pool (see `pool_bytes`): the only
-        memory the transport ever reads or writes, registered once here."""
-        if pool.dtype != np.uint8 or pool.ndim != 1 or not pool.flags.c_contiguous:
-            raise ValueError("pool must be a flat, contiguous uint8 array")
-        if pool.nbytes != geometry.pool_bytes:
-            raise ValueError(f"pool has {pool.nbytes} bytes, its geometry {geometry.pool_bytes}")
+    def __init__(self, pool: np.ndarray | torch.Tensor, geometry: PoolGeometry, model_fingerprint: str,
+                 security: Security, peer_id: str, options: TransferOptions | None = None):
+        """`pool` is the flat uint8 view of the whole KV pool (see `pool_bytes`): a numpy
+        array (CPU) or a CUDA tensor (pool.py), the only memory the transport ever reads or
+        writes."""
+        self.pool = as_pool(pool)
+        if self.pool.nbytes != geometry.pool_bytes:
+            raise ValueError(f"pool has {self.pool.nbytes} bytes, its geometry {geometry.pool_bytes}")
         self.options = options or TransferOptions()
         if not self.options.max_piece_bytes:
             self.options = replace(self.options, max_piece_bytes=self.default_piece_bytes)
         if not MIN_PIECE_BYTES <= self.options.max_piece_bytes <= MAX_PIECE_BYTES:
             raise ValueError(f"max_piece_bytes must be in [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}]")
-        self.pool = pool
-        self.huge_pages = advise_huge_pages(pool) if self.options.huge_pages else "off"
+        self.huge_pages = self.pool.advise_huge_pages() if self.options.huge_pages else "off"
         self.geometry = geometry
         self.compat = compat_of(geometry, model_fingerprint)
         self.compat_hash = compat_hash(self.compat)
@@ -247,7 +246,8 @@ class KvTransport:
         self._exposures: dict[str, _Exposure] = {}
         self._settling: list[_Serve] = []
         self._poller = zmq.Poller()
-        self._start_data_plane()  # may raise (UCX that does not start): nothing to undo yet
+        with self.pool.current():  # a CUDA pool's device is current where UCX starts
+            self._start_data_plane()  # may raise (UCX that does not start): nothing to undo yet
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -281,7 +281,9 @@ class KvTransport:
 
     def expose(self, transfer_id: str, block_ids: list[int], lease_s: float) -> None:
         """Let a peer pull these blocks under `transfer_id` until the lease ends; the
-        exposure ends with one TransferEvent (see `next_event`)."""
+        exposure ends with one TransferEvent (see `next_event`). The caller's writes to the
+        blocks must be queued already: a CUDA pool waits for the caller's stream here."""
+        self.pool.settle_caller()
         self._call(self._do_expose, transfer_id, list(block_ids), lease_s)
 
     def renew(self, transfer_id: str, lease_s: float) -> bool:
@@ -295,7 +297,9 @@ class KvTransport:
     def pull(self, peer: str, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int],
              deadline: float) -> PullHandle:
         """Pull the peer's exposed `src_block_ids` into our `dst_block_ids` (same order),
-        ending by `deadline` (time.monotonic() seconds) at the latest."""
+        ending by `deadline` (time.monotonic() seconds) at the latest. A CUDA pool first
+        waits for the caller's stream, whose kernels may still use the destination blocks."""
+        self.pool.settle_caller()
         handle = PullHandle(transfer_id)
         self._call(self._do_pull, peer, transfer_id, list(src_block_ids), list(dst_block_ids), deadline, handle)
         return handle
@@ -377,6 +381,7 @@ class KvTransport:
     # ---- the service loop ----------------------------------------------------------------
 
     def _serve_forever(self) -> None:
+        self.pool.bind_thread()
         while self._running:
             try:
                 self._turn()
@@ -846,12 +851,3 @@ class KvTransport:
         """True once no send of this serve reads the source blocks any more."""
         return True
 
-
-def pool_bytes(cache: KVCache) -> np.ndarray:
-    """The flat uint8 numpy view of a KVCache's pool (CPU), sharing its memory."""
-    import torch
-
-    data = cache.data
-    if data.device.type != "cpu" or not data.is_contiguous():
-        raise ValueError("the KV transports move CPU pools only (a contiguous tensor)")
-    return data.view(-1).view(torch.uint8).numpy()

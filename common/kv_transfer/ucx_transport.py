@@ -1,4 +1,6 @@
-"""KV bytes over UCX (ucxx's tag send/receive), read and written in place in the pools.
+"""KV bytes over UCX (ucxx's tag send/receive), read and written in place in the pools:
+host memory, or GPU memory for a CUDA pool (pool.py: its pieces are tensor slices, which
+UCX's CUDA transports copy, between processes on one host by CUDA IPC).
 
 ucxx's Python API has no one-sided get/put, so a pull posts one tag receive per piece
 into a view of its destination blocks, then asks; the server sends each piece from a view
@@ -52,6 +54,10 @@ class UcxTransport(KvTransport):
 
         self._api, self._array = ucx_api, Array
         self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        if self.pool.on_device and not self._context.cuda_support:
+            raise RuntimeError("this UCX has no CUDA support (a UCX built without CUDA, or UCX_TLS without "
+                               "cuda_copy), so it cannot move a GPU pool: kv_transport = zmq stages it "
+                               "through host memory")
         self._worker = ucx_api.UCXWorker(self._context)
         # The service loop sleeps in its poll on UCX's event fd too, instead of spinning.
         self._worker.init_blocking_progress_mode()
@@ -105,7 +111,7 @@ class UcxTransport(KvTransport):
 
     def _post_receives(self, pull: _Pull) -> None:
         for index, piece in enumerate(pull.pieces):
-            view = self.pool[piece.dst_offset:piece.dst_offset + piece.length]
+            view = self.pool.view(piece.dst_offset, piece.length)
             pull.requests.append(self._worker.tag_recv(self._array(view), self._api.UCXXTag(_tag(pull.nonce, index))))
 
     def _collect_receives(self, pull: _Pull) -> None:
@@ -154,7 +160,7 @@ class UcxTransport(KvTransport):
         endpoint = serve.client.ucx_endpoint
         while serve.next_index < len(serve.pieces) and len(serve.in_flight) < self.options.window:
             piece = serve.pieces[serve.next_index]
-            view = self.pool[piece.src_offset:piece.src_offset + piece.length]
+            view = self.pool.view(piece.src_offset, piece.length)
             tag = self._api.UCXXTag(_tag(serve.nonce, serve.next_index))
             serve.in_flight.append(endpoint.tag_send(self._array(view), tag))
             serve.next_index += 1

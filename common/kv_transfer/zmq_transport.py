@@ -1,5 +1,6 @@
 """KV bytes over the ZeroMQ control socket itself: KvData messages of about
-`message_bytes`, one frame per piece, sent without copying from the source pool.
+`message_bytes`, one frame per piece, sent without copying from a CPU source pool (a
+CUDA pool's pieces are copied to host memory first, and to the GPU as they land: pool.py).
 
 The server's frames are views of its pool handed to ZeroMQ with copy=False and tracked,
 so a serve counts as settled only once ZeroMQ has let go of every one of them. The
@@ -52,7 +53,7 @@ class ZmqTransport(KvTransport):
         serve.in_flight = [tracker for tracker in serve.in_flight if not tracker.done]
         while serve.next_index < len(serve.groups) and len(serve.in_flight) < self.options.window:
             first, end = serve.groups[serve.next_index]
-            views = [self.pool[piece.src_offset:piece.src_offset + piece.length] for piece in serve.pieces[first:end]]
+            views = [self.pool.to_host(piece.src_offset, piece.length) for piece in serve.pieces[first:end]]
             frames = [serve.client.identity, *encode(KvData(serve.exposure.transfer_id, serve.nonce, first), views)]
             try:
                 tracker = self._bound_server.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
@@ -80,7 +81,7 @@ class ZmqTransport(KvTransport):
             return
         for index, payload in enumerate(payloads, data.first_piece):
             piece = pull.pieces[index]
-            self.pool[piece.dst_offset:piece.dst_offset + piece.length] = payload
+            self.pool.from_host(piece.dst_offset, payload)
             self._piece_landed(pull, piece.length)
 
     def _data_problem(self, pull: _Pull, data: KvData, payloads: list[np.ndarray]) -> str | None:

@@ -2,11 +2,13 @@
 
 The serving side runs in a spawned child process that fills its pool from a seed and
 takes commands over a pipe; the pulling side is this process. UCX cases skip only where
-ucxx does not import.
+ucxx does not import. The `cuda` cases move GPU pools (both sides on the GPU) and run
+only with BATON_TEST_DEVICE=cuda (scripts/check_cuda.sh, stage kv-transfer).
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from dataclasses import replace
 
@@ -38,6 +40,9 @@ GEOMETRY = PoolGeometry(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, bloc
                         num_blocks=64)
 FINGERPRINT = "model-a"
 SERVER_SEED = 7
+TEST_DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
+DEVICES = ["cpu", pytest.param(TEST_DEVICE, id="cuda", marks=pytest.mark.skipif(
+    not TEST_DEVICE.startswith("cuda"), reason="GPU pools: run with BATON_TEST_DEVICE=cuda"))]
 WAIT_S = 20.0  # no single wait in these tests may take longer than this
 
 
@@ -45,9 +50,34 @@ def seeded_pool(geometry: PoolGeometry, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, geometry.pool_bytes, dtype=np.uint8)
 
 
-def block_bytes(pool: np.ndarray, geometry: PoolGeometry, block: int) -> bytes:
+def on_device(pool: np.ndarray, device: str):
+    """The pool a transport is given: the array itself on the CPU, a copy as a flat uint8
+    tensor on a GPU."""
+    if device == "cpu":
+        return pool
+    import torch
+
+    return torch.from_numpy(pool).to(device)
+
+
+def host(pool) -> np.ndarray:
+    """A pool's bytes as a numpy array (a copy of a GPU pool's)."""
+    return pool if isinstance(pool, np.ndarray) else pool.cpu().numpy()
+
+
+def write(pool, start: int, data: np.ndarray) -> None:
+    """Overwrite pool bytes from `start` on, as an engine writing KV would."""
+    if isinstance(pool, np.ndarray):
+        pool[start:start + data.nbytes] = data
+    else:
+        import torch
+
+        pool[start:start + data.nbytes].copy_(torch.from_numpy(data))
+
+
+def block_bytes(pool, geometry: PoolGeometry, block: int) -> bytes:
     """Every byte of `block`: its run in each plane, in plane order."""
-    size = geometry.plane_block_bytes
+    pool, size = host(pool), geometry.plane_block_bytes
     return b"".join(pool[geometry.offset(plane, block):geometry.offset(plane, block) + size].tobytes()
                     for plane in range(geometry.num_planes))
 
@@ -58,9 +88,9 @@ def _security(keys_dir: str = "", role: str = "decode") -> Security:
 
 
 def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, options: TransferOptions,
-           keys_dir: str) -> None:
+           keys_dir: str, device: str) -> None:
     """The child: serve a seeded pool and answer the test's commands until told to stop."""
-    pool = seeded_pool(geometry, SERVER_SEED)
+    pool = on_device(seeded_pool(geometry, SERVER_SEED), device)
     security = _security(keys_dir, role="prefill")
     server = make_transport(transport, pool, geometry, fingerprint, security, "prefill-0", options)
     conn.send(server.listen("tcp://127.0.0.1:0"))
@@ -82,11 +112,12 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
 
 class ServerProcess:
     def __init__(self, transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str = FINGERPRINT,
-                 options: TransferOptions | None = None, keys_dir: str = ""):
+                 options: TransferOptions | None = None, keys_dir: str = "", device: str = "cpu"):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child, transport, geometry, fingerprint,
-                                                            options or TransferOptions(), keys_dir), daemon=True)
+                                                            options or TransferOptions(), keys_dir, device),
+                                       daemon=True)
         self.process.start()
         self.geometry = geometry
         self.address = self._answer()
@@ -126,8 +157,9 @@ def spawn_server():
 
 
 def puller(transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str = FINGERPRINT,
-           options: TransferOptions | None = None, seed: int = 11, security: Security | None = None):
-    pool = seeded_pool(geometry, seed)
+           options: TransferOptions | None = None, seed: int = 11, security: Security | None = None,
+           device: str = "cpu"):
+    pool = on_device(seeded_pool(geometry, seed), device)
     return make_transport(transport, pool, geometry, fingerprint, security or _security(), "decode-0",
                           options), pool
 
@@ -153,19 +185,22 @@ def test_plan_refuses_bad_block_lists(src, dst):
         plan_pieces(GEOMETRY, GEOMETRY, src, dst, 1 << 20)
 
 
-def test_geometry_offsets_match_the_engine_pool_tensor():
+@pytest.mark.parametrize("device", DEVICES)
+def test_geometry_offsets_match_the_engine_pool_tensor(device):
     import torch
 
     from common.engine.kv_cache import KVCache
 
     layout = GEOMETRY.layout
-    cache = KVCache(layout, GEOMETRY.num_blocks, torch.device("cpu"))
+    cache = KVCache(layout, GEOMETRY.num_blocks, torch.device(device))
     cache.data.copy_(torch.randn(cache.data.shape))
     flat = pool_bytes(cache)
+    assert isinstance(flat, np.ndarray) == (device == "cpu")  # a GPU pool stays a tensor, in GPU memory
+    flat = host(flat)
     geometry = PoolGeometry(layout, cache.num_blocks)
     assert flat.nbytes == geometry.pool_bytes and geometry.bytes_per_block == layout.bytes_per_block
     block, slots = 5, slice(5 * GEOMETRY.layout.block_size, 6 * GEOMETRY.layout.block_size)
-    expected = b"".join(cache.data[layer, kv, slots].contiguous().view(torch.uint8).numpy().tobytes()
+    expected = b"".join(cache.data[layer, kv, slots].cpu().contiguous().view(torch.uint8).numpy().tobytes()
                         for layer in range(GEOMETRY.layout.num_layers) for kv in range(2))
     assert block_bytes(flat, geometry, block) == expected
 
@@ -193,10 +228,12 @@ def test_selection_by_setting_and_fallback(monkeypatch):
 
 # ---- transfers between processes -------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_pulled_blocks_equal_the_source_and_the_server_learns_done(spawn_server, transport):
-    server = spawn_server(transport)
-    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=8 << 10, message_bytes=20 << 10))
+def test_pulled_blocks_equal_the_source_and_the_server_learns_done(spawn_server, transport, device):
+    server = spawn_server(transport, device=device)
+    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=8 << 10, message_bytes=20 << 10),
+                          device=device)
     with client:
         peer = client.connect(server.address)
         src = [3, 4, 5, 6, 20, 40, 41, 2, 63]  # runs, singles, a step back
@@ -320,13 +357,14 @@ def test_lease_expires_without_a_pull(spawn_server, transport):
     assert server.event(5.0)[:2] == ("req-5", "expired")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server, transport):
+def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server, transport, device):
     """The server is slowed and deaf to the cancel, so it keeps sending after it; the
     destination blocks are reused at once with new bytes, which must stay as written."""
     sender = TransferOptions(send_pause_s=0.02, max_piece_bytes=4 << 10, ignore_puller_end=True)
-    server = spawn_server(transport, options=sender)
-    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+    server = spawn_server(transport, options=sender, device=device)
+    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10), device=device)
     with client:
         peer = client.connect(server.address)
         blocks = list(range(1, GEOMETRY.num_blocks, 2))  # no runs: one small piece per block and plane
@@ -342,7 +380,7 @@ def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server
         for block in blocks:  # another request now owns these blocks and writes its own KV
             for plane in range(GEOMETRY.num_planes):
                 start = GEOMETRY.offset(plane, block)
-                pool[start:start + GEOMETRY.plane_block_bytes] = reused[start:start + GEOMETRY.plane_block_bytes]
+                write(pool, start, reused[start:start + GEOMETRY.plane_block_bytes])
         expected = {block: block_bytes(pool, GEOMETRY, block) for block in blocks}
         late_before = client.counters_snapshot()["late_frames"]
         deadline = time.monotonic() + WAIT_S
@@ -350,6 +388,17 @@ def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server
             time.sleep(0.02)  # the deaf server goes on sending: let several late pieces arrive
         assert client.counters_snapshot()["late_frames"] >= late_before + 5
         assert all(block_bytes(pool, GEOMETRY, block) == expected[block] for block in blocks)
+
+
+def test_a_pool_is_a_flat_uint8_array_or_a_cuda_tensor():
+    import torch
+
+    with pytest.raises(ValueError, match="flat, contiguous uint8 array"):
+        make_transport("zmq", np.zeros(GEOMETRY.pool_bytes // 4, dtype=np.float32), GEOMETRY, FINGERPRINT,
+                       _security(), "x")
+    with pytest.raises(ValueError, match="CUDA tensor, not Tensor on cpu"):  # a CPU pool is given as numpy
+        make_transport("zmq", torch.zeros(GEOMETRY.pool_bytes, dtype=torch.uint8), GEOMETRY, FINGERPRINT,
+                       _security(), "x")
 
 
 def test_huge_pages_keep_the_pool_contents():
@@ -380,10 +429,11 @@ def test_with_curve_only_decode_workers_get_a_handshake(spawn_server, transport,
         assert block_bytes(pool, GEOMETRY, 7) == block_bytes(source, GEOMETRY, 5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_concurrent_pulls_from_one_peer_each_land_in_their_own_blocks(spawn_server, transport):
-    server = spawn_server(transport)
-    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+def test_concurrent_pulls_from_one_peer_each_land_in_their_own_blocks(spawn_server, transport, device):
+    server = spawn_server(transport, device=device)
+    client, pool = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10), device=device)
     with client:
         peer = client.connect(server.address)
         jobs = {"a": ([1, 2, 3], [40, 41, 42]), "b": ([3, 9, 27], [5, 6, 7]), "c": ([60, 61], [20, 22])}

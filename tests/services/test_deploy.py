@@ -1,22 +1,41 @@
-"""compose.yaml: every service is a valid `svc start` invocation of the shared config."""
+"""compose.yaml: every service is a valid `svc start` invocation of the shared config,
+by default and with the P/D profile (`docker compose --profile pd up`)."""
 import subprocess
 import sys
+import tomllib
 
 import yaml
 
-from common.config import load_config
+from common.config import KV_PORT_OFFSET, MAX_ENGINES, load_config
 from services.local_cluster import REPO
 
 MOUNTED_CONFIG = "/etc/baton/cluster.toml"
+ENGINE_ROLES = ("worker", "prefill", "decode")
+PD_KEYS = ("kv_transport", "kv_transfer_timeout_s", "max_local_prefill_tokens", "kv_load_failure_policy",
+           "kv_lease_ttl_s")
 
 
 def compose() -> dict:
     return yaml.safe_load((REPO / "compose.yaml").read_text())
 
 
+def flag(service: dict, name: str) -> str:
+    """The value of `name` in a service's command."""
+    command = service["command"]
+    return command[command.index(name) + 1]
+
+
+def test_the_default_stays_co_located_and_the_pd_profile_adds_prefill_and_decode():
+    services = compose()["services"]
+    default = {name for name, service in services.items() if "profiles" not in service}
+    assert default == {"keys", "router", "worker", "tokenizer"}
+    assert {name for name in services if name not in default} == {"prefill", "decode"}
+    assert all(services[name]["profiles"] == ["pd"] for name in ("prefill", "decode"))
+
+
 def test_every_service_runs_a_valid_svc_start(tmp_path):
     services = compose()["services"]
-    assert set(services) == {"keys", "router", "worker", "tokenizer"}
+    assert set(services) == {"keys", "router", "worker", "prefill", "decode", "tokenizer"}
     keys = services.pop("keys")
     keys_dir = tmp_path / "keys"
     done = _svc([*(str(keys_dir) if part == "/keys" else part for part in keys["command"])], tmp_path, {})
@@ -46,8 +65,35 @@ def test_health_checks_probe_the_ports_the_config_gives():
     probes = {name: " ".join(service["healthcheck"]["test"]) for name, service in services.items()
               if name != "keys"}
     assert f":{config.router_metrics_port}/health" in probes["router"]
-    assert f":{config.worker_metrics_port(0)}/health" in probes["worker"]
+    for role in ENGINE_ROLES:
+        assert f":{config.worker_metrics_port(int(flag(services[role], '--index')))}/health" in probes[role], role
     assert f":{config.http_port}/health" in probes["tokenizer"]
+
+
+def test_engines_have_their_own_index_and_advertise_their_service_name():
+    services = compose()["services"]
+    indexes = [int(flag(services[role], "--index")) for role in ENGINE_ROLES]
+    assert len(set(indexes)) == len(indexes) and all(0 <= index < MAX_ENGINES for index in indexes)
+    for role in ENGINE_ROLES:
+        assert flag(services[role], "--advertise-host") == role  # peers dial the compose service name
+        assert flag(services[role], "--router-address") == "tcp://router:7100"
+        assert services[role]["depends_on"] == {"router": {"condition": "service_healthy"}}
+
+
+def test_the_prefill_worker_exposes_the_kv_port_the_config_gives():
+    config = load_config(REPO / "deploy" / "cluster.toml", env={})
+    prefill = compose()["services"]["prefill"]
+    index = int(flag(prefill, "--index"))
+    kv_port = int(config.worker_kv_address(index).rsplit(":", 1)[1])
+    assert kv_port == config.port_base + KV_PORT_OFFSET + index
+    assert [str(port) for port in prefill["expose"]] == [str(kv_port)]
+
+
+def test_the_cluster_file_sets_every_pd_key_and_they_parse():
+    raw = tomllib.loads((REPO / "deploy" / "cluster.toml").read_text())
+    assert set(PD_KEYS) <= set(raw["disaggregation"])  # documented where an operator looks
+    config = load_config(REPO / "deploy" / "cluster.toml", env={})
+    assert {key: getattr(config, key) for key in PD_KEYS} == raw["disaggregation"]
 
 
 def test_device_flag_is_checked_with_the_config():
