@@ -200,6 +200,10 @@ class Tokens(msgspec.Struct, forbid_unknown_fields=True):
     num_cached_tokens: int = 0
     logprobs: list[dict[str, Any]] = []
     timings: dict[str, float] = {}  # a disaggregated request's split: queue_s, prefill_s, decode_wait_s, transfer_s
+    # The output index of token_ids[0], where two workers send the same tokens: a
+    # disaggregated request's first token comes from its prefill worker and again from
+    # its decode worker, on two connections, in either order. -1: append.
+    position: int = -1
 
 
 class Error(msgspec.Struct, forbid_unknown_fields=True):

@@ -30,6 +30,7 @@ from typing import cast
 
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace
 
 from common.config import ClusterConfig, UnknownSloClass
 from common.detokenizer import IncrementalDetokenizer
@@ -350,6 +351,10 @@ class TokenizerService:
             return
         state.placed = True
         state.timings.update(valid_timings(message))
+        unseen = _unseen(message, state.tokens_sent)
+        if unseen is None:
+            return
+        message = unseen
         if state.first_token_at is None and message.token_ids:
             state.first_token_at = time.monotonic()
             self._arm_request_timer(state)
@@ -621,3 +626,14 @@ class TokenizerService:
             await self.sdk.send_multipart([identity, *encode(message)], copy=False)
         except zmq.ZMQError as error:  # the client is gone
             log.info("client_gone", error=str(error))
+
+
+def _unseen(message: Tokens, tokens_sent: int) -> Tokens | None:
+    """`message` less the tokens the request has already had (a message that gives their
+    output position may repeat some: wire.md §2); None if nothing is left to deliver."""
+    seen = tokens_sent - message.position if message.position >= 0 else 0
+    if seen <= 0:
+        return message
+    if seen >= len(message.token_ids) and not message.finished:
+        return None
+    return replace(message, token_ids=message.token_ids[seen:], logprobs=message.logprobs[seen:])

@@ -180,6 +180,21 @@ def test_the_final_chunk_carries_the_valid_timings_merged_over_the_stream(tiny_m
                                                           "decode_wait_s": 0.003, "transfer_s": 4.0}
 
 
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_token_sent_by_both_workers_of_a_handoff_is_delivered_once(tiny_model_dir, prefill_first):
+    """The first token comes from the prefill worker and again, at position 0, from the
+    decode worker; the two connections may deliver in either order."""
+    config = ClusterConfig(port_base=free_port_base())
+    from_prefill = [Tokens(request_id="", token_ids=[9], worker_id="prefill-0", position=0)]
+    from_decode = [Tokens(request_id="", token_ids=[9, 10], worker_id="decode-1", position=0),
+                   Tokens(request_id="", token_ids=[11], finished=True, finish_reason="length",
+                          worker_id="decode-1")]
+    stream = from_prefill + from_decode if prefill_first else from_decode + from_prefill
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream, max_tokens=3))
+    assert [token for chunk in chunks for token in chunk.token_ids] == [9, 10, 11]
+    assert chunks[-1].finished
+
+
 def test_a_request_served_by_one_worker_ends_with_no_timings(tiny_model_dir):
     config = ClusterConfig(port_base=free_port_base())
     stream = [Tokens(request_id="", token_ids=[9], worker_id="worker-0"),
@@ -188,7 +203,8 @@ def test_a_request_served_by_one_worker_ends_with_no_timings(tiny_model_dir):
     assert [chunk.token_ids for chunk in chunks] == [[9], [10]] and chunks[-1].timings == {}
 
 
-async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Tokens]) -> list[StreamChunk]:
+async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Tokens],
+                            max_tokens: int | None = None) -> list[StreamChunk]:
     """The chunks a real SDK client streams for one request when its worker pushes
     `stream` (request ids filled in) to the tokenizer's stream socket."""
     context, router = _stand_in_router(config)
@@ -203,7 +219,7 @@ async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Token
     chunks: list[StreamChunk] = []
 
     async def read() -> None:
-        async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=len(stream)):
+        async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=max_tokens or len(stream)):
             chunks.append(chunk)
 
     reading = asyncio.ensure_future(read())
