@@ -291,7 +291,7 @@ class RouterService:
             if placement is not None:  # still known here: nothing to take back
                 continue
             pool.resume(running.request_id, hello.worker_id, running.num_prompt_tokens,
-                                max(running.max_tokens - running.output_tokens, 1), now)
+                        max(running.max_tokens - running.output_tokens, 1), now)
             self.origins[running.request_id] = running.origin.encode()
         return abort
 
