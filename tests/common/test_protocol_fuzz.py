@@ -23,8 +23,11 @@ from common.protocol import (
     KvData,
     KvEnd,
     KvEvents,
+    KvHandle,
     KvHello,
+    KvLeaseUpdate,
     KvPull,
+    KvReady,
     KvWelcome,
     MessageType,
     Placed,
@@ -75,7 +78,12 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.KV_PULL: (KvPull("r-1", 5, [1, 2, 3], [7, 8, 9], 2.5, 1 << 20), []),
     MessageType.KV_DATA: (KvData("r-1", 5, 0), [np.arange(8, dtype=np.uint8), np.zeros(3, dtype=np.uint8)]),
     MessageType.KV_END: (KvEnd("r-1", 5, "failed", "timeout", "deadline passed"), []),
+    MessageType.KV_READY: (KvReady("r-1", "ab" * 16, [4, 5, 6], [2**63, 7], 40, 9, queue_s=0.01, prefill_s=0.2), []),
+    MessageType.KV_LEASE: (KvLeaseUpdate("r-1", "ab" * 16, "prefill-1", "renew"), []),
 }
+# A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
+HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",
+                      kv_handle=KvHandle("prefill-1", "tcp://127.0.0.1:7141", "ab" * 16, [4, 5, 6], [1, 2], 40, 9))
 
 
 def frames_of(kind: MessageType) -> list[bytes]:
@@ -179,6 +187,8 @@ def test_every_message_type_has_a_valid_example_that_round_trips():
         message, payloads = decode(frames_of(kind))
         assert message == VALID[kind][0]
         assert [p.tolist() for p in payloads] == [p.tolist() for p in VALID[kind][1]]
+    message, payloads = decode([bytes(frame) for frame in encode(HANDED_OFF, [[5, 6, 7]])])
+    assert message == HANDED_OFF and payloads[0].tolist() == [5, 6, 7]
 
 
 def test_oversized_and_deeply_nested_bodies_are_protocol_errors():
