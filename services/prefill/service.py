@@ -56,6 +56,7 @@ class PrefillService(WorkerService):
         self.kv_metrics = PrefillMetrics(self.registry)
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
+        self.ready: list[KvReady] = []  # hand-offs of this step, sent once its tokens are pushed
         try:
             self.bound_kv_address = self.transport.listen(config.worker_kv_address(index))
         except BaseException:
@@ -103,7 +104,7 @@ class PrefillService(WorkerService):
             self.engine.release_lease(lease.lease_id, lease.request_id)
             return replace(tokens, finished=True, finish_reason="length")
         self.exposed[lease.lease_id] = lease.request_id
-        send(self.router, KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
+        self.ready.append(KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
                                   block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
                                   num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
                                   queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6)))
@@ -111,6 +112,16 @@ class PrefillService(WorkerService):
         self._forget(output.request_id, "handed_off", report=False)
         return replace(tokens, finished=False, finish_reason=None,
                        timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Push the step's tokens, then hand the requests off: a decode worker's tokens
+        must not reach the tokenizer before the first token they follow."""
+        try:
+            super()._emit(outputs)
+        finally:
+            ready, self.ready = self.ready, []
+            for message in ready:
+                send(self.router, message)
 
     # ---- leases --------------------------------------------------------------------
 
