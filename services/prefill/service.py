@@ -6,8 +6,10 @@ out, either it ends the request (end of sequence, a stop, max_tokens = 1: the le
 let go at once) or the blocks stay held: the KV transport exposes them under the lease
 id for `kv_lease_ttl_s`, the token goes to the tokenizer unfinished, and KvReady tells
 the router, which picks the decode worker. The exposure's one TransferEvent (pulled,
-failed, cancelled, expired, withdrawn) frees the blocks, and only once no send reads
-them any more; an exposure that could not be made sure of keeps its blocks out of use.
+failed, cancelled, expired, withdrawn) frees the blocks, normally once no send reads
+them any more. A send to a puller that died may never complete (UCX without peer error
+handling); those blocks are freed all the same, since a send only reads them and the
+puller settles or quarantines its own receives (services/decode/service.py).
 The transport's lease is the one clock: the decode worker renews it through the router
 while the request waits there for room (KvLeaseUpdate), and a lost decode worker costs
 at most one lease of held blocks.
@@ -159,10 +161,9 @@ class PrefillService(WorkerService):
         if request_id is None:
             return
         self.kv_metrics.exposures.inc(outcome=event.status)
-        if not event.settled:  # a send may still read these blocks: never reuse them
-            log.error("kv_blocks_quarantined", request_id=request_id, status=event.status, reason=event.reason)
-            return
-        if event.status != "done":
+        if not event.settled:  # a send still pending (its puller gone) only reads the blocks
+            log.error("kv_sends_unsettled", request_id=request_id, status=event.status, reason=event.reason)
+        elif event.status != "done":
             log.warning("kv_lease_ended", request_id=request_id, status=event.status, reason=event.reason)
         self.engine.release_lease(event.transfer_id, request_id)
 
