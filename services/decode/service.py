@@ -182,7 +182,9 @@ class DecodeService(WorkerService):
     def _pull_failed(self, item: Import, result: PullResult) -> None:
         """Settle a pull that did not complete, then apply kv_load_failure_policy."""
         request_id = item.request.request_id
-        self.kv_metrics.failures.inc(cause=result.code or result.status)
+        # The transports give the code as an ErrorCode or as its value: label with the value.
+        cause = result.code.value if isinstance(result.code, ErrorCode) else result.code or result.status
+        self.kv_metrics.failures.inc(cause=cause)
         log.warning("kv_pull_failed", request_id=request_id, status=result.status, code=result.code,
                     reason=result.reason, policy=self.config.kv_load_failure_policy)
         del self.imports[request_id]

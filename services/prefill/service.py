@@ -6,8 +6,10 @@ out, either it ends the request (end of sequence, a stop, max_tokens = 1: the le
 let go at once) or the blocks stay held: the KV transport exposes them under the lease
 id for `kv_lease_ttl_s`, the token goes to the tokenizer unfinished, and KvReady tells
 the router, which picks the decode worker. The exposure's one TransferEvent (pulled,
-failed, cancelled, expired, withdrawn) frees the blocks, and only once no send reads
-them any more; an exposure that could not be made sure of keeps its blocks out of use.
+failed, cancelled, expired, withdrawn) frees the blocks, normally once no send reads
+them any more. A send to a puller that died may never complete (UCX without peer error
+handling); those blocks are freed all the same, since a send only reads them and the
+puller settles or quarantines its own receives (services/decode/service.py).
 The transport's lease is the one clock: the decode worker renews it through the router
 while the request waits there for room (KvLeaseUpdate), and a lost decode worker costs
 at most one lease of held blocks.
@@ -56,6 +58,7 @@ class PrefillService(WorkerService):
         self.kv_metrics = PrefillMetrics(self.registry)
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
+        self.ready: list[KvReady] = []  # hand-offs of this step, sent once its tokens are pushed
         try:
             self.bound_kv_address = self.transport.listen(config.worker_kv_address(index))
         except BaseException:
@@ -103,7 +106,7 @@ class PrefillService(WorkerService):
             self.engine.release_lease(lease.lease_id, lease.request_id)
             return replace(tokens, finished=True, finish_reason="length")
         self.exposed[lease.lease_id] = lease.request_id
-        send(self.router, KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
+        self.ready.append(KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
                                   block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
                                   num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
                                   queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6)))
@@ -111,6 +114,16 @@ class PrefillService(WorkerService):
         self._forget(output.request_id, "handed_off", report=False)
         return replace(tokens, finished=False, finish_reason=None,
                        timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Push the step's tokens, then hand the requests off: a decode worker's tokens
+        must not reach the tokenizer before the first token they follow."""
+        try:
+            super()._emit(outputs)
+        finally:
+            ready, self.ready = self.ready, []
+            for message in ready:
+                send(self.router, message)
 
     # ---- leases --------------------------------------------------------------------
 
@@ -148,10 +161,9 @@ class PrefillService(WorkerService):
         if request_id is None:
             return
         self.kv_metrics.exposures.inc(outcome=event.status)
-        if not event.settled:  # a send may still read these blocks: never reuse them
-            log.error("kv_blocks_quarantined", request_id=request_id, status=event.status, reason=event.reason)
-            return
-        if event.status != "done":
+        if not event.settled:  # a send still pending (its puller gone) only reads the blocks
+            log.error("kv_sends_unsettled", request_id=request_id, status=event.status, reason=event.reason)
+        elif event.status != "done":
             log.warning("kv_lease_ended", request_id=request_id, status=event.status, reason=event.reason)
         self.engine.release_lease(event.transfer_id, request_id)
 
