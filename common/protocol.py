@@ -158,6 +158,7 @@ class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
     first_token_id: int
     queue_s: float = 0.0  # on the prefill worker: arrival to first step
     prefill_s: float = 0.0  # on the prefill worker: first step to first token
+    first_logprob: dict[str, Any] | None = None  # the first token's, when the request asked for logprobs
 
 
 class Generate(msgspec.Struct, forbid_unknown_fields=True):
@@ -228,6 +229,7 @@ class KvReady(msgspec.Struct, forbid_unknown_fields=True):
     first_token_id: int
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    first_logprob: dict[str, Any] | None = None
 
 
 class KvLeaseUpdate(msgspec.Struct, forbid_unknown_fields=True):

@@ -80,7 +80,10 @@ class DecodeService(WorkerService):
         self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
         self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
         self.recomputed: set[str] = set()  # requests whose prompt (plus first token) is prefilled here
-        self.landing: set[str] = set()  # imports whose next output is the first token, already streamed
+        # Request id -> the prefill worker's first token (and its logprob), sent again with
+        # the request's next output at position 0: the tokenizer may get this copy first.
+        self.replay: dict[str, tuple[int, dict | None]] = {}  # ... for a request recomputed here
+        self.landing: dict[str, dict | None] = {}  # ... for an import: its output holds the token already
         self.peers: set[str] = set()  # KV addresses handshaken with
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
 
@@ -176,7 +179,7 @@ class DecodeService(WorkerService):
         request_id = item.request.request_id
         del self.imports[request_id]
         self.timings[request_id] = item.timings
-        self.landing.add(request_id)
+        self.landing[request_id] = item.handle.first_logprob
         self._emit([self.engine.complete_import(request_id)])
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
@@ -213,6 +216,7 @@ class DecodeService(WorkerService):
             self._fail(request.request_id, ErrorCode.KV_TRANSFER_FAILED, f"recompute refused: {error}")
             return
         self.recomputed.add(request.request_id)
+        self.replay[request.request_id] = (item.handle.first_token_id, item.handle.first_logprob)
         self.kv_metrics.recomputed.inc()
 
     def _give_up(self, item: Import, code: ErrorCode, why: str) -> None:
@@ -228,6 +232,7 @@ class DecodeService(WorkerService):
         item = self.imports.pop(request_id, None)
         if item is None:
             self.recomputed.discard(request_id)
+            self.replay.pop(request_id, None)
             self.timings.pop(request_id, None)
             return super()._abort(request_id)
         if item.pull is not None and not item.pull.done() and not self.transport.cancel(item.handle.lease_id):
@@ -245,11 +250,13 @@ class DecodeService(WorkerService):
         if tokens is None:
             return None
         request_id = output.request_id
-        if request_id in self.landing:  # the client has had this token from the prefill worker
-            self.landing.discard(request_id)
-            if not output.finished:
-                return None
-            tokens = replace(tokens, token_ids=[], logprobs=[])
+        if request_id in self.landing:  # complete_import's output: the first token, sent again
+            logprob = self.landing.pop(request_id)
+            tokens = replace(tokens, position=0, logprobs=[logprob] if logprob else [])
+        elif request_id in self.replay:
+            first, logprob = self.replay.pop(request_id)
+            tokens = replace(tokens, token_ids=[first, *tokens.token_ids], position=0,
+                             logprobs=[logprob, *tokens.logprobs] if logprob else tokens.logprobs)
         if request_id in self.recomputed:
             tokens = replace(tokens, num_prompt_tokens=tokens.num_prompt_tokens - 1)
         if output.finished:

@@ -109,10 +109,11 @@ class PrefillService(WorkerService):
         self.ready.append(KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
                                   block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
                                   num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
-                                  queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6)))
+                                  queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6),
+                                  first_logprob=output.logprobs[0] if output.logprobs else None))
         self._note_progress(output)
         self._forget(output.request_id, "handed_off", report=False)
-        return replace(tokens, finished=False, finish_reason=None,
+        return replace(tokens, finished=False, finish_reason=None, position=0,
                        timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
