@@ -152,6 +152,7 @@ class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
     prefill_worker_id: str
     kv_address: str
     lease_id: str
+    prefill_instance_id: str  # the prefill process (Hello.instance_id): a restart there needs a new handshake
     block_ids: list[int]  # block_ids[i] holds the prompt's tokens [i·block_size, (i+1)·block_size)
     block_hashes: list[int]  # the names of the full blocks
     num_tokens: int

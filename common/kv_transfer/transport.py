@@ -279,6 +279,11 @@ class KvTransport:
             raise
         return address
 
+    def disconnect(self, address: str) -> None:
+        """Forget the server at `address` (a new process serves there now): its running
+        pulls fail, and the next `connect` handshakes anew."""
+        self._call(self._drop_peer, address)
+
     def expose(self, transfer_id: str, block_ids: list[int], lease_s: float) -> None:
         """Let a peer pull these blocks under `transfer_id` until the lease ends; the
         exposure ends with one TransferEvent (see `next_event`). The caller's writes to the

@@ -84,7 +84,7 @@ class DecodeService(WorkerService):
         # the request's next output at position 0: the tokenizer may get this copy first.
         self.replay: dict[str, tuple[int, dict | None]] = {}  # ... for a request recomputed here
         self.landing: dict[str, dict | None] = {}  # ... for an import: its output holds the token already
-        self.peers: set[str] = set()  # KV addresses handshaken with
+        self.peers: dict[str, str] = {}  # KV address handshaken with -> the prefill process (instance id) there
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
 
     def close(self) -> None:
@@ -110,7 +110,7 @@ class DecodeService(WorkerService):
         """Take blocks and start the pull; leaves the import waiting when there is no room."""
         request, handle = item.request, item.handle
         try:
-            self._connect(handle.kv_address)
+            self._connect(handle.kv_address, handle.prefill_instance_id)
             kv_import = self.engine.import_request(request.request_id, item.prompt_ids, handle.first_token_id,
                                                    params_from_sampling(request.sampling), request.tenant,
                                                    handle.block_hashes)
@@ -134,11 +134,16 @@ class DecodeService(WorkerService):
         item.pull = self.transport.pull(handle.kv_address, handle.lease_id, source, list(kv_import.dst_block_ids),
                                         item.pull_started + self.config.kv_transfer_timeout_s)
 
-    def _connect(self, address: str) -> None:
-        """Handshake once per peer; a peer that just failed one fails at once (a dead
-        prefill worker must not cost each of its requests a handshake timeout)."""
-        if address in self.peers:
+    def _connect(self, address: str, instance_id: str) -> None:
+        """Handshake once per prefill process; a peer that just failed one fails at once (a
+        dead prefill worker must not cost each of its requests a handshake timeout)."""
+        known = self.peers.get(address)
+        if known == instance_id:
             return
+        if known is not None:  # the prefill worker there restarted: its handshake is gone
+            self.transport.disconnect(address)
+            del self.peers[address]
+            self.unreachable.pop(address, None)
         if self.unreachable.get(address, 0.0) > time.monotonic():
             raise ConnectionError(f"the KV peer {address} did not answer a handshake in the last {UNREACHABLE_S} s")
         try:
@@ -147,7 +152,7 @@ class DecodeService(WorkerService):
             self.unreachable[address] = time.monotonic() + UNREACHABLE_S
             raise
         self.unreachable.pop(address, None)
-        self.peers.add(address)
+        self.peers[address] = instance_id
 
     def _tend(self) -> None:
         now = time.monotonic()

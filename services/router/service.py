@@ -440,10 +440,12 @@ class RouterService:
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
         member = self.members.get(prefill_worker_id)
-        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=member.hello.kv_address if member else "",
-                          lease_id=ready.lease_id, block_ids=ready.block_ids, block_hashes=ready.block_hashes,
-                          num_tokens=ready.num_tokens, first_token_id=ready.first_token_id,
-                          queue_s=ready.queue_s, prefill_s=ready.prefill_s, first_logprob=ready.first_logprob)
+        hello = member.hello if member else None
+        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address if hello else "",
+                          prefill_instance_id=hello.instance_id if hello else "", lease_id=ready.lease_id,
+                          block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
+                          first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
+                          first_logprob=ready.first_logprob)
         request = replace(handoff.request, kv_handle=handle)
         candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), handoff.prompt,
                                              request.sampling.max_tokens, now, request.slo_class)

@@ -83,7 +83,8 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",
-                      kv_handle=KvHandle("prefill-1", "tcp://127.0.0.1:7141", "ab" * 16, [4, 5, 6], [1, 2], 40, 9))
+                      kv_handle=KvHandle("prefill-1", "tcp://127.0.0.1:7141", "ab" * 16, "i-1", [4, 5, 6], [1, 2],
+                                         40, 9))
 
 
 def frames_of(kind: MessageType) -> list[bytes]:

@@ -460,10 +460,6 @@ def test_with_the_fail_policy_a_dead_prefill_worker_fails_the_request_typed(stri
     wait_idle(strict)
 
 
-@pytest.mark.xfail(strict=True, raises=KvTransferFailed, reason=(
-    "the decode worker's KV transport keeps its handshake with the killed prefill process: connect() "
-    "returns at once for an accepted peer, and the restarted server refuses every pull with 'no "
-    "accepted handshake from this peer' (the fix belongs in common/kv_transfer)"))
 def test_pulls_from_a_restarted_prefill_worker_succeed(strict, engine, random_prompts):
     """Once the supervisor has restarted a SIGKILLed prefill worker, a request's KV is
     pulled from the new process (under `fail`, a refused pull would fail the request)."""
