@@ -116,9 +116,10 @@ def _health(port: int) -> dict:
 def child_env(**extra: str) -> dict[str, str]:
     """os.environ for a child Python that must import this checkout: the repo first on
     PYTHONPATH, the caller's entries kept after it (wheels unpacked beside a system torch,
-    say, as scripts/check_cuda.sh runs; replacing them hid those packages), plus `extra`."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **extra)
+    say, as scripts/check_cuda.sh runs; replacing them hid those packages), plus `extra`
+    (whose PYTHONPATH, if it gives one, comes after the repo's instead of the caller's)."""
+    pythonpath = extra.pop("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), pythonpath])))
 
 
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,

@@ -99,9 +99,8 @@ def no_ucx(make_cluster, tmp_path_factory):
     shadow = tmp_path_factory.mktemp("no_ucx")
     (shadow / "ucxx").mkdir()
     (shadow / "ucxx" / "__init__.py").write_text('raise ImportError("ucxx is hidden by the test")\n')
-    with pytest.MonkeyPatch.context() as patch:  # child_env keeps the caller's PYTHONPATH entries
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")])))
-        cluster = make_cluster(workers=0, prefill=1, decode=1, extra=PD_FLAGS)
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+    cluster = make_cluster(workers=0, prefill=1, decode=1, extra=PD_FLAGS, env={"PYTHONPATH": path})
     yield cluster
     cluster.stop()
 
