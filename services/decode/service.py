@@ -45,6 +45,8 @@ class DecodeMetrics:
         self.blocks_reused = registry.counter("baton_kv_import_blocks_reused_total",
                                               "Prompt blocks not pulled: this worker held them by hash")
         self.waiting = registry.gauge("baton_kv_imports_waiting", "Handed-off requests waiting for KV room")
+        self.renewals = registry.counter("baton_kv_lease_renewals_total",
+                                         "Lease renewals sent for requests waiting here for room")
         self.recomputed = registry.counter("baton_kv_imports_recomputed_total",
                                            "Requests whose pull failed and whose prompt was computed here")
 
@@ -164,6 +166,7 @@ class DecodeService(WorkerService):
                         and now - item.renewed >= renew_every:
                     item.renewed = now
                     self._update_lease(item, "renew")
+                    self.kv_metrics.renewals.inc()
             elif item.pull is not None and item.pull.done():
                 result = item.pull.wait(0)
                 if result.status == "done":

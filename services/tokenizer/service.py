@@ -630,7 +630,7 @@ class TokenizerService:
 
 def _unseen(message: Tokens, tokens_sent: int) -> Tokens | None:
     """`message` less the tokens the request has already had (a message that gives their
-    output position may repeat some: wire.md §2); None if nothing is left to deliver."""
+    output position may repeat some: docs/wire.md §2); None if nothing is left to deliver."""
     seen = tokens_sent - message.position if message.position >= 0 else 0
     if seen <= 0:
         return message

@@ -107,6 +107,15 @@ def no_ucx(make_cluster, tmp_path_factory):
 
 # ---- helpers -------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def queued(make_cluster):
+    """Engines that run one request at a time and leases of 0.6 s: a request that waits on
+    the decode worker for room longer than that keeps its KV only by renewing."""
+    cluster = start_pd(make_cluster, "zmq", "--max-num-seqs", "1", "--kv-lease-ttl-s", "0.6")
+    yield cluster
+    cluster.stop()
+
+
 def expected(engine, prompt: list[int] | str, max_tokens: int) -> list[int]:
     [result] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY))
     return result.token_ids
@@ -467,6 +476,28 @@ def test_pulls_from_a_restarted_prefill_worker_succeed(strict, engine, random_pr
     with Client(strict.sdk, timeout_s=60) as client:
         assert client.generate(token_ids=prompt, max_tokens=8, **GREEDY).token_ids == expected(engine, prompt, 8)
     wait_idle(strict)
+
+
+def test_a_lease_renewed_while_its_request_waits_for_room_is_pulled_when_room_comes(queued, engine,
+                                                                                    random_prompts):
+    """The decode worker's one batch slot is taken by a long request, so the next one waits
+    there, its lease renewed through the router every 0.2 s; when the slot frees, its KV is
+    pulled from the prefill worker (not expired, not recomputed)."""
+    long_prompt, waiting_prompt = random_prompts([16, 40], seed=620)
+    renewals = metric(queued, DECODE, "baton_kv_lease_renewals_total")
+    recomputed = metric(queued, DECODE, "baton_kv_imports_recomputed_total")
+    pulled = metric(queued, PREFILL, "baton_kv_exposures_total", outcome="done")
+    with ThreadPoolExecutor(2) as pool, Client(queued.sdk, timeout_s=120) as first, \
+            Client(queued.sdk, timeout_s=120) as second:
+        long_run = pool.submit(first.generate, token_ids=long_prompt, max_tokens=1000, **GREEDY)
+        queued.wait_for(lambda: queued.worker_health(DECODE)["running"] == 1, 30, "the long request to decode")
+        waiting = pool.submit(second.generate, token_ids=waiting_prompt, max_tokens=8, **GREEDY)
+        assert waiting.result(120).token_ids == expected(engine, waiting_prompt, 8)
+        assert len(long_run.result(120).token_ids) == 1000
+    assert metric(queued, DECODE, "baton_kv_lease_renewals_total") > renewals
+    assert metric(queued, DECODE, "baton_kv_imports_recomputed_total") == recomputed
+    assert metric(queued, PREFILL, "baton_kv_exposures_total", outcome="done") == pulled + 2
+    wait_idle(queued)
 
 
 # ---- 5. a pull past its deadline ---------------------------------------------------------
