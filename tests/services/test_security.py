@@ -3,6 +3,7 @@ the tenant comes from the API key alone, and without CURVE nothing binds beyond 
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import zmq
@@ -57,6 +58,27 @@ def test_clients_holding_a_client_key_are_served(curve_cluster, keys_dir, who):
     with Client(curve_cluster.sdk, curve=curve_keys(keys_dir / f"{who}.key_secret"), api_key="sk-alice",
                 timeout_s=60) as client:
         assert len(client.generate("secret", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_under_curve_requests_take_both_paths_of_a_mixed_cluster(curve_cluster, keys_dir):
+    """Round robin alternates the prefill between worker-0 and prefill-1: some requests are
+    served co-located, others have their KV pulled by decode-2 from prefill-1, each peer
+    proving its own role."""
+    with Client(curve_cluster.sdk, curve=curve_keys(keys_dir), api_key="sk-alice", timeout_s=60) as client:
+        for n in range(4):
+            assert len(client.generate(f"both paths {n}", max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert _metric(curve_cluster, 0, "baton_worker_requests_total") > 0
+    assert _metric(curve_cluster, 1, "baton_kv_exposures_total", 'outcome="done"') > 0
+    assert _metric(curve_cluster, 2, "baton_kv_transfer_bytes_total") > 0
+
+
+def _metric(cluster, index: int, name: str, labels: str = "") -> float:
+    """The sum of engine `index`'s samples of `name` whose label text contains `labels`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port_base + 11 + 2 * index}/metrics",
+                                timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(name) and not line.startswith(name + "_") and labels in line)
 
 
 @pytest.mark.parametrize("who", ["no keys", "a stranger's keys", "the worker's keys"])
