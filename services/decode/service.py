@@ -21,13 +21,13 @@ from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, KvImport, KvImportError, RequestOutput
-from common.kv_transfer import HandshakeRefused, PullHandle, PullResult, TransferOptions, transport_for_cache
+from common.kv_transfer import HandshakeRefused, PullHandle, PullResult
 from common.logs import get_logger
 from common.metrics import Registry
 from common.protocol import ErrorCode, Generate, KvHandle, KvLeaseUpdate, Tokens, params_from_sampling
 from common.sampling_params import InvalidRequestError
 from common.sockets import send
-from services.worker.service import KvEventBuffer, WorkerService
+from services.worker.service import KvEventBuffer, TransferringService
 
 log = get_logger("decode")
 PULL_POLL_MS = 2
@@ -66,18 +66,11 @@ class Import:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class DecodeService(WorkerService):
+class DecodeService(TransferringService):
     role = "decode"
 
     def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
         super().__init__(config, index, engine, events)
-        try:
-            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
-                                                 self.security, self.worker_id,
-                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
-        except BaseException:
-            super().close()
-            raise
         self.kv_metrics = DecodeMetrics(self.registry)
         self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
         self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
@@ -88,12 +81,6 @@ class DecodeService(WorkerService):
         self.landing: dict[str, dict | None] = {}  # ... for an import: its output holds the token already
         self.peers: dict[str, str] = {}  # KV address handshaken with -> the prefill process (instance id) there
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
-
-    def close(self) -> None:
-        try:
-            self.transport.close()
-        finally:
-            super().close()
 
     # ---- requests ------------------------------------------------------------------
 

@@ -23,12 +23,12 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
 from common.engine.leases import LeaseError
-from common.kv_transfer import TransferEvent, TransferOptions, transport_for_cache
+from common.kv_transfer import TransferEvent
 from common.logs import get_logger
 from common.metrics import Registry
 from common.protocol import Generate, KvLeaseUpdate, KvReady, Tokens, params_from_sampling
 from common.sockets import send
-from services.worker.service import KvEventBuffer, WorkerService
+from services.worker.service import KvEventBuffer, TransferringService
 
 log = get_logger("prefill")
 EVENTS_PER_TURN = 1024
@@ -43,18 +43,11 @@ class PrefillMetrics:
                                               "Lease renewals or releases naming no live lease of that request")
 
 
-class PrefillService(WorkerService):
+class PrefillService(TransferringService):
     role = "prefill"
 
     def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
         super().__init__(config, index, engine, events)
-        try:
-            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
-                                                 self.security, self.worker_id,
-                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
-        except BaseException:
-            super().close()
-            raise
         self.kv_metrics = PrefillMetrics(self.registry)
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
@@ -64,12 +57,6 @@ class PrefillService(WorkerService):
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        try:
-            self.transport.close()
-        finally:
-            super().close()
 
     def _kv_address(self) -> str:
         return self.config.advertised(self.bound_kv_address)

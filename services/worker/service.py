@@ -27,6 +27,7 @@ from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
+from common.kv_transfer import TransferOptions, transport_for_cache
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
@@ -447,3 +448,24 @@ class WorkerService:
             return
         if isinstance(reply, Welcome) and reply.rehello and reply.beat_seq > self.joined_after_beat:
             self.rehello.set()
+
+
+class TransferringService(WorkerService):
+    """An engine role that moves KV (prefill, decode): its KV transport, over the engine's
+    pool, is made with the service and closed with it (docs/disaggregation.md)."""
+
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
+        super().__init__(config, index, engine, events)
+        try:
+            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
+                                                 self.security, self.worker_id,
+                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
+        except BaseException:
+            super().close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            super().close()
