@@ -430,8 +430,8 @@ class KVIndex:
             owned[block.tier].add(block.slot)
             ns_count[ns] = ns_count.get(ns, 0) + 1
             self._check_links(block)
-            if not block.committed and (block.leases or block.pins):
-                raise IndexIntegrityError(f"pending block {key:#x} is leased or pinned")
+            if not block.committed and (block.leases or block.pins or block.tier != 0):
+                raise IndexIntegrityError(f"pending block {key:#x} is leased, pinned or moved")
             if block.committed == bool(block.ticket):
                 raise IndexIntegrityError(f"block {key:#x}: a ticket must mark exactly the pending blocks")
             if block.leases < 0 or block.pins < 0:

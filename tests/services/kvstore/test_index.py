@@ -262,6 +262,26 @@ def test_without_room_below_a_block_worth_keeping_is_dropped():
     index.check_integrity()
 
 
+def test_remove_takes_the_blocks_stored_under_it_and_says_so():
+    index = make(max_events=3)
+    put_chain(index, [1, 2, 3])
+    put(index, 12, parent=1)
+    assert len(index.drain_events()) == 3  # bounded: the oldest "stored" fell off
+    assert index.remove(NS, 2) == 2
+    assert {(e.kind, e.key) for e in index.drain_events()} == {("removed", 2), ("removed", 3)}
+    assert index.lookup(NS, [1, 12]).length == 2 and index.tiers[0].used == 2
+    index.check_integrity()
+
+
+def test_the_dram_view_is_the_pool_itself():
+    tier = DramTier(2, BLOCK)
+    slot = tier.alloc()
+    tier.view(slot)[:4] = [1, 2, 3, 4]
+    assert bytes(tier.pool[slot, :4]) == bytes([1, 2, 3, 4]) == bytes(tier.read(slot, 4))
+    tier.free(slot)
+    tier.check_integrity(set())
+
+
 # ---- quotas -----------------------------------------------------------------------
 
 
