@@ -197,9 +197,9 @@ def test_leased_and_pinned_blocks_are_not_evicted():
     with pytest.raises(BlockBusy):
         index.remove(NS, 2)
     put(index, 5)
-    with pytest.raises(StoreFull):  # 1 leased, 2 pinned, 4 and 5 just put but over watermark: ...
-        for key in range(100, 110):
-            index.start_put(NS, key, None, BLOCK, now=0)  # ... pending puts fill what is left
+    with pytest.raises(StoreFull):  # 1 leased, 2 pinned, and pending puts are never evicted either:
+        for key in range(100, 110):  # once they fill the rest, a put finds no slot to take
+            index.start_put(NS, key, None, BLOCK, now=0)
     index.check_integrity()
     index.release(lease)
     with pytest.raises(UnknownLease):
