@@ -1,0 +1,138 @@
+"""Storage tiers of the KV store: the small interface the index moves blocks through, and
+the DRAM tier, one preallocated pool of fixed-size slots.
+
+A tier only holds bytes in slots; which block a slot holds, and when blocks move between
+tiers, is decided by the index (services/kvstore/index.py). The SSD tier implements the
+same interface over its durable file records.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Set
+from typing import Protocol
+
+import numpy as np
+
+
+class TierError(RuntimeError):
+    """A tier's own bookkeeping is inconsistent, or it was asked to misuse a slot."""
+
+
+class Tier(Protocol):
+    """Fixed-size slots holding block bytes. Slot numbers are the tier's own, 0-based."""
+
+    @property
+    def name(self) -> str:
+        """"dram", "ssd", ...: what block records and events call this tier."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Slots in all."""
+        ...
+
+    @property
+    def used(self) -> int:
+        """Slots allocated and not yet freed."""
+        ...
+
+    @property
+    def block_bytes(self) -> int:
+        """The most bytes one slot holds."""
+        ...
+
+    def alloc(self) -> int | None:
+        """Take a free slot, or None when every slot is in use."""
+        ...
+
+    def free(self, slot: int) -> None:
+        """Give back an allocated slot."""
+        ...
+
+    def read(self, slot: int, nbytes: int) -> memoryview:
+        """The first `nbytes` bytes held in `slot` (valid until the slot is freed)."""
+        ...
+
+    def write(self, slot: int, data: memoryview | bytes) -> None:
+        """Store `data` (at most block_bytes) at the start of `slot`."""
+        ...
+
+    def check_integrity(self, owned: Set[int]) -> None:
+        """Raise TierError unless exactly the slots in `owned` are allocated."""
+        ...
+
+
+class DramTier:
+    """One preallocated numpy pool, `capacity × block_bytes` bytes, and a free list.
+
+    `view(slot)` is a writable slice of the pool: a writer fills it between the index's
+    start_put and commit, and the same-host fast path copies straight out of it.
+    """
+
+    def __init__(self, capacity: int, block_bytes: int, name: str = "dram"):
+        if capacity <= 0 or block_bytes <= 0:
+            raise ValueError(f"capacity and block_bytes must be positive, got {capacity}, {block_bytes}")
+        self._name = name
+        self._block_bytes = block_bytes
+        self.pool = np.zeros((capacity, block_bytes), dtype=np.uint8)
+        self.free_slots: deque[int] = deque(range(capacity))
+        self._allocated = np.zeros(capacity, dtype=bool)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def capacity(self) -> int:
+        return int(self.pool.shape[0])
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self.free_slots)
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    def alloc(self) -> int | None:
+        if not self.free_slots:
+            return None
+        slot = self.free_slots.popleft()
+        self._allocated[slot] = True
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._check_allocated(slot)
+        self._allocated[slot] = False
+        self.free_slots.append(slot)
+
+    def view(self, slot: int) -> np.ndarray:
+        """The whole slot as a writable uint8 array sharing the pool's memory."""
+        self._check_allocated(slot)
+        return self.pool[slot]
+
+    def read(self, slot: int, nbytes: int) -> memoryview:
+        if not 0 <= nbytes <= self._block_bytes:
+            raise TierError(f"cannot read {nbytes} bytes from a {self._block_bytes}-byte slot")
+        return self.view(slot)[:nbytes].data
+
+    def write(self, slot: int, data: memoryview | bytes) -> None:
+        source = np.frombuffer(data, dtype=np.uint8)
+        if source.size > self._block_bytes:
+            raise TierError(f"{source.size} bytes do not fit a {self._block_bytes}-byte slot")
+        self.view(slot)[:source.size] = source
+
+    def check_integrity(self, owned: Set[int]) -> None:
+        free = set(self.free_slots)
+        if len(free) != len(self.free_slots):
+            raise TierError(f"{self._name}: a slot is in the free list twice")
+        allocated = {int(s) for s in np.flatnonzero(self._allocated)}
+        if free & allocated or len(free) + len(allocated) != self.capacity:
+            raise TierError(f"{self._name}: free list and allocation marks disagree")
+        if allocated != set(owned):
+            raise TierError(f"{self._name}: allocated slots {sorted(allocated ^ set(owned))[:10]} "
+                            "disagree with the blocks the index places here")
+
+    def _check_allocated(self, slot: int) -> None:
+        if not (0 <= slot < self.capacity and self._allocated[slot]):
+            raise TierError(f"{self._name}: slot {slot} is not allocated")
