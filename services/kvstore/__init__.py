@@ -1,0 +1,1 @@
+"""The kvstore role: a tiered KV block store (work in progress)."""
