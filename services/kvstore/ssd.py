@@ -34,6 +34,10 @@ Durability contract.
   kept (newest per key); stale ones are dropped, counted and their magic zeroed; damaged
   or half-written ones are dropped, counted and their whole header zeroed.
 
+An OSError from a write, free or sync (EIO, say) leaves what happened since the last
+sync unknown: the caller closes the tier and reopens it, and the rebuild says what is
+there (fsync failures are not retried: the kernel may have dropped the dirty pages).
+
 Not thread-safe: the store serialises calls into one tier. One process at a time may
 open a tier directory (an exclusive flock on its `lock` file; the kernel drops it when
 the holder dies, even by SIGKILL).
