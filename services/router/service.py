@@ -110,6 +110,7 @@ class RouterService:
         self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl)
         self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl)
         self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off
+        self.prefill_pool: set[str] = set()  # the prefill workers among self.cluster's
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
             {slo.name: slo for slo in config.slo_classes})
@@ -255,6 +256,8 @@ class RouterService:
         previous = self.members.pop(hello.worker_id, None)
         self.members[hello.worker_id] = Member(hello, identity, time.monotonic())
         pool = self._pool_for(hello.role)
+        if hello.role == "prefill":
+            self.prefill_pool.add(hello.worker_id)
         if previous is None or previous.hello.instance_id != hello.instance_id:
             # A new process, or one this router has not met: what an old one held is gone.
             self._fail_requests(pool.remove_worker(hello.worker_id), hello.worker_id, "the worker restarted")
@@ -348,6 +351,7 @@ class RouterService:
         silent = [w for w, m in self.members.items() if now - m.last_seen > self.config.worker_timeout_s]
         for worker_id in silent:
             member = self.members.pop(worker_id)
+            self.prefill_pool.discard(worker_id)
             self.metrics.workers.set(len(self.members))
             placements = self._pool_for(member.hello.role).remove_worker(worker_id)
             log.error("worker_lost", worker_id=worker_id, in_flight=len(placements),
@@ -384,8 +388,8 @@ class RouterService:
         candidate = self.cluster.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
                                          request.sampling.max_tokens, now, request.slo_class)
         preference = self.policy.choose(candidate, self.cluster, now)
-        if not self.decode_pool.worker_ids:  # a prefill worker alone cannot finish a request
-            preference = [w for w in preference if self.members[w].hello.role != "prefill"]
+        if self.prefill_pool and not self.decode_pool.worker_ids:  # a prefill alone cannot finish a request
+            preference = [w for w in preference if w not in self.prefill_pool]
         while preference:
             verdict = self.admission.decide(candidate, preference, self.cluster, now)
             if verdict.worker_id is None:
@@ -395,7 +399,7 @@ class RouterService:
                 return
             if self._reply(self.members[verdict.worker_id].identity, request, payloads):
                 self.cluster.place(candidate, verdict.worker_id, now)
-                if self.members[verdict.worker_id].hello.role == "prefill":
+                if verdict.worker_id in self.prefill_pool:
                     self.handoffs[request.request_id] = Handoff(request, payloads[0], verdict.worker_id)
                 self._placed(identity, request.request_id, verdict.worker_id)
                 return
