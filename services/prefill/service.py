@@ -104,8 +104,9 @@ class PrefillService(TransferringService):
                        timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        """Push the step's tokens, then hand the requests off: a decode worker's tokens
-        must not reach the tokenizer before the first token they follow."""
+        """Push the step's tokens, then hand the requests off, so that the first token
+        usually reaches the tokenizer before the decode worker's copy of it (either order
+        is right: Tokens.position)."""
         try:
             super()._emit(outputs)
         finally:
