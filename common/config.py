@@ -33,6 +33,8 @@ ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", 
 INDEX_MODES = ("events", "approximate")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 KV_TRANSPORTS = ("auto", "ucx", "zmq")  # common/kv_transfer's make_transport takes these
+KVSTORE_FETCH_POLICIES = ("auto", "always", "never")
+KVSTORE_PORT_OFFSET = 4  # the KV store: control +4, events +5, metrics +6, KV transport +7
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SLO_CLASS_NAME_MAX_CHARS = 64  # the longest name a request may carry (HTTP checks it too)
 TABLE_KEYS = ("api_keys", "slo_classes")  # TOML tables that are values, not sections
@@ -46,6 +48,7 @@ DIRECTORY = Check(lambda value: not value or Path(value).is_dir(), "an existing 
 NEW_OR_DIRECTORY = Check(lambda value: not (value and Path(value).exists() and not Path(value).is_dir()),
                          "a directory, or a path with nothing there yet")
 NOT_NEGATIVE = Check(lambda value: value >= 0, ">= 0")
+FRACTION = Check(lambda value: 0 < value <= 1, "a fraction in (0, 1]")
 
 
 class UnknownSloClass(ValueError):
@@ -123,6 +126,29 @@ class ClusterConfig(EngineSettings):
     kv_send_pause_s: float = setting(0.0, "fault injection: a prefill worker pauses this long before each KV "
                                      "piece it sends (tests slow transfers with it)", check=NOT_NEGATIVE)
 
+    kvstore: bool = setting(False, "engines write evicted KV blocks back to the cluster's KV store and fetch "
+                            "prefixes from it when that beats recomputing (svc up turns it on)", switch=True)
+    kvstore_address: str = setting("", "the KV store's control endpoint (default: tcp://host:port_base+4)",
+                                   check=ENDPOINT)
+    kvstore_dram_gb: float = setting(1.0, "size of the KV store's DRAM tier, GB", check=POSITIVE)
+    kvstore_ssd_dir: str = setting("", "directory of the KV store's SSD tier files (default: no SSD tier)",
+                                   check=NEW_OR_DIRECTORY)
+    kvstore_ssd_gb: float = setting(4.0, "size of the KV store's SSD tier, GB (with kvstore_ssd_dir)",
+                                    check=POSITIVE)
+    kvstore_high_watermark: float = setting(0.9, "a store tier fuller than this fraction evicts ...",
+                                            check=FRACTION)
+    kvstore_low_watermark: float = setting(0.8, "... down to this fraction", check=FRACTION)
+    kvstore_quota_blocks: int = setting(0, "most blocks one namespace (model and tenant) may hold in the store "
+                                        "(0: no quota)", check=NOT_NEGATIVE)
+    kvstore_timeout_s: float = setting(2.0, "deadline of one KV store call; past it the engine recomputes",
+                                       check=POSITIVE)
+    kvstore_fetch: str = setting("auto", "fetch a prefix the store holds: auto (when the cost model says it beats "
+                                 "recomputing), always, or never", choices=KVSTORE_FETCH_POLICIES)
+    kvstore_writeback_min_hits: int = setting(0, "write back only evicted blocks reused at least this often "
+                                              "(0: every evicted block the store lacks)", check=NOT_NEGATIVE)
+    kvstore_writeback_queue_blocks: int = setting(256, "blocks staged for write-back at most; more are dropped, "
+                                                  "never waited for", check=POSITIVE_INT)
+
     api_keys: dict[str, str] = setting(default_factory=dict, help="HTTP bearer key -> tenant: a TOML "
                                        "[api_keys] table, or key=tenant,...")
     curve_enabled: bool = setting(False, "encrypt and authenticate every ZeroMQ socket with CURVE")
@@ -177,6 +203,22 @@ class ClusterConfig(EngineSettings):
         """Where prefill worker `index` serves its leased KV blocks."""
         return self.address(KV_PORT_OFFSET + index)
 
+    @property
+    def kvstore_control(self) -> str:
+        return self.kvstore_address or self.address(KVSTORE_PORT_OFFSET)
+
+    @property
+    def kvstore_events_address(self) -> str:
+        return self.address(KVSTORE_PORT_OFFSET + 1)
+
+    @property
+    def kvstore_metrics_port(self) -> int:
+        return self.port(KVSTORE_PORT_OFFSET + 2)
+
+    @property
+    def kvstore_kv_address(self) -> str:
+        return self.address(KVSTORE_PORT_OFFSET + 3)
+
     # ---- SLO classes ---------------------------------------------------------------
 
     def slo_class(self, name: str, tenant: str) -> SloClass | None:
@@ -205,6 +247,9 @@ def _validate(config: ClusterConfig) -> None:
     if config.curve_enabled and not (keys_dir and (keys_dir / "router.key").is_file()):
         raise ConfigError(f"curve_keys_dir: curve_enabled needs the directory of the cluster's keys, "
                           f"got {config.curve_keys_dir!r} (write one with `svc keys generate DIR`)")
+    if config.kvstore_low_watermark > config.kvstore_high_watermark:
+        raise ConfigError("kvstore_low_watermark: must not exceed kvstore_high_watermark "
+                          f"({config.kvstore_low_watermark} > {config.kvstore_high_watermark})")
     if config.profile and not Path(config.profile).is_file():
         _validate_profile_name(config.profile)
     _validate_slo_classes(config)

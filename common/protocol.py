@@ -53,6 +53,7 @@ class MessageType(enum.IntEnum):
     KV_END = 20
     KV_READY = 21
     KV_LEASE = 22
+    STORE_EVENTS = 23
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -380,6 +381,19 @@ class KvEnd(msgspec.Struct, forbid_unknown_fields=True):
     reason: str = ""
 
 
+class StoreEvents(msgspec.Struct, forbid_unknown_fields=True):
+    """The KV store to the router (PUB): blocks it can now serve, blocks that moved between
+    its tiers, blocks it no longer holds. Keys are chained block hashes (docs/kv-identity.md
+    §1), so they already carry their model and tenant; tiers count 0 = DRAM, 1 = SSD."""
+
+    store_id: str
+    stored: list[int] = []
+    stored_tiers: list[int] = []  # the tier of each of `stored`
+    moved: list[int] = []
+    moved_tiers: list[int] = []  # the tier each of `moved` is in now
+    evicted: list[int] = []
+
+
 MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.HELLO: Hello,
     MessageType.WELCOME: Welcome,
@@ -403,6 +417,7 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.KV_END: KvEnd,
     MessageType.KV_READY: KvReady,
     MessageType.KV_LEASE: KvLeaseUpdate,
+    MessageType.STORE_EVENTS: StoreEvents,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 HIGH_WATER_MARK = 10000
 MAX_MESSAGE_BYTES = 64 << 20
-ROLES = ("router", "worker", "prefill", "decode", "tokenizer", "client")
+ROLES = ("router", "worker", "prefill", "decode", "tokenizer", "client", "kvstore")
 ENGINE_ROLES = ("worker", "prefill", "decode")  # the roles that run an engine and join the router
 USER_ID = "User-Id"
 

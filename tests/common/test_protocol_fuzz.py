@@ -36,6 +36,7 @@ from common.protocol import (
     Sampling,
     Status,
     StatusRequest,
+    StoreEvents,
     Submit,
     Tokens,
     TokensBatch,
@@ -80,6 +81,8 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.KV_END: (KvEnd("r-1", 5, "failed", "timeout", "deadline passed"), []),
     MessageType.KV_READY: (KvReady("r-1", "ab" * 16, [4, 5, 6], [2**63, 7], 40, 9, queue_s=0.01, prefill_s=0.2), []),
     MessageType.KV_LEASE: (KvLeaseUpdate("r-1", "ab" * 16, "prefill-1", "renew"), []),
+    MessageType.STORE_EVENTS: (StoreEvents("kvstore-0", stored=[3, 4], stored_tiers=[0, 1], moved=[5],
+                                           moved_tiers=[1], evicted=[6]), []),
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",

@@ -18,19 +18,20 @@ def keys_dir(tmp_path) -> Path:
     return tmp_path / "keys"
 
 
-@pytest.mark.parametrize("role", ["router", "worker", "prefill", "decode", "tokenizer", "client"])
+@pytest.mark.parametrize("role", ["router", "worker", "prefill", "decode", "tokenizer", "client", "kvstore"])
 def test_each_role_loads_its_own_key_pair_and_knows_every_role(keys_dir, role):
     keys = load_curve_keys(keys_dir, role)
     assert keys.roles_by_key[keys.public] == role
-    assert sorted(keys.roles_by_key.values()) == ["client", "decode", "prefill", "router", "tokenizer", "worker"]
-    assert len({keys.public_of(other) for other in ("router", "worker", "prefill", "decode")}) == 4
+    assert sorted(keys.roles_by_key.values()) == ["client", "decode", "kvstore", "prefill", "router", "tokenizer",
+                                                  "worker"]
+    assert len({keys.public_of(other) for other in ("router", "worker", "prefill", "decode", "kvstore")}) == 5
 
 
 def test_extra_client_keys_count_as_clients(keys_dir):
     zmq.auth.create_certificates(keys_dir, "client-alice")
     keys = load_curve_keys(keys_dir, "router")
-    assert sorted(keys.roles_by_key.values()) == ["client", "client", "decode", "prefill", "router", "tokenizer",
-                                                  "worker"]
+    assert sorted(keys.roles_by_key.values()) == ["client", "client", "decode", "kvstore", "prefill", "router",
+                                                  "tokenizer", "worker"]
 
 
 @pytest.mark.parametrize("damage", ["missing secret", "foreign secret", "garbage public"])
