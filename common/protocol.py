@@ -337,6 +337,7 @@ class KvHello(msgspec.Struct, forbid_unknown_fields=True):
     compat_hash: str
     pool_blocks: int  # blocks in the puller's pool: the server plans against it
     ucx_address: bytes = b""
+    block_major: bool = False  # the puller's pool is the KV store's (common/kv_transfer/plan.py)
 
 
 class KvWelcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -347,6 +348,7 @@ class KvWelcome(msgspec.Struct, forbid_unknown_fields=True):
     field: str = ""
     transport: str = ""
     pool_blocks: int = 0  # blocks in the server's pool
+    block_major: bool = False  # the server's pool is the KV store's (common/kv_transfer/plan.py)
 
 
 class KvPull(msgspec.Struct, forbid_unknown_fields=True):

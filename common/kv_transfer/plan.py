@@ -8,6 +8,10 @@ source ids that lands on n consecutive destination ids is one run of n·plane_bl
 per plane, and that is the only coalescing the layout allows (runs of different planes
 are 2·layers·…·blocks apart). The plan cuts each such run into pieces of at most
 `max_piece_bytes`; a piece is one UCX message, or one frame of a ZeroMQ message.
+
+The KV store's DRAM pool is block-major instead (a block's planes side by side, one slot
+after another; services/kvstore): there a block's plane is its own run, so a plan with a
+block-major side moves one piece per plane per block.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class PoolGeometry:
 
     layout: KVLayout
     num_blocks: int
+    block_major: bool = False  # the KV store's pool: [blocks, planes, plane bytes]
 
     @property
     def num_planes(self) -> int:
@@ -54,6 +59,8 @@ class PoolGeometry:
 
     def offset(self, plane: int, block: int) -> int:
         """Byte offset of `block` in `plane` of the flat pool."""
+        if self.block_major:
+            return (block * self.num_planes + plane) * self.plane_block_bytes
         return (plane * self.num_blocks + block) * self.plane_block_bytes
 
 
@@ -124,7 +131,8 @@ def plan_pieces(src: PoolGeometry, dst: PoolGeometry, src_ids: Sequence[int], ds
     check_block_ids(dst_ids, dst.num_blocks, "destination")
     if max_piece_bytes <= 0:
         raise PlanError("max_piece_bytes must be positive")
-    runs = paired_runs(src_ids, dst_ids)
+    runs = ([(src_id, dst_id, 1) for src_id, dst_id in zip(src_ids, dst_ids)] if src.block_major or dst.block_major
+            else paired_runs(src_ids, dst_ids))
     pieces: list[Piece] = []
     for plane in range(src.num_planes):
         for src_start, dst_start, count in runs:

@@ -67,8 +67,7 @@ T = TypeVar("T")
 
 log = get_logger("kv_transfer")
 
-SERVER_ROLE = "prefill"  # the role whose pool is pulled from (its key, with CURVE)
-PULLER_ROLE = "decode"  # the only role a server hands KV to
+SERVER_ROLE = "prefill"  # the role whose pool is pulled from by default (its key, with CURVE)
 MIN_PIECE_BYTES = 4 << 10
 MAX_PIECE_BYTES = 64 << 20
 MAX_TIMEOUT_S = 600.0
@@ -99,6 +98,7 @@ class TransferOptions:
     huge_pages: bool = True  # back the pool with transparent huge pages (memory.py)
     send_pause_s: float = 0.0  # tests only: the server waits this long before each piece/message
     ignore_puller_end: bool = False  # tests only: the server goes on sending after a cancel
+    puller_roles: tuple[str, ...] = ("decode",)  # the roles a server hands KV to (the store's: every engine role)
 
 
 @dataclass
@@ -160,6 +160,7 @@ class _Peer:
     welcome: Future = field(default_factory=Future)
     accepted: bool = False
     pool_blocks: int = 0
+    block_major: bool = False
 
 
 @dataclass
@@ -263,11 +264,12 @@ class KvTransport:
         bound endpoint."""
         return self._call(self._do_listen, address)
 
-    def connect(self, address: str) -> str:
-        """Handshake with the server at `address` (once per peer); returns the key to pull
-        with. HandshakeRefused names the first incompatible field; TimeoutError if no
-        answer within handshake_timeout_s."""
-        peer = self._call(self._do_connect, address)
+    def connect(self, address: str, server_role: str = SERVER_ROLE) -> str:
+        """Handshake with the server at `address` (once per peer), which must prove it has
+        `server_role`'s key under CURVE; returns the key to pull with. HandshakeRefused
+        names the first incompatible field; TimeoutError if no answer within
+        handshake_timeout_s."""
+        peer = self._call(self._do_connect, address, server_role)
         try:
             peer.welcome.result(self.options.handshake_timeout_s)
         except TimeoutError:
@@ -433,7 +435,7 @@ class KvTransport:
     def _do_listen(self, address: str) -> str:
         if self._server is not None:
             raise RuntimeError("this KV transport already listens")
-        self._server = self.security.server(zmq.ROUTER, address, accept=(PULLER_ROLE,))
+        self._server = self.security.server(zmq.ROUTER, address, accept=self.options.puller_roles)
         self._poller.register(self._server, zmq.POLLIN)
         bound = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("kv_transport_listening", transport=self.name, address=bound)
@@ -478,11 +480,12 @@ class KvTransport:
             log.warning("kv_handshake_refused", peer=hello.peer_id[:MAX_ID_CHARS], reason=mismatch)
         self._send_to_client(identity, KvWelcome(accepted=mismatch is None, reason=mismatch or "",
                                                  field=field_name, transport=self.name,
-                                                 pool_blocks=self.geometry.num_blocks))
+                                                 pool_blocks=self.geometry.num_blocks,
+                                                 block_major=self.geometry.block_major))
 
     def _accept_client(self, identity: bytes, hello: KvHello) -> str | None:
         """Record the puller; None, or why its data-plane address is unusable."""
-        geometry = replace(self.geometry, num_blocks=hello.pool_blocks)
+        geometry = replace(self.geometry, num_blocks=hello.pool_blocks, block_major=hello.block_major)
         client = _Client(identity, hello.peer_id[:MAX_ID_CHARS], geometry)
         try:
             client.ucx_endpoint = self._client_endpoint(hello)
@@ -638,20 +641,20 @@ class KvTransport:
 
     # ---- puller side --------------------------------------------------------------------------
 
-    def _do_connect(self, address: str) -> _Peer:
+    def _do_connect(self, address: str, server_role: str) -> _Peer:
         check_endpoint(address)
         peer = self._peers.get(address)
         if peer is not None and peer.accepted:
             return peer
         if peer is not None:
             self._drop_peer(address)
-        socket = self.security.client(zmq.DEALER, address, SERVER_ROLE)
+        socket = self.security.client(zmq.DEALER, address, server_role)
         peer = _Peer(address, socket)
         self._peers[address] = peer
         self._peers_by_socket[socket] = peer
         self._poller.register(socket, zmq.POLLIN)
         hello = KvHello(PROTOCOL_VERSION, self.peer_id, self.name, self.compat, self.compat_hash,
-                        self.geometry.num_blocks, self._own_ucx_address())
+                        self.geometry.num_blocks, self._own_ucx_address(), self.geometry.block_major)
         socket.send_multipart(encode(hello), zmq.NOBLOCK)
         return peer
 
@@ -679,7 +682,8 @@ class KvTransport:
         now = time.monotonic()
         if deadline <= now:
             raise ValueError("the pull's deadline has already passed")
-        pieces = plan_pieces(replace(self.geometry, num_blocks=peer.pool_blocks), self.geometry, src_ids, dst_ids,
+        source = replace(self.geometry, num_blocks=peer.pool_blocks, block_major=peer.block_major)
+        pieces = plan_pieces(source, self.geometry, src_ids, dst_ids,
                              self.options.max_piece_bytes)
         pull = _Pull(transfer_id, self._new_nonce(), peer, pieces, deadline, handle, now)
         self._post_receives(pull)  # before asking: the bytes must find their place ready
@@ -725,6 +729,7 @@ class KvTransport:
         elif welcome.accepted:
             peer.accepted = True
             peer.pool_blocks = welcome.pool_blocks
+            peer.block_major = welcome.block_major
             peer.welcome.set_result(True)
             log.info("kv_peer_accepted", transport=self.name, peer=peer.address)
         else:

@@ -88,11 +88,11 @@ def _security(keys_dir: str = "", role: str = "decode") -> Security:
 
 
 def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, options: TransferOptions,
-           keys_dir: str, device: str) -> None:
+           keys_dir: str, device: str, role: str) -> None:
     """The child: serve a seeded pool and answer the test's commands until told to stop."""
     pool = on_device(seeded_pool(geometry, SERVER_SEED), device)
-    security = _security(keys_dir, role="prefill")
-    server = make_transport(transport, pool, geometry, fingerprint, security, "prefill-0", options)
+    security = _security(keys_dir, role=role)
+    server = make_transport(transport, pool, geometry, fingerprint, security, f"{role}-0", options)
     conn.send(server.listen("tcp://127.0.0.1:0"))
     while True:
         command, *args = conn.recv()
@@ -112,11 +112,12 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
 
 class ServerProcess:
     def __init__(self, transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str = FINGERPRINT,
-                 options: TransferOptions | None = None, keys_dir: str = "", device: str = "cpu"):
+                 options: TransferOptions | None = None, keys_dir: str = "", device: str = "cpu",
+                 role: str = "prefill"):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child, transport, geometry, fingerprint,
-                                                            options or TransferOptions(), keys_dir, device),
+                                                            options or TransferOptions(), keys_dir, device, role),
                                        daemon=True)
         self.process.start()
         self.geometry = geometry
@@ -162,6 +163,15 @@ def puller(transport: str, geometry: PoolGeometry = GEOMETRY, fingerprint: str =
     pool = on_device(seeded_pool(geometry, seed), device)
     return make_transport(transport, pool, geometry, fingerprint, security or _security(), "decode-0",
                           options), pool
+
+
+def test_a_block_major_pool_keeps_each_block_in_one_run():
+    store = replace(GEOMETRY, block_major=True)
+    assert [store.offset(plane, 3) for plane in range(store.num_planes)] == [
+        3 * store.bytes_per_block + plane * store.plane_block_bytes for plane in range(store.num_planes)]
+    pieces = plan_pieces(store, GEOMETRY, [4, 5], [10, 11], max_piece_bytes=1 << 20)
+    assert len(pieces) == 2 * GEOMETRY.num_planes  # nothing coalesces across a block-major side
+    assert {piece.length for piece in pieces} == {GEOMETRY.plane_block_bytes}
 
 
 # ---- plans (pure) ------------------------------------------------------------------------------
@@ -446,3 +456,30 @@ def test_concurrent_pulls_from_one_peer_each_land_in_their_own_blocks(spawn_serv
         for src, dst in jobs.values():
             assert all(block_bytes(pool, GEOMETRY, d) == block_bytes(source, GEOMETRY, s) for s, d in zip(src, dst))
         assert sorted(server.event()[:2] for _ in jobs) == [(name, "done") for name in sorted(jobs)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_kv_store_serves_its_block_major_pool_to_engine_roles_only(spawn_server, transport, tmp_path):
+    """The store's DRAM pool (block-major, services/kvstore) lands block by block in a
+    worker's plane-major pool; under CURVE a tokenizer gets no handshake."""
+    from common.sockets import generate_curve_keys
+
+    generate_curve_keys(tmp_path)
+    store = replace(GEOMETRY, num_blocks=16, block_major=True)
+    server = spawn_server(transport, geometry=store, keys_dir=str(tmp_path), role="kvstore",
+                          options=TransferOptions(puller_roles=("worker", "prefill", "decode")))
+    stranger, _ = puller(transport, security=_security(str(tmp_path), role="tokenizer"),
+                         options=TransferOptions(handshake_timeout_s=1.0))
+    with stranger, pytest.raises(TimeoutError, match="handshake"):
+        stranger.connect(server.address, server_role="kvstore")
+    client, pool = puller(transport, security=_security(str(tmp_path), role="worker"))
+    with client:
+        peer = client.connect(server.address, server_role="kvstore")
+        src, dst = [2, 3, 9], [40, 41, 7]
+        server.ask("expose", "fetch-1", src, 30.0)
+        result = client.pull(peer, "fetch-1", src, dst, time.monotonic() + WAIT_S).wait(WAIT_S)
+        assert result.status == "done", result
+        source = seeded_pool(store, SERVER_SEED)
+        for s, d in zip(src, dst):
+            value = source[s * store.bytes_per_block:(s + 1) * store.bytes_per_block].tobytes()
+            assert block_bytes(pool, GEOMETRY, d) == value, (s, d)
