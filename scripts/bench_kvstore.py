@@ -1,0 +1,280 @@
+"""Benchmark the tiered KV store: tier throughput beside raw references, fetch against
+recompute on a long prompt, and a multi-turn chat whose working set overflows the engine.
+
+Part 1, throughput (one real kvstore process, this process its client): --blocks blocks of
+the --model's KV layout (bf16, 16 tokens per block) are put and then fetched back through
+the same-host path (the store's DRAM pool mapped from /dev/shm) and through the transport
+(the bytes travel over sockets), and written to and read from the SSD tier (SsdTier in a
+temporary directory, CRC32C on every record). Beside them, the raw references on the same
+bytes: a numpy memcpy, and a sequential file write with fsync and its read back. Every
+figure is the median of --repeats runs (GB/s = bytes / median seconds); the runs of the
+different paths alternate, so that load from elsewhere falls on all of them alike.
+
+Part 2, fetch against recompute (a real cluster: router, tokenizer, one worker, kvstore):
+a --prompt-tokens prompt is computed once, pushed out of the worker's own KV pool by
+other prompts (so the store holds it, and the worker does not), then asked again: its
+TTFT with the store (DRAM; SSD with a store whose DRAM tier is too small to keep it)
+against a worker without a store, which recomputes. The prompt length below which
+fetching loses follows from the measured fetch time and prefill time per token.
+
+Part 3, multi-turn chat (tiny model, small engine pool): --sessions conversations take
+turns, each turn's prompt extending the last; the engine's pool holds about two, so
+history comes back from the store or is recomputed. Hit rate per tier (the worker's
+counters) and mean TTFT with the store and without; and a run where no prompt is ever
+reused, whose TTFT with the store over without is `no_reuse_overhead` (target <= 1.03).
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_kvstore.py
+    PYTHONPATH=. .venv/bin/python scripts/bench_kvstore.py --json --parts throughput
+
+With --json the last line is one object with dram_get_gbps, dram_put_gbps,
+transport_get_gbps, transport_put_gbps, ssd_get_gbps, ssd_put_gbps, memcpy_gbps,
+file_read_gbps, file_write_gbps, fetch_vs_recompute_speedup (per tier), fetch_loses_below_tokens,
+multi_turn (per run: hit rates, mean TTFT) and no_reuse_overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+PARTS = ("throughput", "fetch", "multiturn")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--model", default="small", help="embedded model size (its KV layout, and part 2's model)")
+    parser.add_argument("--blocks", type=int, default=128, help="part 1: blocks moved per run")
+    parser.add_argument("--repeats", type=int, default=5, help="part 1: timed runs per path")
+    parser.add_argument("--prompt-tokens", type=int, default=4096, help="part 2: the long prompt's length")
+    parser.add_argument("--sessions", type=int, default=6, help="part 3: conversations")
+    parser.add_argument("--turns", type=int, default=4, help="part 3: turns per conversation")
+    args = parser.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    return args
+
+
+def median_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median wall time of `repeats` calls, after one untimed warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9
+
+
+# ---- raw references ------------------------------------------------------------------------
+
+
+def memcpy_seconds(num_bytes: int, repeats: int) -> float:
+    source = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
+    target = np.empty_like(source)
+    return median_seconds(lambda: np.copyto(target, source), repeats)
+
+
+def file_seconds(directory: Path, num_bytes: int, repeats: int) -> tuple[float, float]:
+    """(write+fsync, read) seconds of one sequential file of num_bytes."""
+    data = np.random.default_rng(1).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()
+    path = directory / "raw.bin"
+
+    def write() -> None:
+        with open(path, "wb", buffering=0) as handle:
+            handle.write(data)
+            os.fsync(handle.fileno())
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as handle:
+            handle.readinto(bytearray(num_bytes))
+
+    return median_seconds(write, repeats), median_seconds(read, repeats)
+
+
+class StoreProcess:
+    """`svc start kvstore` on free loopback ports, stopped by `stop`."""
+
+    def __init__(self, model_dir: Path, scratch: Path, **settings: object):
+        import subprocess
+
+        from common.config import load_config
+        from services.local_cluster import REPO, child_env, free_port_base
+
+        settings = {"model": str(model_dir), "port_base": free_port_base(), "kvstore_timeout_s": 30.0, **settings}
+        path = scratch / f"store-{settings['port_base']}.toml"
+        path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
+        self.config = load_config(path)
+        self.log = scratch / f"store-{settings['port_base']}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "services.cli", "start", "kvstore", "--config",
+                                             str(path)], stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                            cwd=REPO)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        from services.local_cluster import _health
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError("the store exited:\n" + self.log.read_text()[-3000:])
+            try:
+                if _health(self.config.kvstore_metrics_port).get("ok"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the store did not come up:\n" + self.log.read_text()[-3000:])
+
+    def client(self, layout, shared_memory: bool):
+        import zmq
+
+        from common.sockets import Security
+        from services.kvstore.client import StoreClient
+
+        security = Security(zmq.Context.instance(), self.config, "worker")
+        return StoreClient(self.config, security, "bench", layout, shared_memory=shared_memory)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except Exception:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def store_seconds(client, values: np.ndarray, repeats: int) -> tuple[float, float]:
+    """(put, fetch) median seconds of values.shape[0] blocks as one chain, a fresh
+    namespace each run (so every put stores every block), each run checked and removed."""
+    count = values.shape[0]
+    pool = np.zeros(values.size, dtype=np.uint8)
+    planes = client.num_planes
+    expected = values.reshape(count, planes, -1).transpose(1, 0, 2).reshape(-1)
+    puts, fetches = [], []
+    for run in range(repeats + 1):
+        namespace = 1000 + run
+        keys = list(range(namespace << 20, (namespace << 20) + count))
+        parents = [namespace, *keys[:-1]]
+        started = time.perf_counter()
+        stored = client.put(namespace, keys, parents, values)
+        put_s = time.perf_counter() - started
+        pool[:] = 0
+        started = time.perf_counter()
+        landed = client.fetch(namespace, keys, pool, list(range(count)))
+        fetch_s = time.perf_counter() - started
+        if stored != count or landed != count or not np.array_equal(pool, expected):
+            raise RuntimeError(f"store run {run}: stored {stored}, landed {landed} of {count}, or bytes differ")
+        client.remove(namespace, keys[:1])
+        if run:  # the first run warms up
+            puts.append(put_s)
+            fetches.append(fetch_s)
+    return statistics.median(puts), statistics.median(fetches)
+
+
+def ssd_seconds(directory: Path, values: np.ndarray, repeats: int) -> tuple[float, float]:
+    """(write+sync, read) median seconds of the SSD tier itself: one record per block, each
+    with its header and CRC32C, then a sync (durable, as the raw write's fsync); the read
+    checks every record's CRC."""
+    from services.kvstore.ssd import SsdTier
+    from services.kvstore.tiers import ssd_config
+
+    count, block_bytes = values.shape
+    config = ssd_config(directory / "ssd", 2 * count * (block_bytes + 4096) / 1e9, block_bytes)
+    writes, reads = [], []
+    with SsdTier(config) as tier:
+        for run in range(repeats + 1):
+            namespace = (run + 1).to_bytes(8, "little")
+            started = time.perf_counter()
+            slots = [tier.write(namespace, key, memoryview(values[key])) for key in range(count)]
+            tier.sync()
+            write_s = time.perf_counter() - started
+            started = time.perf_counter()
+            payloads = [tier.read(slot)[2] for slot in slots]
+            read_s = time.perf_counter() - started
+            if any(payload != values[key].tobytes() for key, payload in enumerate(payloads)):
+                raise RuntimeError("an SSD record read back differs")
+            for slot in slots:
+                tier.free(slot)
+            if run:
+                writes.append(write_s)
+                reads.append(read_s)
+    return statistics.median(writes), statistics.median(reads)
+
+
+def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
+    from common.engine.checkpoint import load_model_config
+    from common.engine.kv_layout import KVLayout
+
+    layout = KVLayout.for_model(load_model_config(model_dir), 16, "bfloat16")
+    values = np.random.default_rng(2).integers(0, 256, (args.blocks, layout.bytes_per_block), dtype=np.uint8)
+    num_bytes = values.nbytes
+    figures: dict[str, object] = {"bytes": num_bytes, "blocks": args.blocks, "block_bytes": layout.bytes_per_block}
+    with tempfile.TemporaryDirectory(prefix="bench-kvstore-") as scratch_name:
+        scratch = Path(scratch_name)
+        write_s, read_s = file_seconds(scratch, num_bytes, args.repeats)
+        figures.update(memcpy_gbps=gbps(num_bytes, memcpy_seconds(num_bytes, args.repeats)),
+                       file_write_gbps=gbps(num_bytes, write_s), file_read_gbps=gbps(num_bytes, read_s))
+        ssd_write_s, ssd_read_s = ssd_seconds(scratch, values, args.repeats)
+        figures.update(ssd_put_gbps=gbps(num_bytes, ssd_write_s), ssd_get_gbps=gbps(num_bytes, ssd_read_s))
+        store = StoreProcess(model_dir, scratch, kvstore_dram_gb=3 * num_bytes / 1e9)
+        try:
+            for name, shared_memory in (("dram", True), ("transport", False)):
+                client = store.client(layout, shared_memory)
+                put_s, fetch_s = store_seconds(client, values, args.repeats)
+                if client.same_host != shared_memory:
+                    raise RuntimeError(f"{name}: the client's same_host is {client.same_host}")
+                client.close()
+                figures[f"{name}_put_gbps"] = gbps(num_bytes, put_s)
+                figures[f"{name}_get_gbps"] = gbps(num_bytes, fetch_s)
+        finally:
+            store.stop()
+    figures["dram_get_vs_memcpy"] = figures["dram_get_gbps"] / figures["memcpy_gbps"]  # type: ignore[operator]
+    figures["ssd_get_vs_file_read"] = figures["ssd_get_gbps"] / figures["file_read_gbps"]  # type: ignore[operator]
+    return figures
+
+
+def print_throughput(figures: dict) -> None:
+    print(f"part 1: {figures['blocks']} blocks of {figures['block_bytes']} bytes ({figures['bytes'] / 1e6:.1f} MB)")
+    for name in ("memcpy", "file_write", "file_read", "dram_put", "dram_get", "transport_put", "transport_get",
+                 "ssd_put", "ssd_get"):
+        print(f"  {name:<14}{figures[f'{name}_gbps']:>8.2f} GB/s")
+    print(f"  dram get / memcpy {figures['dram_get_vs_memcpy']:.2f} (target >= 0.5); "
+          f"ssd get / file read {figures['ssd_get_vs_file_read']:.2f} (target >= 0.5)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.engine.default_model import default_model_dir
+    from common.logs import configure_logging
+
+    args = parse_args(argv)
+    configure_logging("warning")
+    parts = args.parts.split(",")
+    model_dir = default_model_dir(size=args.model)
+    result: dict[str, object] = {"model": args.model}
+    if "throughput" in parts:
+        figures = throughput(args, model_dir)
+        print_throughput(figures)
+        result.update(figures)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
