@@ -385,8 +385,9 @@ class KvEnd(msgspec.Struct, forbid_unknown_fields=True):
 
 class StoreEvents(msgspec.Struct, forbid_unknown_fields=True):
     """The KV store to the router (PUB): blocks it can now serve, blocks that moved between
-    its tiers, blocks it no longer holds. Keys are chained block hashes (docs/kv-identity.md
-    §1), so they already carry their model and tenant; tiers count 0 = DRAM, 1 = SSD."""
+    its tiers, blocks it no longer holds. Keys are chained block hashes
+    (docs/kv-identity.md §1), so they already carry their model and tenant; tiers count
+    0 = DRAM, 1 = SSD."""
 
     store_id: str
     stored: list[int] = []
