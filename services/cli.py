@@ -189,7 +189,7 @@ def _check_bind_policy(config, role: str) -> None:
 
 
 @main.command()
-@click.argument("role", type=click.Choice(["tokenizer", "router", "worker", "prefill", "decode"]))
+@click.argument("role", type=click.Choice(["tokenizer", "router", "worker", "prefill", "decode", "kvstore"]))
 @click.option("--index", type=int, default=0, show_default=True,
               help="engine number, unique across worker, prefill and decode (ports derive from it)")
 @click.option("--check-config", is_flag=True, help="validate the configuration and exit")
@@ -214,6 +214,10 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
             from services.worker.main import run as run_engine
 
             run_engine(config, index, role)
+        elif role == "kvstore":
+            from services.kvstore.main import run as run_kvstore
+
+            run_kvstore(config)
         else:
             from services.tokenizer.main import run as run_tokenizer
 
@@ -224,7 +228,7 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
 
 def _check_role(role: str, config) -> None:
     """What starting the role would check first, without starting it."""
-    if role in (*ENGINE_ROLES, "tokenizer") and config.model:
+    if role in (*ENGINE_ROLES, "tokenizer", "kvstore") and config.model:
         from common.engine.checkpoint import CheckpointError, load_model_config
 
         try:
