@@ -246,6 +246,12 @@ class StoreService:
         return StoreReply(request.request_id, True, self.instance_id, shm_path=str(self.dram.path),
                           block_bytes=self.block_bytes, **fields)  # type: ignore[arg-type]
 
+    def _partial(self, request: StoreRequest, committed: int, error: str) -> StoreReply:
+        """A commit that failed part way: the puts before it stand (count), the rest are undone."""
+        return StoreReply(request.request_id, False, self.instance_id, code=ErrorCode.INVALID_REQUEST.value,
+                          reason=f"{committed} committed, then {error}", shm_path=str(self.dram.path),
+                          block_bytes=self.block_bytes, count=committed)
+
     def _refusal(self, request_id: int, code: ErrorCode, reason: str) -> StoreReply:
         return StoreReply(request_id, False, self.instance_id, code=code.value, reason=reason,
                           shm_path=str(self.dram.path), block_bytes=self.block_bytes)
@@ -321,7 +327,7 @@ class StoreService:
     def _put_commit(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         committed, error = self._commit([self._ticket(t) for t in request.tickets], request.checksums)
         if error:
-            raise Refused(ErrorCode.INVALID_REQUEST, f"{committed} committed, then {error}")
+            return self._partial(request, committed, error), []
         return self._reply(request, count=committed), []
 
     def _commit(self, tickets: list[PutTicket | None], checksums: list[int]) -> tuple[int, str]:
@@ -365,7 +371,7 @@ class StoreService:
             pending.append(ticket)
         committed, error = self._commit(pending, request.checksums)
         if error:
-            raise Refused(ErrorCode.INVALID_REQUEST, f"{committed} committed, then {error}")
+            return self._partial(request, committed, error), []
         return self._reply(request, count=committed, tickets=[t.ticket_id for t in tickets], reason=reason), []
 
     def _remove(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
