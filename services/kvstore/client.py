@@ -106,7 +106,6 @@ class StoreClient:
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(values)} values")
         if values.ndim != 2 or values.shape[1] != self.block_bytes or values.dtype != np.uint8:
             raise ValueError(f"values must be (n, {self.block_bytes}) uint8, got {values.shape} {values.dtype}")
-        self.last_refusal = ""
         stored, done = 0, 0
         step = self._step()
         while done < len(keys):
@@ -115,7 +114,7 @@ class StoreClient:
                                            values[done:done + step])
             stored += newly
             done += taken
-            if taken < len(chunk) or self.last_refusal:
+            if taken == 0:  # refused outright; a short take (slots all pending) goes on once committed
                 break
         return stored
 
@@ -176,16 +175,12 @@ class StoreClient:
         if not self.same_host:
             reply, _ = self._call(StoreRequest("put", 0, namespace, keys=keys, parents=parents, checksums=checksums),
                                   payloads=list(values))
-            if not reply.ok:
-                self.last_refusal = reply.reason
-                return 0, 0
             self.last_refusal = reply.reason
-            return len(reply.tickets), reply.count
+            return (len(reply.tickets), reply.count) if reply.ok else (0, reply.count)
         reply, _ = self._call(StoreRequest("put_start", 0, namespace, keys=keys, parents=parents))
-        if not reply.ok:
-            self.last_refusal = reply.reason
-            return 0, 0
         self.last_refusal = reply.reason
+        if not reply.ok:
+            return 0, 0
         taken = len(reply.tickets)
         writes = [i for i, ticket in enumerate(reply.tickets) if ticket]
         if not writes:

@@ -94,7 +94,8 @@ class StoreOptions:
         timeout_s = max(1.0, 5 * config.kvstore_timeout_s)  # well past one client call's deadline
         index = IndexConfig(high_watermark=config.kvstore_high_watermark,
                             low_watermark=config.kvstore_low_watermark, put_timeout_s=timeout_s,
-                            lease_timeout_s=timeout_s, quota_blocks=config.kvstore_quota_blocks or None)
+                            lease_timeout_s=timeout_s, quota_blocks=config.kvstore_quota_blocks or None,
+                            demote_min_hits=0)  # engines write back what they may reuse: keep it on SSD
         return cls(slots, block_bytes, Path(config.kvstore_ssd_dir) if config.kvstore_ssd_dir else None,
                    config.kvstore_ssd_gb, index)
 
@@ -170,7 +171,7 @@ class StoreService:
                  shm_path=str(self.dram.path), dram_slots=self.dram.capacity, block_bytes=self.block_bytes,
                  ssd_slots=self.ssd.capacity if self.ssd else 0, warmup_s=round(self.recovered.seconds, 4),
                  recovered_blocks=self.recovered.blocks, dropped_orphans=self.recovered.orphans,
-                 dropped_damaged=self.recovered.damaged)
+                 dropped_damaged=self.recovered.damaged, stale_pools_removed=self.dram.swept)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         try:

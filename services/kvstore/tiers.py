@@ -5,6 +5,7 @@ docs/kvstore.md §2 describes the shared-memory pool, §3 the SSD record and the
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import time
@@ -21,6 +22,7 @@ from services.kvstore.index import BlockKey, KVIndex, Namespace
 from services.kvstore.ssd import HEADER_BYTES, DamagedRecord, SsdTier, SsdTierConfig, SyncPolicy
 
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "baton-kvstore-"
 PAGE = 4096
 # Inside each SSD record's payload, before the block's value: the parent block hash and a
 # flag (1: has a parent; 0: first block of its chain).
@@ -53,12 +55,17 @@ class ShmDramTier(DramTier):
         # DramTier's own constructor would allocate a private pool: set its fields here instead.
         self._name = "dram"
         self._block_bytes = block_bytes
-        self.path = directory / f"baton-kvstore-{instance_id}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.swept = sweep_stale_pools(directory)
+        self.path = directory / f"{SHM_PREFIX}{instance_id}"
+        # Held open and flocked for the store's life: a later store that can take the lock
+        # knows this one died (even by SIGKILL) and removes the file.
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, capacity * block_bytes)
-        finally:
-            os.close(fd)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._fd, capacity * block_bytes)
+        except BaseException:
+            self.close()
+            raise
         self.pool = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(capacity, block_bytes))
         self.free_slots = deque(range(capacity))
         self._allocated = np.zeros(capacity, dtype=bool)
@@ -66,6 +73,29 @@ class ShmDramTier(DramTier):
     def close(self) -> None:
         """Unlink the file; mappings engines still hold stay valid until they drop them."""
         self.path.unlink(missing_ok=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def sweep_stale_pools(directory: Path) -> int:
+    """Remove the pools of stores that died without unlinking theirs (no one holds their
+    flock any more); how many went. The pool of a live store is left alone."""
+    swept = 0
+    for path in directory.glob(f"{SHM_PREFIX}*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # another user's, or gone already
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live store's
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        swept += 1
+    return swept
 
 
 @dataclass(frozen=True)
