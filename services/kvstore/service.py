@@ -172,6 +172,7 @@ class StoreService:
                  ssd_slots=self.ssd.capacity if self.ssd else 0, warmup_s=round(self.recovered.seconds, 4),
                  recovered_blocks=self.recovered.blocks, dropped_orphans=self.recovered.orphans,
                  dropped_damaged=self.recovered.damaged, stale_pools_removed=self.dram.swept)
+        print(f"baton kvstore ready on {self.config.kvstore_control}", flush=True)  # the supervisor waits for it
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         try:
