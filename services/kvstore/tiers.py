@@ -1,7 +1,8 @@
 """The store's two tiers as the index sees them (services/kvstore/dram.py Tier): DRAM in
 POSIX shared memory, which same-host engines map, and the SSD tier's durable records.
 
-docs/kvstore.md §2 describes the shared-memory pool, §3 the SSD record and the rebuild.
+The shared-memory pool: docs/kvstore.md §2
+The SSD record and the rebuild: docs/kvstore.md §3
 """
 from __future__ import annotations
 
