@@ -394,6 +394,11 @@ class KVIndex:
         self._link(_Block(ns, key, parent, tier, slot, nbytes, committed=True, checksum=checksum,
                           touch=next(self._clock)))
 
+    def empty_tier(self, tier: int) -> None:
+        """Move every movable block out of `tier` (demoted where the next tier has room,
+        else dropped, leaf-first as always): a store stopping flushes its DRAM this way."""
+        self._evict(tier, 0)
+
     # ---- management -----------------------------------------------------------------
 
     def pin(self, ns: Namespace, key: BlockKey) -> None:

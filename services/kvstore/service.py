@@ -38,6 +38,7 @@ from common.protocol import (
 from common.sockets import ENGINE_ROLES, MAX_MESSAGE_BYTES, Security, send, split_routed
 from services.kvstore.dram import TierError
 from services.kvstore.index import (
+    BlockBusy,
     IndexConfig,
     KVIndex,
     KVStoreError,
@@ -148,6 +149,7 @@ class StoreService:
             raise
         self.tier_numbers = {tier.name: number for number, tier in enumerate(self.index.tiers)}
         self.tickets: dict[int, PutTicket] = {}
+        self.damaged: set[tuple[bytes, int]] = set()  # blocks whose SSD record failed a read
         self.leases: dict[int, ReadLease] = {}
         self.registry = Registry()
         self.metrics = StoreMetrics(self.registry, self)
@@ -193,9 +195,22 @@ class StoreService:
         self.index.reclaim(now)
         self.tickets = {t: ticket for t, ticket in self.tickets.items() if ticket.deadline > now}
         self.leases = {i: lease for i, lease in self.leases.items() if lease.expires_at > now}
+        for ns, key in list(self.damaged):
+            try:
+                self.index.remove(ns, key)
+            except BlockBusy:
+                continue  # leased or pinned: next turn
+            except KVStoreError:
+                pass  # gone already
+            self.damaged.discard((ns, key))
         self._publish()
 
     def close(self) -> None:
+        if self.ssd is not None:  # what fits goes to the SSD tier, so the next start finds it
+            try:
+                self.index.empty_tier(0)
+            except (OSError, SsdTierError, TierError) as error:
+                log.warning("kvstore_flush_failed", error=str(error))
         self.metrics_server.stop()
         self.control.close(0)
         self.publisher.close(0)
@@ -284,6 +299,7 @@ class StoreService:
                     # a copy: the lease may end before ZeroMQ sends the frame
                     data = np.frombuffer(bytes(self.index.tiers[tier].read(block.slot, block.nbytes)), np.uint8)
                 except DamagedBlock:
+                    self.damaged.add((ns, block.key))  # removed once no lease holds it
                     break
                 budget -= block.nbytes
                 slots.append(-1)
