@@ -435,6 +435,7 @@ class StoreReply(msgspec.Struct, forbid_unknown_fields=True):
     tiers: list[int] = []
     slots: list[int] = []
     tickets: list[int] = []
+    checksums: list[int] = []  # get: CRC32C of each block's value, for the reader to verify its copy
     lease_id: int = 0
     count: int = 0  # put_commit, put: blocks newly stored; remove: blocks removed
     stats: dict[str, float] = {}

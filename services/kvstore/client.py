@@ -56,6 +56,7 @@ class StoreClient:
         self.timeout_s = config.kvstore_timeout_s
         self.instance_id = ""
         self.last_refusal = ""  # why the last put stopped short, for the engine's logs
+        self.checksum_failures = 0  # fetched blocks whose copy did not match (not handed to the engine)
         self._shm: np.ndarray | None = None
         self._ids = itertools.count(1)
         self._socket: zmq.Socket = self._connect()
@@ -162,12 +163,26 @@ class StoreClient:
                 staged = self._shm[np.where(inline, 0, slots)]
                 if inline.any():
                     staged[inline] = np.stack(frames)
-            planes = staged.reshape(count, self.num_planes, -1).transpose(1, 0, 2)
+            count = self._verified(staged, reply.checksums)
+            if not count:
+                return 0
+            planes = staged[:count].reshape(count, self.num_planes, -1).transpose(1, 0, 2)
             pool3[:, np.asarray(dst_block_ids[:count], dtype=np.int64), :] = planes
             return count
         finally:
             if reply.lease_id:
                 self._call(StoreRequest("release", 0, lease_id=reply.lease_id))
+
+    def _verified(self, staged: np.ndarray, checksums: list[int]) -> int:
+        """How many leading copied blocks match the store's CRC32C: a slot rewritten under
+        an expired lease, or by a writer past its ticket, never reaches the engine."""
+        if len(checksums) != len(staged):
+            raise StoreUnavailable("the store's get reply lacks a checksum per block")
+        for i, (row, checksum) in enumerate(zip(staged, checksums)):
+            if google_crc32c.value(row) != checksum:
+                self.checksum_failures += 1
+                return i
+        return len(staged)
 
     def _put_chunk(self, namespace: int, keys: list[int], parents: list[int], values: np.ndarray) -> tuple[int, int]:
         """(keys taken, blocks newly stored) of one request's worth."""

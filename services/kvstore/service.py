@@ -286,7 +286,7 @@ class StoreService:
         except DamagedBlock:  # a promotion met a damaged SSD record: drop it, serve what is left
             self._drop_damaged(ns, request.keys)
             lease = self.index.get(ns, request.keys, now)
-        tiers, slots, frames = [], [], []
+        tiers, slots, frames, checksums = [], [], [], []
         budget = MAX_INLINE_BYTES
         for block in lease.blocks:
             tier = self.tier_numbers[block.tier]
@@ -305,11 +305,12 @@ class StoreService:
                 slots.append(-1)
                 frames.append(data)
             tiers.append(tier)
+            checksums.append(block.checksum)
         if all(slot < 0 for slot in slots):  # nothing left for the engine to read in place
             self.index.release(lease)
-            return self._reply(request, tiers=tiers, slots=slots), frames
+            return self._reply(request, tiers=tiers, slots=slots, checksums=checksums), frames
         self.leases[lease.lease_id] = lease
-        return self._reply(request, tiers=tiers, slots=slots, lease_id=lease.lease_id), frames
+        return self._reply(request, tiers=tiers, slots=slots, checksums=checksums, lease_id=lease.lease_id), frames
 
     def _release(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         lease = self.leases.pop(request.lease_id, None)

@@ -447,3 +447,24 @@ def test_under_curve_only_engine_roles_are_served(stores, scratch):
     for role in ("tokenizer", "client"):
         with pytest.raises(StoreUnavailable):
             _client(stores, store, role=role).stats()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "frames"])
+def test_a_block_rewritten_behind_the_stores_back_is_never_handed_over(stores, shared_memory):
+    store = stores()
+    bb = store.layout.bytes_per_block
+    writer = _client(stores, store)
+    keys = chain(40, 4)
+    values = values_for(keys, bb)
+    writer.put(NS_A, keys, parents_of(NS_A, keys), values)
+    context, socket = _raw(store)
+    try:
+        lease, _ = _ask(socket, StoreRequest("get", 1, NS_A, keys=keys))
+        shm = np.memmap(lease.shm_path, dtype=np.uint8, mode="r+").reshape(-1, bb)
+        shm[lease.slots[2], 500] ^= 0xFF  # a stray writer (a put past its ticket, say)
+        _ask(socket, StoreRequest("release", 2, lease_id=lease.lease_id))
+    finally:
+        context.destroy(0)
+    reader = _client(stores, store, shared_memory=shared_memory)
+    assert _fetch_check(reader, NS_A, keys, values, store.layout) == 2
+    assert reader.checksum_failures == 1
