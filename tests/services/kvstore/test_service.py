@@ -468,3 +468,27 @@ def test_a_block_rewritten_behind_the_stores_back_is_never_handed_over(stores, s
     reader = _client(stores, store, shared_memory=shared_memory)
     assert _fetch_check(reader, NS_A, keys, values, store.layout) == 2
     assert reader.checksum_failures == 1
+
+
+def test_a_lease_never_released_expires_and_a_put_never_committed_is_reclaimed(stores):
+    store = stores(kvstore_timeout_s=0.1)  # leases and tickets last max(1 s, 5 × it)
+    bb = store.layout.bytes_per_block
+    client = _client(stores, store)
+    keys = chain(60, 2)
+    client.put(NS_A, keys, parents_of(NS_A, keys), values_for(keys, bb))
+    context, socket = _raw(store)
+    try:
+        lease, _ = _ask(socket, StoreRequest("get", 1, NS_A, keys=keys))
+        start, _ = _ask(socket, StoreRequest("put_start", 2, NS_B, keys=[9], parents=[NS_B]))
+        assert lease.lease_id and start.tickets[0]
+        deadline = time.monotonic() + 30
+        while client.stats()["leases"] or client.stats()["pending"]:
+            assert time.monotonic() < deadline, "the lease or the put never ended"
+            time.sleep(0.2)
+        stats = client.stats()
+        assert stats["leases_expired"] == 1 and stats["puts_reclaimed"] == 1
+        late, _ = _ask(socket, StoreRequest("put_commit", 3, NS_B, tickets=start.tickets, checksums=[0]))
+        assert not late.ok and "reclaimed" in late.reason
+        assert client.lookup(NS_B, [9]) == []
+    finally:
+        context.destroy(0)
