@@ -54,6 +54,8 @@ class MessageType(enum.IntEnum):
     KV_READY = 21
     KV_LEASE = 22
     STORE_EVENTS = 23
+    STORE_REQUEST = 24
+    STORE_REPLY = 25
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -397,6 +399,51 @@ class StoreEvents(msgspec.Struct, forbid_unknown_fields=True):
     evicted: list[int] = []
 
 
+STORE_OPS = ("lookup", "get", "release", "put_start", "put_commit", "put_abort", "put", "remove", "pin",
+             "unpin", "stats")
+MAX_STORE_KEYS = 4096  # blocks named in one store request
+
+
+class StoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """An engine to the KV store (docs/kvstore.md §5). `op` is one of STORE_OPS; the fields
+    it reads are listed there. Keys and parents are chained block hashes under `namespace`
+    (the chain's root hash); `inline` asks get for the bytes as raw frames (remote engines);
+    a `put` carries one raw frame per key, its value."""
+
+    op: str
+    request_id: int
+    namespace: int = 0
+    keys: list[int] = []
+    parents: list[int] = []  # put_start, put: each key's parent (the namespace itself: none)
+    checksums: list[int] = []  # put_commit, put: CRC32C of each value
+    tickets: list[int] = []  # put_commit, put_abort: from put_start's reply
+    lease_id: int = 0  # release
+    inline: bool = False
+
+
+class StoreReply(msgspec.Struct, forbid_unknown_fields=True):
+    """The store's answer to the StoreRequest of `request_id`. ok false: `code` (an
+    ErrorCode value) and `reason` say what was refused. `instance_id` is new per store
+    process (a change means it restarted); `shm_path` names its DRAM pool. get answers
+    `tiers` and `slots` per block (slot -1: that block's bytes follow as a raw frame, in
+    order); put_start answers `tickets` and `slots` per key (ticket 0: already stored)."""
+
+    request_id: int
+    ok: bool
+    instance_id: str
+    code: str = ""
+    reason: str = ""
+    shm_path: str = ""
+    block_bytes: int = 0
+    tiers: list[int] = []
+    slots: list[int] = []
+    tickets: list[int] = []
+    checksums: list[int] = []  # get: CRC32C of each block's value, for the reader to verify its copy
+    lease_id: int = 0
+    count: int = 0  # put_commit, put: blocks newly stored; remove: blocks removed
+    stats: dict[str, float] = {}
+
+
 MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.HELLO: Hello,
     MessageType.WELCOME: Welcome,
@@ -421,11 +468,15 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.KV_READY: KvReady,
     MessageType.KV_LEASE: KvLeaseUpdate,
     MessageType.STORE_EVENTS: StoreEvents,
+    MessageType.STORE_REQUEST: StoreRequest,
+    MessageType.STORE_REPLY: StoreReply,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),
-                  MessageType.KV_DATA: range(1, MAX_KV_FRAMES + 1)}
-RAW_PAYLOAD_TYPES = frozenset({MessageType.KV_DATA})
+                  MessageType.KV_DATA: range(1, MAX_KV_FRAMES + 1),
+                  MessageType.STORE_REQUEST: range(MAX_STORE_KEYS + 1),
+                  MessageType.STORE_REPLY: range(MAX_STORE_KEYS + 1)}
+RAW_PAYLOAD_TYPES = frozenset({MessageType.KV_DATA, MessageType.STORE_REQUEST, MessageType.STORE_REPLY})
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGE_CLASSES.items()}

@@ -189,7 +189,7 @@ def _check_bind_policy(config, role: str) -> None:
 
 
 @main.command()
-@click.argument("role", type=click.Choice(["tokenizer", "router", "worker", "prefill", "decode"]))
+@click.argument("role", type=click.Choice(["tokenizer", "router", "worker", "prefill", "decode", "kvstore"]))
 @click.option("--index", type=int, default=0, show_default=True,
               help="engine number, unique across worker, prefill and decode (ports derive from it)")
 @click.option("--check-config", is_flag=True, help="validate the configuration and exit")
@@ -214,6 +214,10 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
             from services.worker.main import run as run_engine
 
             run_engine(config, index, role)
+        elif role == "kvstore":
+            from services.kvstore.main import run as run_kvstore
+
+            run_kvstore(config)
         else:
             from services.tokenizer.main import run as run_tokenizer
 
@@ -224,7 +228,7 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
 
 def _check_role(role: str, config) -> None:
     """What starting the role would check first, without starting it."""
-    if role in (*ENGINE_ROLES, "tokenizer") and config.model:
+    if role in (*ENGINE_ROLES, "tokenizer", "kvstore") and config.model:
         from common.engine.checkpoint import CheckpointError, load_model_config
 
         try:
@@ -237,10 +241,12 @@ def _check_role(role: str, config) -> None:
 @click.option("--workers", type=int, default=None, help="co-located workers  [default: 1, or 0 with --prefill]")
 @click.option("--prefill", "prefill", type=int, default=0, show_default=True, help="prefill workers")
 @click.option("--decode", "decode", type=int, default=0, show_default=True, help="decode workers")
+@click.option("--no-kvstore", is_flag=True, help="start no KV store (by default one runs and the engines use it)")
 @role_options
-def up(workers: int | None, prefill: int, decode: int, config_path: Path | None, **flags) -> None:
-    """Start a single-node cluster (router, engines, tokenizer) and supervise it: co-located
-    workers, a disaggregated prefill and decode pool, or both."""
+def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_path: Path | None,
+       **flags) -> None:
+    """Start a single-node cluster (router, KV store, engines, tokenizer) and supervise it:
+    co-located workers, a disaggregated prefill and decode pool, or both."""
     import signal
     import threading
 
@@ -264,11 +270,15 @@ def up(workers: int | None, prefill: int, decode: int, config_path: Path | None,
         flags["model"] = str(default_model_dir())
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
         flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // len(engines))
+    if not no_kvstore:
+        flags["kvstore"] = True  # the engines write back to and fetch from the store
     base = [sys.executable, "-m", "services.cli", "start"]
     passed = _as_flags(_overrides(flags))
     if config_path is not None:
         passed += ["--config", str(config_path)]
     children = [Child("router", [*base, "router", *passed])]
+    if not no_kvstore:  # before the engines, which connect to it
+        children.append(Child("kvstore", [*base, "kvstore", *passed]))
     children += [Child(f"{role}-{i}", [*base, role, "--index", str(i), *passed]) for role, i in engines]
     children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
     supervisor = Supervisor(children)
@@ -284,7 +294,9 @@ def up(workers: int | None, prefill: int, decode: int, config_path: Path | None,
                    f"  metrics  http://{config.http_host}:{config.http_port}/metrics (tokenizer), "
                    f"http://{config.host}:{config.router_metrics_port}/metrics (router), "
                    f"http://{config.host}:{config.worker_metrics_port(0)}/metrics ({engines[0][0]}-0, +2 per engine)\n"
-                   f"  status   svc status --port-base {config.port_base}", )
+                   + (f"  kvstore  {config.kvstore_control}, metrics "
+                      f"http://{config.host}:{config.kvstore_metrics_port}/metrics\n" if not no_kvstore else "")
+                   + f"  status   svc status --port-base {config.port_base}", )
         supervisor.watch(stop)
     except RuntimeError as error:
         raise click.ClickException(str(error)) from error

@@ -80,6 +80,9 @@ class Cluster:
     def router_health(self) -> dict:
         return _health(self.port_base + 3)
 
+    def kvstore_health(self) -> dict:
+        return _health(self.port_base + 6)
+
     def wait_for(self, predicate, timeout_s: float, what: str):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -124,13 +127,16 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def start_cluster(model_dir: Path, workers: int = 1, extra: list[str] | None = None,
                   timeout_s: float = 120.0, env: dict[str, str] | None = None, prefill: int = 0,
-                  decode: int = 0) -> Cluster:
+                  decode: int = 0, kvstore: bool = False) -> Cluster:
     """`svc up` on free loopback ports; `extra` flags go to `svc up` as they are, `env`
     (BATON_* variables, say) into its environment. Engines are numbered workers first,
-    then prefill, then decode workers."""
+    then prefill, then decode workers. With `kvstore` the cluster runs its KV store (as
+    `svc up` does by default) and the engines use it."""
     base = free_port_base()
     http_port = base + PORTS_PER_CLUSTER - 1
     pools = ["--prefill", str(prefill), "--decode", str(decode)] if prefill or decode else []
+    if not kvstore:
+        pools.append("--no-kvstore")
     argv = [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), *pools, "--port-base", str(base),
             "--http-port", str(http_port), "--model", str(model_dir), *(extra or [])]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

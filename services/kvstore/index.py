@@ -37,7 +37,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from services.kvstore.dram import Tier
 
@@ -101,6 +101,15 @@ class BlockNotFound(KVStoreError):
 
 class BlockBusy(KVStoreError):
     """The block (or a descendant) is leased or pinned, so it cannot be removed."""
+
+
+@runtime_checkable
+class IdentifiedTier(Protocol):
+    """A tier whose records name their block (the SSD tier: a rebuild after a restart
+    reads the identity and parent link back from the record). The index calls `label`
+    right before each `write` into a slot it moved a block to."""
+
+    def label(self, slot: int, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> None: ...
 
 
 # ---- configuration and records ----------------------------------------------------
@@ -350,9 +359,14 @@ class KVIndex:
             block.hits += 1
             block.touch = next(self._clock)
         if self.config.promote_on_get:
-            for block in found:
-                if block.tier != 0:
-                    self._promote(block)
+            try:
+                for block in found:
+                    if block.tier != 0:
+                        self._promote(block)
+            except Exception:
+                for block in found:  # a tier failed to read a block back: no lease is taken
+                    block.leases -= 1
+                raise
         lease_id = next(self._ids)
         expires_at = now + self.config.lease_timeout_s
         self._leases[lease_id] = _Lease(ns, tuple(b.key for b in found), expires_at)
@@ -367,6 +381,23 @@ class KVIndex:
             raise UnknownLease(f"lease {lease.lease_id} was released or expired")
         self._end_lease(lease.lease_id)
         self._enforce_watermarks()
+
+    def restore(self, ns: Namespace, key: BlockKey, parent: BlockKey | None, tier: int, slot: int,
+                nbytes: int, checksum: int) -> None:
+        """Adopt a committed block a tier already holds in `slot` (allocated there), as a
+        store rebuilding its index from durable records after a restart does. Parents
+        must be restored before their children; nothing is written, no event recorded."""
+        if (ns, key) in self._blocks:
+            raise KVStoreError(f"block {key:#x} is already indexed")
+        if parent is not None and (ns, parent) not in self._blocks:
+            raise MissingParent(f"parent {parent:#x} of block {key:#x} is not restored")
+        self._link(_Block(ns, key, parent, tier, slot, nbytes, committed=True, checksum=checksum,
+                          touch=next(self._clock)))
+
+    def empty_tier(self, tier: int) -> None:
+        """Move every movable block out of `tier` (demoted where the next tier has room,
+        else dropped, leaf-first as always): a store stopping flushes its DRAM this way."""
+        self._evict(tier, 0)
 
     # ---- management -----------------------------------------------------------------
 
@@ -601,11 +632,18 @@ class KVIndex:
             self.counters["promoted"] += 1
 
     def _move(self, block: _Block, tier: int) -> bool:
-        slot = self.tiers[tier].alloc()
+        target = self.tiers[tier]
+        slot = target.alloc()
         if slot is None:
             return False
         source = self.tiers[block.tier]
-        self.tiers[tier].write(slot, source.read(block.slot, block.nbytes))
+        try:
+            if isinstance(target, IdentifiedTier):
+                target.label(slot, block.ns, block.key, block.parent)
+            target.write(slot, source.read(block.slot, block.nbytes))
+        except Exception:
+            target.free(slot)  # the block stays where it was
+            raise
         source.free(block.slot)
         from_tier, block.tier, block.slot = block.tier, tier, slot
         self._event("moved", block, from_tier)

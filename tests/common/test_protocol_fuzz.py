@@ -37,6 +37,8 @@ from common.protocol import (
     Status,
     StatusRequest,
     StoreEvents,
+    StoreReply,
+    StoreRequest,
     Submit,
     Tokens,
     TokensBatch,
@@ -83,6 +85,11 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.KV_LEASE: (KvLeaseUpdate("r-1", "ab" * 16, "prefill-1", "renew"), []),
     MessageType.STORE_EVENTS: (StoreEvents("kvstore-0", stored=[3, 4], stored_tiers=[0, 1], moved=[5],
                                            moved_tiers=[1], evicted=[6]), []),
+    MessageType.STORE_REQUEST: (StoreRequest("put", 7, namespace=2**64 - 1, keys=[3, 4], parents=[2**64 - 1, 3],
+                                             checksums=[1, 2]), [np.arange(8, dtype=np.uint8)] * 2),
+    MessageType.STORE_REPLY: (StoreReply(7, True, "i-1", shm_path="/dev/shm/x", block_bytes=8, tiers=[0, 1],
+                                         slots=[4, -1], lease_id=9, stats={"blocks": 2.0}),
+                              [np.zeros(8, dtype=np.uint8)]),
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",

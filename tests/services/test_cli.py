@@ -115,3 +115,26 @@ def test_svc_up_gives_its_children_every_flag_it_was_given():
 def test_bad_pool_shapes_and_disaggregation_settings_fail_before_anything_starts(args, fragment):
     done = svc(*args)
     assert done.returncode != 0 and fragment in done.stderr
+
+
+def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_path):
+    from services.local_cluster import start_cluster
+
+    cluster = start_cluster(tiny_model_dir, kvstore=True,
+                            extra=["--kv-cache-gb", "0.05", "--max-model-len", "1024", "--kvstore-dram-gb", "0.01",
+                                   "--kvstore-ssd-dir", str(tmp_path / "ssd"), "--kvstore-ssd-gb", "0.01"])
+    try:
+        health = cluster.kvstore_health()
+        assert health["ok"] and health["blocks"] == 0
+        assert cluster.worker_health(0)["ok"]
+        text = "".join(cluster.lines)
+        assert "[kvstore] baton kvstore ready" in text and "kvstore  tcp://" in text
+        assert (tmp_path / "ssd" / "slots-000.bkv").is_file()
+    finally:
+        cluster.stop()
+    assert not any("Traceback" in line for line in cluster.lines)
+
+
+def test_svc_start_kvstore_checks_its_model_config(tmp_path):
+    done = svc("start", "kvstore", "--model", str(tmp_path / "nowhere"), "--check-config")
+    assert done.returncode != 0 and "model" in done.stderr

@@ -1,12 +1,13 @@
 """compose.yaml: every service is a valid `svc start` invocation of the shared config,
 by default and with the P/D profile (`docker compose --profile pd up`)."""
+import dataclasses
 import subprocess
 import sys
 import tomllib
 
 import yaml
 
-from common.config import KV_PORT_OFFSET, MAX_ENGINES, load_config
+from common.config import KV_PORT_OFFSET, MAX_ENGINES, ClusterConfig, load_config
 from services.local_cluster import REPO
 
 MOUNTED_CONFIG = "/etc/baton/cluster.toml"
@@ -28,14 +29,14 @@ def flag(service: dict, name: str) -> str:
 def test_the_default_stays_co_located_and_the_pd_profile_adds_prefill_and_decode():
     services = compose()["services"]
     default = {name for name, service in services.items() if "profiles" not in service}
-    assert default == {"keys", "router", "worker", "tokenizer"}
+    assert default == {"keys", "router", "kvstore", "worker", "tokenizer"}
     assert {name for name in services if name not in default} == {"prefill", "decode"}
     assert all(services[name]["profiles"] == ["pd"] for name in ("prefill", "decode"))
 
 
 def test_every_service_runs_a_valid_svc_start(tmp_path):
     services = compose()["services"]
-    assert set(services) == {"keys", "router", "worker", "prefill", "decode", "tokenizer"}
+    assert set(services) == {"keys", "router", "kvstore", "worker", "prefill", "decode", "tokenizer"}
     keys = services.pop("keys")
     keys_dir = tmp_path / "keys"
     done = _svc([*(str(keys_dir) if part == "/keys" else part for part in keys["command"])], tmp_path, {})
@@ -68,6 +69,7 @@ def test_health_checks_probe_the_ports_the_config_gives():
     for role in ENGINE_ROLES:
         assert f":{config.worker_metrics_port(int(flag(services[role], '--index')))}/health" in probes[role], role
     assert f":{config.http_port}/health" in probes["tokenizer"]
+    assert f":{config.kvstore_metrics_port}/health" in probes["kvstore"]
 
 
 def test_engines_have_their_own_index_and_advertise_their_service_name():
@@ -110,3 +112,22 @@ def test_check_config_rejects_a_bad_file(tmp_path):
                            "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=60,
                           env={"PYTHONPATH": str(REPO)})
     assert done.returncode != 0 and "port_base" in done.stderr
+
+
+def test_the_cluster_file_sets_every_kvstore_key_and_they_parse():
+    raw = tomllib.loads((REPO / "deploy" / "cluster.toml").read_text())
+    keys = {spec.name for spec in dataclasses.fields(ClusterConfig) if spec.name.startswith("kvstore")}
+    assert keys - set(raw["kvstore"]) == {"kvstore_address"}  # documented, commented: it derives from host
+    config = load_config(REPO / "deploy" / "cluster.toml", env={})
+    assert {key: getattr(config, key) for key in raw["kvstore"]} == raw["kvstore"]
+
+
+def test_the_store_keeps_its_ssd_tier_in_a_volume_and_the_engines_reach_it():
+    config = load_config(REPO / "deploy" / "cluster.toml", env={})
+    services = compose()["services"]
+    store = services["kvstore"]
+    assert any(volume.endswith(f":{config.kvstore_ssd_dir}") for volume in store["volumes"])
+    assert store["network_mode"] == "service:router"  # the router's derived events address reaches it
+    port = config.kvstore_control.rsplit(":", 1)[1]
+    for role in ENGINE_ROLES:
+        assert flag(services[role], "--kvstore-address") == f"tcp://router:{port}"

@@ -1,0 +1,280 @@
+"""What engines use to talk to the KV store (docs/kvstore.md §5).
+
+On the store's host the client maps the store's DRAM pool (a file under /dev/shm the
+store names in every reply) and copies between it and the engine's pool itself: a get
+returns leased slot ids, a put reserves slots, the client fills them and commits with
+CRC32C checksums the store verifies. Elsewhere the bytes travel as raw frames. A reply
+from a new store instance (it restarted) re-maps the pool.
+
+Synchronous, one thread, a deadline of config.kvstore_timeout_s on every call: past it, or
+when the store is gone, StoreUnavailable (a ConnectionError), and the engine recomputes.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import google_crc32c
+import numpy as np
+import zmq
+
+from common.config import ClusterConfig
+from common.engine.kv_layout import KVLayout
+from common.protocol import MAX_STORE_KEYS, ProtocolError, StoreReply, StoreRequest, decode
+from common.sockets import MAX_MESSAGE_BYTES, Security, send
+
+MAX_INLINE_BYTES = MAX_MESSAGE_BYTES // 2  # raw bytes one request or reply carries at most
+
+
+class StoreUnavailable(ConnectionError):
+    """The store did not answer within the deadline, or is gone."""
+
+
+class StoreRefused(RuntimeError):
+    """The store refused a request; `code` is the ErrorCode value, the text its reason."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+
+
+class StoreClient:
+    """One engine's connection to the store; see the module docstring."""
+
+    def __init__(self, config: ClusterConfig, security: Security, client_id: str, layout: KVLayout,
+                 shared_memory: bool = True):
+        self.config = config
+        self.security = security
+        self.client_id = client_id
+        self.layout = layout
+        self.block_bytes = layout.bytes_per_block
+        self.num_planes = 2 * layout.num_layers
+        self.allow_shared_memory = shared_memory
+        self.timeout_s = config.kvstore_timeout_s
+        self.instance_id = ""
+        self.last_refusal = ""  # why the last put stopped short, for the engine's logs
+        self.checksum_failures = 0  # fetched blocks whose copy did not match (not handed to the engine)
+        self._shm: np.ndarray | None = None
+        self._ids = itertools.count(1)
+        self._socket: zmq.Socket = self._connect()
+
+    @property
+    def same_host(self) -> bool:
+        """True once a reply named a shared-memory pool this process could map."""
+        return self._shm is not None
+
+    # ---- the API
+
+    def lookup(self, namespace: int, keys: Sequence[int]) -> list[int]:
+        """The tier (0 DRAM, 1 SSD) of each block of the longest stored prefix of `keys`."""
+        tiers: list[int] = []
+        for start in range(0, len(keys), MAX_STORE_KEYS):
+            chunk = list(keys[start:start + MAX_STORE_KEYS])
+            reply, _ = self._call(StoreRequest("lookup", 0, namespace, keys=chunk))
+            tiers += reply.tiers
+            if len(reply.tiers) < len(chunk):
+                break
+        return tiers
+
+    def fetch(self, namespace: int, keys: Sequence[int], dst_pool: np.ndarray, dst_block_ids: Sequence[int]) -> int:
+        """Copy the longest stored prefix of `keys` into the engine pool's blocks
+        `dst_block_ids` (block i of keys into dst_block_ids[i]); how many leading blocks
+        landed. `dst_pool` is the flat uint8 pool, plane-major (docs/kvstore.md §5)."""
+        if len(dst_block_ids) < len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(dst_block_ids)} destination blocks")
+        pool3 = self._pool3(dst_pool)
+        landed = 0
+        step = self._step()
+        while landed < len(keys):
+            chunk = list(keys[landed:landed + step])
+            request = StoreRequest("get", 0, namespace, keys=chunk, inline=not self.same_host)
+            reply, frames = self._call(request)
+            got = self._copy_out(reply, frames, pool3, dst_block_ids[landed:landed + len(reply.slots)])
+            landed += got
+            if got < len(chunk):
+                break
+        return landed
+
+    def put(self, namespace: int, keys: Sequence[int], parents: Sequence[int], values: np.ndarray) -> int:
+        """Store blocks (root-first: each parent stored or earlier in `keys`; a chain's
+        first block names the namespace as its parent); how many were newly stored. Keys
+        already stored are skipped; a refusal (full, over quota) ends the put quietly,
+        its reason in `last_refusal`."""
+        if not len(keys) == len(parents) == len(values):
+            raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(values)} values")
+        if values.ndim != 2 or values.shape[1] != self.block_bytes or values.dtype != np.uint8:
+            raise ValueError(f"values must be (n, {self.block_bytes}) uint8, got {values.shape} {values.dtype}")
+        stored, done = 0, 0
+        step = self._step()
+        while done < len(keys):
+            chunk = list(keys[done:done + step])
+            taken, newly = self._put_chunk(namespace, chunk, list(parents[done:done + step]),
+                                           values[done:done + step])
+            stored += newly
+            done += taken
+            if taken == 0:  # refused outright; a short take (slots all pending) goes on once committed
+                break
+        return stored
+
+    def remove(self, namespace: int, keys: Sequence[int]) -> int:
+        """Drop these blocks and every block stored under them; how many went."""
+        return self._call(StoreRequest("remove", 0, namespace, keys=list(keys)), refuse=True)[0].count
+
+    def pin(self, namespace: int, keys: Sequence[int]) -> None:
+        self._call(StoreRequest("pin", 0, namespace, keys=list(keys)), refuse=True)
+
+    def unpin(self, namespace: int, keys: Sequence[int]) -> None:
+        self._call(StoreRequest("unpin", 0, namespace, keys=list(keys)), refuse=True)
+
+    def stats(self) -> dict:
+        reply, _ = self._call(StoreRequest("stats", 0), refuse=True)
+        return {**reply.stats, "instance_id": reply.instance_id, "same_host": self.same_host}
+
+    def close(self) -> None:
+        self._socket.close(0)
+        self._shm = None
+
+    # ---- copies
+
+    def _pool3(self, pool: np.ndarray) -> np.ndarray:
+        if pool.dtype != np.uint8 or pool.ndim != 1 or pool.size % self.block_bytes:
+            raise ValueError(f"the engine pool must be flat uint8, a multiple of {self.block_bytes} bytes")
+        return pool.reshape(self.num_planes, pool.size // self.block_bytes, self.block_bytes // self.num_planes)
+
+    def _copy_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
+                  dst_block_ids: Sequence[int]) -> int:
+        """Copy a get's blocks into the pool (one gather, one scatter), then end its lease."""
+        try:
+            count = len(reply.slots)
+            if not count:
+                return 0
+            slots = np.asarray(reply.slots, dtype=np.int64)
+            inline = slots < 0
+            if int(inline.sum()) != len(frames) or any(f.size != self.block_bytes for f in frames):
+                raise StoreUnavailable("the store's get reply does not match its frames")
+            if inline.all():
+                staged = np.stack(frames) if count > 1 else frames[0][None, :]
+            else:
+                if self._shm is None:
+                    raise StoreUnavailable("the store answered shared-memory slots this client cannot map")
+                staged = self._shm[np.where(inline, 0, slots)]
+                if inline.any():
+                    staged[inline] = np.stack(frames)
+            count = self._verified(staged, reply.checksums)
+            if not count:
+                return 0
+            planes = staged[:count].reshape(count, self.num_planes, -1).transpose(1, 0, 2)
+            pool3[:, np.asarray(dst_block_ids[:count], dtype=np.int64), :] = planes
+            return count
+        finally:
+            if reply.lease_id:
+                self._call(StoreRequest("release", 0, lease_id=reply.lease_id))
+
+    def _verified(self, staged: np.ndarray, checksums: list[int]) -> int:
+        """How many leading copied blocks match the store's CRC32C: a slot rewritten under
+        an expired lease, or by a writer past its ticket, never reaches the engine."""
+        if len(checksums) != len(staged):
+            raise StoreUnavailable("the store's get reply lacks a checksum per block")
+        for i, (row, checksum) in enumerate(zip(staged, checksums)):
+            if google_crc32c.value(row) != checksum:
+                self.checksum_failures += 1
+                return i
+        return len(staged)
+
+    def _put_chunk(self, namespace: int, keys: list[int], parents: list[int], values: np.ndarray) -> tuple[int, int]:
+        """(keys taken, blocks newly stored) of one request's worth."""
+        checksums = [google_crc32c.value(row.tobytes()) for row in values]
+        if not self.same_host:
+            reply, _ = self._call(StoreRequest("put", 0, namespace, keys=keys, parents=parents, checksums=checksums),
+                                  payloads=list(values))
+            self.last_refusal = reply.reason
+            return (len(reply.tickets), reply.count) if reply.ok else (0, reply.count)
+        reply, _ = self._call(StoreRequest("put_start", 0, namespace, keys=keys, parents=parents))
+        self.last_refusal = reply.reason
+        if not reply.ok:
+            return 0, 0
+        taken = len(reply.tickets)
+        writes = [i for i, ticket in enumerate(reply.tickets) if ticket]
+        if not writes:
+            return taken, 0
+        assert self._shm is not None
+        try:
+            self._shm[np.asarray([reply.slots[i] for i in writes], dtype=np.int64)] = values[writes]
+        except BaseException:
+            self._call(StoreRequest("put_abort", 0, namespace, tickets=[reply.tickets[i] for i in writes]))
+            raise
+        commit, _ = self._call(StoreRequest("put_commit", 0, namespace, tickets=[reply.tickets[i] for i in writes],
+                                            checksums=[checksums[i] for i in writes]))
+        if not commit.ok:
+            self.last_refusal = commit.reason
+        return taken, commit.count
+
+    def _step(self) -> int:
+        """Keys per request: the protocol's limit, and with raw frames the message size."""
+        if self.instance_id == "":
+            self._hello()
+        if self.same_host:
+            return MAX_STORE_KEYS
+        return max(1, min(MAX_STORE_KEYS, MAX_INLINE_BYTES // self.block_bytes))
+
+    def _hello(self) -> None:
+        if self.instance_id == "":
+            self._call(StoreRequest("stats", 0))
+
+    # ---- the wire
+
+    def _connect(self) -> zmq.Socket:
+        return self.security.client(zmq.DEALER, self.config.kvstore_control, "kvstore")
+
+    def _call(self, request: StoreRequest, payloads: list[np.ndarray] | None = None,
+              refuse: bool = False) -> tuple[StoreReply, list[np.ndarray]]:
+        """Send and wait for the matching reply; StoreUnavailable past the deadline (the
+        socket is then replaced, so nothing sent before reaches a store that comes back)."""
+        request.request_id = next(self._ids)
+        try:
+            send(self._socket, request, payloads, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._reset()
+            raise StoreUnavailable(f"the store at {self.config.kvstore_control} takes no requests") from None
+        deadline_ms = int(self.timeout_s * 1000)
+        while True:
+            if not self._socket.poll(deadline_ms):
+                self._reset()
+                raise StoreUnavailable(f"no answer from the store at {self.config.kvstore_control} "
+                                       f"within {self.timeout_s} s")
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                reply, out = decode(cast(list[bytes], [frame.buffer for frame in frames]))
+            except ProtocolError as error:
+                self._reset()
+                raise StoreUnavailable(f"the store answered a malformed message: {error}") from None
+            if isinstance(reply, StoreReply) and reply.request_id == request.request_id:
+                break
+        self._track(reply)
+        if refuse and not reply.ok:
+            raise StoreRefused(reply.code, reply.reason)
+        return reply, out
+
+    def _reset(self) -> None:
+        self._socket.close(0)
+        self._socket = self._connect()
+
+    def _track(self, reply: StoreReply) -> None:
+        """Notice a new store instance and (re-)map its shared-memory pool if we can."""
+        if reply.instance_id == self.instance_id:
+            return
+        self.instance_id = reply.instance_id
+        self._shm = None
+        if not self.allow_shared_memory or not reply.shm_path or reply.block_bytes != self.block_bytes:
+            return
+        path = Path(reply.shm_path)
+        try:
+            size = os.stat(path).st_size
+            if not size or size % self.block_bytes:
+                return
+            self._shm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size // self.block_bytes, self.block_bytes))
+        except (OSError, ValueError):
+            self._shm = None  # another host's path, or not ours to open: the bytes travel in frames

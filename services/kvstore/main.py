@@ -1,0 +1,31 @@
+"""Entry point of the `kvstore` role: derive the KV layout from the model's config (no
+weights are loaded), open the tiers, serve until SIGTERM or SIGINT."""
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from common.config import ClusterConfig
+from common.engine.checkpoint import load_model_config
+from common.engine.kv_layout import KVLayout
+
+
+def store_layout(config: ClusterConfig) -> KVLayout:
+    """The KV layout of the cluster's engines: the model's shape, their block size and dtype."""
+    if config.model:
+        model_dir = Path(config.model)
+    else:
+        from common.engine.default_model import default_model_dir
+
+        model_dir = default_model_dir()
+    return KVLayout.for_model(load_model_config(model_dir), config.block_size, config.dtype)
+
+
+def run(config: ClusterConfig) -> None:
+    from services.kvstore.service import StoreService
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    StoreService(config, store_layout(config)).run(stop)
