@@ -6,13 +6,25 @@ bandwidth of the tiers they sit on; computing them costs their tokens' prefill s
 from this engine's own measured prefill throughput. Both sides are measured as they go
 (EWMAs) and seeded conservatively: slow links and the cost profile's prefill, so an
 unmeasured worker recomputes unless the store is clearly worth it. `decide` is pure.
+StoreThread is the worker's one thread that calls the store.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from common.cost_model import CostModel
+from common.engine.engine import KnownBlocks, KvFetch, WritebackQueue
+from common.engine.kv_layout import KVLayout
+from common.logs import get_logger
+
+log = get_logger("worker")
 
 FETCH_MODES = ("auto", "always", "never")
 TIER_NAMES = ("dram", "ssd")  # the store's tier numbers, as StoreEvents and lookup give them
@@ -83,8 +95,8 @@ def decide(mode: str, tiers: Sequence[int], bytes_per_block: int, block_size: in
 
 class FetchCosts:
     """What `decide` needs, measured: per tier bandwidth and latency from the store
-    client's own calls, and the engine's prefill throughput from its prefill steps.
-    Used from the worker's loop only (the store thread hands its timings back)."""
+    client's own calls (the store thread updates those), and the engine's prefill
+    throughput from its prefill steps (the loop updates that). Each EWMA has one writer."""
 
     def __init__(self, cost_model: CostModel, block_size: int):
         self.cost_model = cost_model
@@ -125,3 +137,178 @@ class FetchCosts:
     def decide(self, mode: str, tiers: Sequence[int], bytes_per_block: int, depth_tokens: int = 0) -> Decision:
         return decide(mode, tiers, bytes_per_block, self.block_size, self.links(),
                       self.block_prefill_s(depth_tokens))
+
+
+# ---- the store thread --------------------------------------------------------------------
+
+MAX_FETCHES_IN_FLIGHT = 32  # requests waiting on the store at once; more compute at once
+PUT_BACKOFF_S = 1.0  # after a failed put, write-back waits this long (staged copies queue, then drop)
+
+
+class StoreAPI(Protocol):
+    """What the store thread uses of services/kvstore/client.py StoreClient."""
+
+    def lookup(self, namespace: int, keys: Sequence[int]) -> list[int]: ...
+
+    def fetch(self, namespace: int, keys: Sequence[int], dst_pool: np.ndarray,
+              dst_block_ids: Sequence[int]) -> int: ...
+
+    def put(self, namespace: int, keys: Sequence[int], parents: Sequence[int], values: np.ndarray) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    fetch: KvFetch
+    deadline: float  # monotonic; past it the thread answers 0 without calling the store
+    block_prefill_s: float  # the loop's measured prefill seconds of one block, for `decide`
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    request_id: str
+    landed: int  # leading blocks of the job's fetch that hold their KV
+    decision: str  # fetch, recompute or failed
+    tiers: tuple[int, ...] = ()  # of the landed blocks
+    bounce: np.ndarray | None = None  # the values when the engine's pool is not host memory
+    error: str = ""
+
+
+@dataclass
+class StoreCounters:
+    """Counted by the store thread, read by the loop for metrics (ints: no lock needed)."""
+
+    written_blocks: int = 0
+    put_failures: int = 0
+    fetched_blocks: list[int] = field(default_factory=lambda: [0] * len(TIER_NAMES))
+    fetch_failures: int = 0
+
+
+class StoreThread:
+    """The worker's one thread that talks to the KV store, so that the engine's loop never
+    waits on it: fetch jobs come in on a bounded queue (lookup, `decide`, fetch), their
+    results go back on another; between jobs it drains the engine's write-back queue,
+    each eviction's chains root-first. Every store call has the client's deadline, so a
+    dead store costs a job its deadline at most and the request recomputes."""
+
+    def __init__(self, make_client: Callable[[], StoreAPI], engine_pool: np.ndarray | None,
+                 layout: KVLayout, writeback: WritebackQueue | None,
+                 known: KnownBlocks, costs: FetchCosts, mode: str):
+        if mode not in FETCH_MODES:
+            raise ValueError(f"kvstore_fetch: {mode!r} is not one of {FETCH_MODES}")
+        self.make_client = make_client
+        self.engine_pool = engine_pool  # the flat uint8 pool when the engine's KV is in host memory
+        self.layout = layout
+        self.writeback = writeback
+        self.known = known
+        self.costs = costs
+        self.mode = mode
+        self.jobs: queue.Queue[FetchJob] = queue.Queue(MAX_FETCHES_IN_FLIGHT)
+        self.results: queue.Queue[FetchResult] = queue.Queue(MAX_FETCHES_IN_FLIGHT + 1)
+        self.counters = StoreCounters()
+        self.stop = threading.Event()
+        self.put_blocked_until = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvstore", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float) -> None:
+        self.stop.set()
+        self._thread.join(timeout_s)
+
+    def submit(self, job: FetchJob) -> None:
+        """Queue a fetch; the caller keeps fewer than MAX_FETCHES_IN_FLIGHT unanswered, so
+        neither queue fills."""
+        self.jobs.put_nowait(job)
+
+    def _run(self) -> None:
+        try:
+            client = self.make_client()
+        except Exception as error:  # noqa: BLE001 (fetches fail, each request recomputes)
+            log.error("kvstore_client_failed", error=str(error))
+            self._fail_jobs(str(error))
+            return
+        try:
+            while not self.stop.is_set():
+                try:
+                    job = self.jobs.get(timeout=0.005 if self._writeback_pending() else 0.05)
+                except queue.Empty:
+                    self._write_back(client)
+                    continue
+                self.results.put(self._fetch(client, job))
+        finally:
+            client.close()
+
+    def _fail_jobs(self, error: str) -> None:
+        """Without a client, answer every job with nothing landed until stopped."""
+        while not self.stop.is_set():
+            try:
+                job = self.jobs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.counters.fetch_failures += 1
+            self.results.put(FetchResult(job.fetch.request_id, 0, "failed", error=error))
+
+    def _fetch(self, client: StoreAPI, job: FetchJob) -> FetchResult:
+        fetch = job.fetch
+        request_id = fetch.request_id
+        try:
+            if time.monotonic() >= job.deadline:
+                raise TimeoutError("the fetch waited past its deadline")
+            started = time.monotonic()
+            tiers = client.lookup(fetch.namespace, fetch.keys)
+            self.costs.observe_call(0, time.monotonic() - started)
+            self.known.add(fetch.namespace, fetch.keys[:len(tiers)])
+            decision = decide(self.mode, tiers, self.layout.bytes_per_block, self.layout.block_size,
+                              self.costs.links(), job.block_prefill_s)
+            if not decision.fetch:
+                return FetchResult(request_id, 0, "recompute")
+            if time.monotonic() >= job.deadline:
+                raise TimeoutError("the lookup ended past the fetch's deadline")
+            count = decision.num_blocks
+            bounce = None
+            if self.engine_pool is not None:
+                pool, dst = self.engine_pool, list(fetch.dst_block_ids[:count])
+            else:
+                bounce = pool = np.empty(count * self.layout.bytes_per_block, np.uint8)
+                dst = list(range(count))
+            started = time.monotonic()
+            landed = client.fetch(fetch.namespace, fetch.keys[:count], pool, dst)
+            landed_tiers = tuple(tiers[:landed])
+            self.costs.observe_fetch(landed_tiers, landed * self.layout.bytes_per_block,
+                                     time.monotonic() - started)
+            for tier in landed_tiers:
+                if 0 <= tier < len(TIER_NAMES):
+                    self.counters.fetched_blocks[tier] += 1
+            return FetchResult(request_id, landed, "fetch", landed_tiers, bounce)
+        except Exception as error:  # noqa: BLE001 (StoreUnavailable, a refusal, a bad reply: recompute)
+            self.counters.fetch_failures += 1
+            log.warning("kvstore_fetch_failed", request_id=request_id, error=str(error))
+            return FetchResult(request_id, 0, "failed", error=str(error))
+
+    def _writeback_pending(self) -> bool:
+        return self.writeback is not None and self.writeback.num_blocks > 0 \
+            and time.monotonic() >= self.put_blocked_until
+
+    def _write_back(self, client: StoreAPI) -> None:
+        """Put one staged eviction, namespace by namespace, in its root-first order."""
+        if not self._writeback_pending():
+            return
+        assert self.writeback is not None  # _writeback_pending checked
+        batch = self.writeback.pop()
+        if batch is None:
+            return
+        for namespace in dict.fromkeys(batch.namespaces):
+            rows = [i for i, ns in enumerate(batch.namespaces) if ns == namespace]
+            keys = [batch.keys[i] for i in rows]
+            try:
+                self.counters.written_blocks += client.put(namespace, keys, [batch.parents[i] for i in rows],
+                                                           batch.values[rows])
+            except Exception as error:  # noqa: BLE001 (a put that fails loses a copy, nothing else)
+                self.counters.put_failures += 1
+                self.known.discard(namespace, keys)
+                self.put_blocked_until = time.monotonic() + PUT_BACKOFF_S
+                log.warning("kvstore_put_failed", blocks=len(keys), error=str(error))
+                return
