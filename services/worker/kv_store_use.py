@@ -224,37 +224,38 @@ class StoreThread:
         self.jobs.put_nowait(job)
 
     def _run(self) -> None:
-        try:
-            client = self.make_client()
-        except Exception as error:  # noqa: BLE001 (fetches fail, each request recomputes)
-            log.error("kvstore_client_failed", error=str(error))
-            self._fail_jobs(str(error))
-            return
+        client: StoreAPI | None = None
         try:
             while not self.stop.is_set():
                 try:
-                    job = self.jobs.get(timeout=0.005 if self._writeback_pending() else 0.05)
+                    job: FetchJob | None = self.jobs.get(timeout=0.005 if self._writeback_pending() else 0.05)
                 except queue.Empty:
+                    job = None
+                if client is None and (job is not None or self._writeback_pending()):
+                    client = self._connect()
+                if job is not None:
+                    self.results.put(self._fetch(client, job))
+                elif client is not None:
                     self._write_back(client)
-                    continue
-                self.results.put(self._fetch(client, job))
         finally:
-            client.close()
+            if client is not None:
+                client.close()
 
-    def _fail_jobs(self, error: str) -> None:
-        """Without a client, answer every job with nothing landed until stopped."""
-        while not self.stop.is_set():
-            try:
-                job = self.jobs.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self.counters.fetch_failures += 1
-            self.results.put(FetchResult(job.fetch.request_id, 0, "failed", error=error))
+    def _connect(self) -> StoreAPI | None:
+        """A client, or None (logged; tried again after PUT_BACKOFF_S or on the next fetch)."""
+        try:
+            return self.make_client()
+        except Exception as error:  # noqa: BLE001 (each request recomputes meanwhile)
+            log.error("kvstore_client_failed", error=str(error))
+            self.put_blocked_until = time.monotonic() + PUT_BACKOFF_S
+            return None
 
-    def _fetch(self, client: StoreAPI, job: FetchJob) -> FetchResult:
+    def _fetch(self, client: StoreAPI | None, job: FetchJob) -> FetchResult:
         fetch = job.fetch
         request_id = fetch.request_id
         try:
+            if client is None:
+                raise ConnectionError("no KV store client")
             if time.monotonic() >= job.deadline:
                 raise TimeoutError("the fetch waited past its deadline")
             started = time.monotonic()
