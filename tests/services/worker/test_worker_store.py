@@ -116,7 +116,8 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         again = client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, **GREEDY)
         assert again.token_ids == want[tuple(prompt)]
         assert again.num_cached_tokens == 64  # blocks 0-3 fetched; 6 prompt tokens computed
-        assert metric(cluster, "baton_worker_kvstore_fetched_blocks_total", tier="dram") == 4
+        cluster.wait_for(lambda: metric(cluster, "baton_worker_kvstore_fetched_blocks_total", tier="dram") == 4, 10,
+                         "the fetched blocks counted")
         assert metric(cluster, "baton_worker_kvstore_fetch_decisions_total", decision="fetch") == 1
 
         assert stored_tiers(cluster, reference, prompt) == [0, 0, 0, 0]
@@ -127,11 +128,13 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         os.kill(store.pid, signal.SIGSTOP)  # the store stops answering: every call runs to its deadline
         stalled = client.generate(token_ids=other, max_tokens=MAX_TOKENS, **GREEDY)
         assert stalled.token_ids == want[tuple(other)] and stalled.num_cached_tokens == 0
-        assert metric(cluster, "baton_worker_kvstore_failures_total", op="fetch") >= 1
+        cluster.wait_for(lambda: metric(cluster, "baton_worker_kvstore_failures_total", op="fetch") >= 1, 10,
+                         "the failed fetch counted")  # metrics follow the load report
         os.kill(store.pid, signal.SIGKILL)
         store.wait(10)
         evict(client, [filler_a, filler_b])
         gone = client.generate(token_ids=other, max_tokens=MAX_TOKENS, **GREEDY)
         assert gone.token_ids == want[tuple(other)] and gone.num_cached_tokens == 0
-        assert metric(cluster, "baton_worker_kvstore_failures_total", op="fetch") >= 2
+        cluster.wait_for(lambda: metric(cluster, "baton_worker_kvstore_failures_total", op="fetch") >= 2, 10,
+                         "the second failed fetch counted")
     assert cluster.worker_health(0)["ok"]
