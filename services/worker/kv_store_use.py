@@ -169,7 +169,7 @@ class FetchJob:
 class FetchResult:
     request_id: str
     landed: int  # leading blocks of the job's fetch that hold their KV
-    decision: str  # fetch, recompute or failed
+    decision: str  # fetch, recompute (not worth it), miss (not stored) or failed
     tiers: tuple[int, ...] = ()  # of the landed blocks
     bounce: np.ndarray | None = None  # the values when the engine's pool is not host memory
     error: str = ""
@@ -265,7 +265,7 @@ class StoreThread:
             decision = decide(self.mode, tiers, self.layout.bytes_per_block, self.layout.block_size,
                               self.costs.links(), job.block_prefill_s)
             if not decision.fetch:
-                return FetchResult(request_id, 0, "recompute")
+                return FetchResult(request_id, 0, "miss" if decision.reason == "not_stored" else "recompute")
             if time.monotonic() >= job.deadline:
                 raise TimeoutError("the lookup ended past the fetch's deadline")
             count = decision.num_blocks

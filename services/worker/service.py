@@ -131,7 +131,8 @@ class WorkerMetrics:
         self.store_fetched = registry.counter("baton_worker_kvstore_fetched_blocks_total",
                                               "Prompt blocks fetched from the KV store, by tier", labels=("tier",))
         self.store_decisions = registry.counter("baton_worker_kvstore_fetch_decisions_total",
-                                                "Prompts the store held blocks of: fetched or recomputed",
+                                                "Prompts with blocks past the local cache: fetched, recomputed "
+                                                "(not worth it) or missed (not stored)",
                                                 labels=("decision",))
         self.store_failures = registry.counter("baton_worker_kvstore_failures_total",
                                                "KV store calls that failed (the request recomputed, or the copy "
