@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.cost_model import load_cost_model
+from common.hashing import chain_hashes
 from services.worker.kv_store_use import Decision, FetchCosts, Link, decide
 
 FAST = [Link(10e9, 1e-4), Link(1e9, 1e-3)]
@@ -60,3 +61,36 @@ def test_measurements_move_the_decision():
     assert got.fetch and got.num_blocks == 4
     costs.observe_fetch([], 10, 1.0)  # ignored: nothing fetched
     costs.observe_fetch([5], 10, 1.0)  # ignored: no such tier
+
+
+def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, random_prompts):
+    """A GPU engine's fetch lands in a host buffer laid out as a pool of the fetched blocks
+    (plane-major); the loop copies it into the engine's blocks. Checked here on CPU."""
+    from common.config import ClusterConfig
+    from common.metrics import Registry
+    from common.sampling_params import SamplingParams
+    from services.worker.kv_store_use import FetchResult
+    from services.worker.service import StoreUse, WorkerMetrics
+
+    source, engine = make_engine(max_model_len=128), make_engine(max_model_len=128)
+    prompt = random_prompts([70], seed=41)[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = source.generate([prompt], greedy)[0].token_ids
+    blocks = source.block_manager.match_prefix(
+        chain_hashes(source._root_hash(""), prompt, 16), prompt, 4)
+    values = source.read_blocks(blocks)  # (4, bytes_per_block), plane-major per block
+    planes = 2 * source.kv_cache.layout.num_layers
+    bounce = values.reshape(4, planes, -1).transpose(1, 0, 2).copy().reshape(-1)  # as StoreClient.fetch fills it
+
+    use = StoreUse(ClusterConfig(kvstore=True), engine, lambda: None, WorkerMetrics(Registry()))
+    fetch = engine.begin_fetch("r", prompt, greedy)
+    assert fetch is not None
+    use.in_flight["r"] = fetch.dst_block_ids
+    use._land(FetchResult("r", 3, "fetch", (0, 0, 0), bounce))  # 4 asked, 3 landed
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += output.new_token_ids
+            if output.finished:
+                assert output.num_cached_tokens == 48
+    assert tokens == want
