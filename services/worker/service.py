@@ -76,6 +76,7 @@ MAX_STREAMS = 64  # tokenizers pushed to at once; the least recently used is clo
 CACHE_REPORT_BLOCKS = 50_000  # block hashes per KvEvents message of a rejoin's cache report (~450 KB)
 KNOWN_STORED_BLOCKS = 1 << 16  # (namespace, block) the store is remembered to hold, at most
 FETCH_POLL_MS = 2  # a turn's wait for messages while fetches are out: their results come on no socket
+STORE_RETRY_S = 2.0  # after a failed fetch, requests compute without asking the store this long
 
 
 class WorkerRefused(RuntimeError):
@@ -157,6 +158,7 @@ class StoreUse:
         self.thread = StoreThread(make_client, pool, engine.kv_cache.layout, writeback, known, self.costs,
                                   config.kvstore_fetch)
         self.in_flight: dict[str, tuple[int, ...]] = {}  # request id -> its fetch's destination blocks
+        self.skip_until = 0.0  # monotonic: a dead store must not cost every request a deadline
         self.prefill_seen = (0, 0.0)
         self.reported = dict(written=0, dropped=0, put_failures=0, fetch_failures=0)
         self.reported_fetched = [0] * len(TIER_NAMES)
@@ -170,7 +172,8 @@ class StoreUse:
     def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> bool:
         """Start fetching the prompt's blocks past the local cache; False when there are
         none (or no room, or too many fetches out): the caller adds the request itself."""
-        if self.config.kvstore_fetch == "never" or len(self.in_flight) >= MAX_FETCHES_IN_FLIGHT:
+        if self.config.kvstore_fetch == "never" or len(self.in_flight) >= MAX_FETCHES_IN_FLIGHT \
+                or time.monotonic() < self.skip_until:
             return False
         fetch = self.engine.begin_fetch(request_id, prompt_ids, params, tenant)
         if fetch is None:
@@ -203,7 +206,9 @@ class StoreUse:
             planes = 2 * layout.num_layers
             values = result.bounce.reshape(planes, -1, layout.bytes_per_block // planes)[:, :landed]
             self.engine.write_blocks(dst[:landed], values.transpose(1, 0, 2).reshape(landed, -1))
-        if result.decision != "failed":
+        if result.decision == "failed":
+            self.skip_until = time.monotonic() + STORE_RETRY_S
+        else:
             self.metrics.store_decisions.inc(decision=result.decision)
         self.engine.complete_fetch(result.request_id, landed)
 

@@ -133,8 +133,6 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         os.kill(store.pid, signal.SIGKILL)
         store.wait(10)
         evict(client, [filler_a, filler_b])
-        gone = client.generate(token_ids=other, max_tokens=MAX_TOKENS, **GREEDY)
+        gone = client.generate(token_ids=other, max_tokens=MAX_TOKENS, **GREEDY)  # the store is gone
         assert gone.token_ids == want[tuple(other)] and gone.num_cached_tokens == 0
-        cluster.wait_for(lambda: metric(cluster, "baton_worker_kvstore_failures_total", op="fetch") >= 2, 10,
-                         "the second failed fetch counted")
     assert cluster.worker_health(0)["ok"]
