@@ -7,12 +7,16 @@ Plain CPU code, no tensors. A block is in exactly one of three states:
   * free: ref_count == 0 and unnamed.
 Allocation takes free blocks first, then evicts the least recently used cached block.
 `check_integrity` verifies all of the above against the sequences' block tables.
+
+A named block also records its chain (its parent's name, or the chain's root for block 0,
+and the root: the KV store's namespace) and how often a prefix match reused it, so that
+an eviction hook can write it back to the KV store (docs/architecture.md §8).
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence as Seq
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence as Seq
+from typing import NamedTuple, Protocol
 
 from common.hashing import token_id_bytes
 
@@ -23,6 +27,21 @@ class KVEventSink(Protocol):
     def stored(self, block_hashes: list[int]) -> None: ...
 
     def removed(self, block_hashes: list[int]) -> None: ...
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block that an allocation is about to reuse: its KV is still intact when
+    the eviction hook sees it. `parent` and `root` are None when it was named without
+    its chain's root (callers that do not write back)."""
+
+    block_id: int
+    name: int
+    parent: int | None
+    root: int | None
+    hits: int
+
+
+EvictionHook = Callable[[list[EvictedBlock]], None]
 
 
 class BlockManagerError(RuntimeError):
@@ -38,10 +57,15 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[bytes | None] = [None] * num_blocks  # as common.hashing encodes them
+        self.block_parent: list[int | None] = [None] * num_blocks
+        self.block_root: list[int | None] = [None] * num_blocks
+        self.block_hits = [0] * num_blocks  # times a prefix match took the named block
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.events = events
+        # Called once per allocation that evicted, before the evicted blocks are handed out.
+        self.on_evict: EvictionHook | None = None
 
     # ---- queries -------------------------------------------------------------------
 
@@ -94,8 +118,9 @@ class BlockManager:
     # ---- mutations -----------------------------------------------------------------
 
     def take(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to each (cached or referenced) block."""
+        """Add a reference to each (cached or referenced) block: a prefix match reuses it."""
         for block_id in block_ids:
+            self.block_hits[block_id] += 1
             if self.ref_counts[block_id] == 0:
                 if block_id not in self.cached_blocks:
                     raise BlockManagerError(f"block {block_id} is free, not cached; cannot share it")
@@ -107,17 +132,21 @@ class BlockManager:
         if count > self.num_available:
             raise BlockManagerError(f"asked for {count} blocks, {self.num_available} available")
         allocated: list[int] = []
-        evicted: list[int] = []
+        evicted: list[EvictedBlock] = []
         for _ in range(count):
             if self.free_blocks:
                 block_id = self.free_blocks.popleft()
             else:
                 block_id, _ = self.cached_blocks.popitem(last=False)
-                evicted.append(self._forget(block_id))
+                chain = self.block_parent[block_id], self.block_root[block_id], self.block_hits[block_id]
+                evicted.append(EvictedBlock(block_id, self._forget(block_id), *chain))
             self.ref_counts[block_id] = 1
             allocated.append(block_id)
-        if evicted and self.events is not None:
-            self.events.removed(evicted)
+        if evicted:
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            if self.events is not None:
+                self.events.removed([block.name for block in evicted])
         return allocated
 
     def release(self, block_ids: Seq[int]) -> None:
@@ -137,11 +166,12 @@ class BlockManager:
                     self.free_blocks.append(block_id)
 
     def commit(self, block_ids: Seq[int], block_hashes: Seq[int], token_ids: Seq[int],
-               first: int, last: int) -> None:
+               first: int, last: int, root: int | None = None) -> None:
         """Name blocks first..last-1 of a sequence now that their KV is computed.
 
         A name already held by another block (two requests computed the same prefix
-        at once) leaves this block unnamed; it is freed normally later.
+        at once) leaves this block unnamed; it is freed normally later. `root`, the
+        chain's root hash, is block 0's parent and every block's namespace.
         """
         if last <= first:  # most decode steps fill no block
             return
@@ -156,6 +186,9 @@ class BlockManager:
             offset = (index - first) * width
             self.block_tokens[block_id] = token_bytes[offset:offset + width]
             self.hash_to_block[block_name] = block_id
+            self.block_parent[block_id] = block_hashes[index - 1] if index else root
+            self.block_root[block_id] = root
+            self.block_hits[block_id] = 0
             stored.append(block_name)
         if stored and self.events is not None:
             self.events.stored(stored)
@@ -175,6 +208,8 @@ class BlockManager:
         del self.hash_to_block[block_name]
         self.block_hash[block_id] = None
         self.block_tokens[block_id] = None
+        self.block_parent[block_id] = self.block_root[block_id] = None
+        self.block_hits[block_id] = 0
         return block_name
 
     # ---- integrity -----------------------------------------------------------------
@@ -201,6 +236,8 @@ class BlockManager:
             raise BlockManagerError("a free block still carries a name")
         if any(self.block_hash[b] is None for b in cached):
             raise BlockManagerError("a cached block has no name")
+        if any(self.block_parent[b] is not None or self.block_root[b] is not None for b in free):
+            raise BlockManagerError("a free block still records a chain")
         named = {b: h for b, h in enumerate(self.block_hash) if h is not None}
         if {h: b for b, h in named.items()} != self.hash_to_block or len(named) != len(self.hash_to_block):
             raise BlockManagerError("the hash index disagrees with the blocks' names")

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.detokenizer import IncrementalDetokenizer
-from common.engine.block_manager import BlockManager, KVEventSink
+from common.engine.block_manager import BlockManager, EvictedBlock, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
 from common.engine.config import DEVICE_PATTERN, DTYPES, EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout
@@ -76,6 +79,9 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_fetched_tokens: int = 0  # prompt tokens whose KV came from the KV store
+    prefill_tokens: int = 0  # tokens computed by steps that prefilled at least a block ...
+    prefill_seconds: float = 0.0  # ... and those steps' seconds (a measured prefill rate)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,112 @@ class KvImport:
 
 class KvImportError(ValueError):
     """A pulled request does not fit this engine (its blocks are named otherwise)."""
+
+
+@dataclass(frozen=True)
+class KvFetch:
+    """Where a request's prompt blocks fetched from the KV store must land: block
+    `keys[i]` of namespace `namespace` goes to this engine's block `dst_block_ids[i]`.
+    They are the prompt's blocks num_local_blocks, num_local_blocks + 1, ...: the
+    leading ones this engine's prefix cache held are not fetched."""
+
+    request_id: str
+    namespace: int
+    keys: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_local_blocks: int
+
+
+@dataclass(frozen=True)
+class WritebackConfig:
+    """Engine-side write-back to the KV store (docs/architecture.md §8)."""
+
+    queue_blocks: int  # blocks staged at most; an eviction finding no room drops its copies
+    min_hits: int = 0  # an evicted block is written back only if prefix matches reused it this often
+
+
+@dataclass(frozen=True)
+class StagedBlocks:
+    """Copies of one eviction's blocks for the KV store, root-first within each chain:
+    block i is `keys[i]` of namespace `namespaces[i]`, its parent is `parents[i]` (the
+    namespace itself for a chain's first block), its value is `values[i]` (plane-major
+    bytes, docs/kv-transfer.md)."""
+
+    namespaces: tuple[int, ...]
+    keys: tuple[int, ...]
+    parents: tuple[int, ...]
+    values: np.ndarray  # (n, bytes_per_block) uint8
+
+
+class KnownBlocks:
+    """A bounded set of (namespace, block hash) the KV store holds or that are staged for
+    it: written back blocks are not staged again. The least recently added are forgotten
+    first (forgetting one costs at most a redundant put). Thread-safe: the engine's loop
+    reads and adds, the worker's store thread adds and discards."""
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[int | None, int]) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, namespace: int, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[(namespace, key)] = None
+                self._keys.move_to_end((namespace, key))
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def discard(self, namespace: int, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.pop((namespace, key), None)
+
+
+class WritebackQueue:
+    """The bounded hand-off of staged copies from the engine's loop to the store thread.
+    Never blocks: a push that does not fit is refused and counted as dropped."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity_blocks = capacity_blocks
+        self._batches: deque[StagedBlocks] = deque()
+        self._blocks = 0
+        self._lock = threading.Lock()
+        self.staged_blocks = 0  # counters, for metrics
+        self.dropped_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._blocks
+
+    def room(self) -> int:
+        return max(0, self.capacity_blocks - self._blocks)
+
+    def push(self, batch: StagedBlocks) -> None:
+        with self._lock:
+            self._batches.append(batch)
+            self._blocks += len(batch.keys)
+            self.staged_blocks += len(batch.keys)
+
+    def drop(self, count: int) -> None:
+        with self._lock:
+            self.dropped_blocks += count
+
+    def pop(self) -> StagedBlocks | None:
+        with self._lock:
+            if not self._batches:
+                return None
+            batch = self._batches.popleft()
+            self._blocks -= len(batch.keys)
+            return batch
 
 
 class Engine:
@@ -128,6 +240,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
         self._eos = frozenset(self.model_config.eos_token_ids)
+        self.writeback: WritebackQueue | None = None  # enable_writeback sets these
+        self.writeback_config: WritebackConfig | None = None
+        self.known_stored: KnownBlocks | None = None
         log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
                  amx_chunk_attention=backend.amx_chunks,
@@ -189,6 +304,140 @@ class Engine:
         first, seq.pending_token_id = seq.pending_token_id, None
         return self._advance(seq, first, None, now)
 
+    # ---- the KV store (docs/architecture.md §8) -----------------------------------------
+
+    def begin_fetch(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    tenant_salt: str | None = None, num_blocks: int = 1 << 30) -> KvFetch | None:
+        """Take a request whose prompt blocks past this engine's prefix cache may come from
+        the KV store: fresh blocks are allocated for up to `num_blocks` of them (never the
+        block holding the last prompt token, which is computed to sample) and the request
+        waits until `complete_fetch`. None, taking nothing, when there is no such block or
+        no room: the caller adds the request normally. Raises InvalidRequestError."""
+        seq = self._new_sequence(request_id, prompt, params, tenant_salt)
+        size = self.config.block_size
+        limit = (seq.prompt_len - 1) // size
+        hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids,
+                                               limit if self.config.enable_prefix_caching else 0)
+        count = min(num_blocks, limit - len(hits))
+        if count <= 0:
+            return None
+        fresh = self.scheduler.receive(seq, hits, count)
+        if fresh is None:
+            return None
+        seq.fetching = True
+        seq.num_cached_tokens = len(hits) * size
+        self._seqs[request_id] = seq
+        return KvFetch(request_id, seq.root_hash, tuple(seq.block_hashes[len(hits):len(hits) + count]),
+                       tuple(fresh), len(hits))
+
+    def complete_fetch(self, request_id: str, landed_blocks: int) -> bool:
+        """The first `landed_blocks` of a `begin_fetch`'s blocks hold their KV (0: the
+        store failed): they join the prefix cache, the other fresh blocks are freed, and
+        the request prefills only the rest of its prompt. False when it was aborted while
+        fetching (it ends now). Until this is called the blocks stay the fetch's, even
+        across an abort, so a late copy never lands in a block that another request holds."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.fetching:
+            raise KeyError(f"{request_id!r} is not fetching KV from the store")
+        size = self.config.block_size
+        num_local = seq.num_cached_tokens // size
+        if not 0 <= landed_blocks <= len(seq.block_ids) - num_local:
+            raise ValueError(f"landed_blocks={landed_blocks}: the fetch had "
+                             f"{len(seq.block_ids) - num_local} blocks")
+        seq.fetching = False
+        self.scheduler.fetched(seq, num_local + landed_blocks)
+        if seq.abort_on_fetched:
+            self.abort(request_id)
+            return False
+        seq.num_cached_tokens = (num_local + landed_blocks) * size
+        self.stats.num_prefix_hit_tokens += num_local * size
+        self.stats.num_fetched_tokens += landed_blocks * size
+        return True
+
+    def enable_writeback(self, config: WritebackConfig, known: KnownBlocks) -> WritebackQueue:
+        """Stage a copy of every block the prefix cache evicts (and of its ancestors the
+        store is not known to hold) for the KV store; returns the queue to drain."""
+        if config.queue_blocks <= 0 or config.min_hits < 0:
+            raise EngineConfigError(f"write-back: queue_blocks must be positive and min_hits >= 0, got {config}")
+        self.writeback_config, self.known_stored = config, known
+        self.writeback = WritebackQueue(config.queue_blocks)
+        self.block_manager.on_evict = self._stage_evicted
+        return self.writeback
+
+    def pool_planes(self) -> torch.Tensor:
+        """The KV pool as (planes, num_blocks, plane elements): block b's value is [:, b, :]."""
+        layout = self.kv_cache.layout
+        return self.kv_cache.data.view(2 * layout.num_layers, self.kv_cache.num_blocks, -1)
+
+    def read_blocks(self, block_ids: Seq[int]) -> np.ndarray:
+        """Copies of blocks' values, (n, bytes_per_block) uint8 on the host: one gather."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        values = self.pool_planes().index_select(1, index).transpose(0, 1).contiguous().cpu()
+        return values.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+
+    def write_blocks(self, block_ids: Seq[int], values: np.ndarray) -> None:
+        """Write blocks' values ((n, bytes_per_block) uint8, as read_blocks gives)."""
+        if not block_ids:
+            return
+        planes = self.pool_planes()
+        source = torch.from_numpy(np.ascontiguousarray(values)).view(planes.dtype)
+        source = source.reshape(len(block_ids), planes.shape[0], -1).transpose(0, 1).to(self.device)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        planes.index_copy_(1, index, source)
+
+    def _stage_evicted(self, evicted: list[EvictedBlock]) -> None:
+        """The eviction hook: choose what the store lacks, root-first, and copy it."""
+        assert self.writeback is not None and self.writeback_config is not None and self.known_stored is not None
+        chosen = self._writeback_chains(evicted, self.writeback_config.min_hits, self.known_stored)
+        if not chosen:
+            return
+        room = self.writeback.room()
+        if len(chosen) > room:
+            self.writeback.drop(len(chosen) - room)
+            chosen = chosen[:room]  # a root-first prefix: what is kept is still reachable
+            if not chosen:
+                return
+        namespaces: list[int] = []
+        parents: list[int] = []
+        for block in chosen:  # _writeback_chains takes only blocks named with their chain
+            assert block.root is not None and block.parent is not None
+            namespaces.append(block.root)
+            parents.append(block.parent)
+        keys = [block.name for block in chosen]
+        values = self.read_blocks([block.block_id for block in chosen])
+        for namespace in set(namespaces):
+            self.known_stored.add(namespace, [key for key, ns in zip(keys, namespaces) if ns == namespace])
+        self.writeback.push(StagedBlocks(tuple(namespaces), tuple(keys), tuple(parents), values))
+
+    def _writeback_chains(self, evicted: list[EvictedBlock], min_hits: int,
+                          known: KnownBlocks) -> list[EvictedBlock]:
+        """Each evicted block reused at least `min_hits` times, preceded by its ancestors
+        that the store is not known to hold and this engine still has (this eviction's
+        blocks or cached ones), root-first, each block once."""
+        manager = self.block_manager
+        in_batch = {block.name: block for block in evicted}
+        seen: set[int] = set()
+        chosen: list[EvictedBlock] = []
+        for block in evicted:
+            if block.root is None or block.hits < min_hits:
+                continue
+            chain: list[EvictedBlock] = []
+            current: EvictedBlock | None = block
+            while current is not None and current.root is not None and current.name not in seen \
+                    and (current.root, current.name) not in known:
+                chain.append(current)
+                seen.add(current.name)
+                parent = current.parent
+                if parent is None or parent == current.root:
+                    break
+                current = in_batch.get(parent)
+                if current is None and parent in manager.hash_to_block:
+                    parent_id = manager.hash_to_block[parent]
+                    current = EvictedBlock(parent_id, parent, manager.block_parent[parent_id],
+                                           manager.block_root[parent_id], manager.block_hits[parent_id])
+            chosen.extend(reversed(chain))
+        return chosen
+
     def _new_sequence(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None,
                       tenant_salt: str | None) -> Sequence:
         params = params or SamplingParams()
@@ -226,9 +475,13 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return False
+        if seq.fetching:  # its blocks may still be written: complete_fetch ends it
+            seq.abort_on_fetched = True
+            return True
+        del self._seqs[request_id]
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -257,12 +510,16 @@ class Engine:
                 chunk.seq.first_scheduled_time = started
         result = self.runner.execute(plan)
         self.scheduler.complete(plan)
+        prefill_tokens = sum(chunk.num_new for chunk in plan.chunks if chunk.num_new > 1)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += result.num_computed_tokens
         self.stats.num_generated_tokens += len(result.token_ids)
         now = time.perf_counter()
         outputs = [self._advance(seq, token, logprob, now)
                    for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs)]
+        if prefill_tokens >= self.config.block_size:
+            self.stats.prefill_tokens += result.num_computed_tokens
+            self.stats.prefill_seconds += now - started
         if self.step_observer is not None:
             self.step_observer(plan, time.perf_counter() - called)
         return outputs

@@ -95,7 +95,7 @@ class Scheduler:
             seq.num_computed = chunk.start + chunk.num_new
             if self.config.enable_prefix_caching:
                 self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
-                                          chunk.start // size, seq.num_computed // size)
+                                          chunk.start // size, seq.num_computed // size, seq.root_hash)
 
     def finish(self, seq: Sequence, reason: str, hold: bool = False) -> list[int]:
         """End a sequence (stopped, aborted, failed) and release its blocks, or with
@@ -129,7 +129,22 @@ class Scheduler:
         seq.num_computed = seq.prompt_len
         if self.config.enable_prefix_caching:
             self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
-                                      0, seq.prompt_len // self.block_size)
+                                      0, seq.prompt_len // self.block_size, seq.root_hash)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def fetched(self, seq: Sequence, num_blocks: int) -> None:
+        """`seq`'s first `num_blocks` blocks hold its prompt's KV (local prefix hits and
+        blocks fetched from the KV store): name them, free its other blocks, and let it
+        prefill the rest of its prompt in the running batch."""
+        self.receiving.remove(seq)
+        size = self.block_size
+        if self.config.enable_prefix_caching:
+            self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids, 0, num_blocks,
+                                      seq.root_hash)
+        self.block_manager.release(seq.block_ids[num_blocks:])
+        del seq.block_ids[num_blocks:]
+        seq.num_computed = num_blocks * size
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

@@ -55,6 +55,8 @@ class Sequence:
     first_token_time: float | None = None
     hold_kv: bool = False  # on finishing, keep the prompt's blocks under a lease (prefill role)
     pending_token_id: int | None = None  # an import's first token, sampled by the prefill engine
+    fetching: bool = False  # RECEIVING blocks from the KV store (Engine.begin_fetch)
+    abort_on_fetched: bool = False  # aborted while fetching: ends when the fetch completes
 
     def __post_init__(self) -> None:
         self.extend_hashes()

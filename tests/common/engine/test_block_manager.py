@@ -151,3 +151,26 @@ def test_blocks_named_over_several_commits_match_as_one_prefix():
     manager.commit(blocks, hashes, tokens, 1, 3)  # the next fills blocks 1 and 2
     manager.release(blocks)
     assert manager.match_prefix(hashes, tokens, 10) == blocks
+
+
+def test_named_blocks_record_their_chain_and_reuse_and_evictions_are_reported_intact():
+    manager = BlockManager(4, SIZE)
+    seen: list = []
+    manager.on_evict = lambda blocks: seen.append([(b, manager.ref_counts[b.block_id]) for b in blocks])
+    tokens = list(range(1, 2 * SIZE + 1))
+    hashes = chain_hashes(7, tokens, SIZE)
+    blocks = manager.allocate(2)
+    manager.commit(blocks, hashes, tokens, 0, 2, root=7)
+    assert [manager.block_parent[b] for b in blocks] == [7, hashes[0]]
+    assert [manager.block_root[b] for b in blocks] == [7, 7]
+    manager.release(blocks)
+    hit = manager.match_prefix(hashes, tokens, 1)
+    manager.take(hit)
+    assert manager.block_hits[blocks[0]] == 1 and manager.block_hits[blocks[1]] == 0
+    manager.release(hit)
+    assert manager.allocate(2) and seen == []  # free blocks first: no eviction
+    manager.allocate(2)  # evicts block 1 (released last, so least recent), then block 0
+    assert [[entry for entry, _ in batch] for batch in seen] == [[
+        (blocks[1], hashes[1], hashes[0], 7, 0), (blocks[0], hashes[0], 7, 7, 1)]]
+    assert manager.block_parent[blocks[0]] is None and manager.block_hits[blocks[0]] == 0
+    manager.check_integrity([[0], [1], [2], [3]])

@@ -1,0 +1,96 @@
+"""The fetch-or-recompute decision (services/worker/kv_store_use.py)."""
+from __future__ import annotations
+
+import pytest
+
+from common.cost_model import load_cost_model
+from common.hashing import chain_hashes
+from services.worker.kv_store_use import Decision, FetchCosts, Link, decide
+
+FAST = [Link(10e9, 1e-4), Link(1e9, 1e-3)]
+BLOCK = 10**6  # a MB per block: 0.1 ms from DRAM, 1 ms from SSD on FAST
+
+
+def test_fetch_when_the_bytes_move_faster_than_the_tokens_compute():
+    got = decide("auto", [0, 0, 0], BLOCK, 16, FAST, prefill_s=1e-3)
+    assert got.fetch and got.num_blocks == 3
+    assert got.fetch_s == pytest.approx(3 * 1e-4 + 1e-4) and got.compute_s == pytest.approx(3e-3)
+
+
+def test_recompute_when_prefill_is_faster():
+    got = decide("auto", [0, 0], BLOCK, 16, FAST, prefill_s=1e-5)
+    assert got == Decision(False, 0, got.fetch_s, got.compute_s, "slower_than_prefill")
+
+
+def test_latency_dominates_a_short_prefix():
+    slow_start = [Link(10e9, 5e-3), Link(1e9, 5e-3)]
+    assert not decide("auto", [0], BLOCK, 16, slow_start, prefill_s=1e-3).fetch
+    assert decide("auto", [0] * 10, BLOCK, 16, slow_start, prefill_s=1e-3).num_blocks == 10
+
+
+def test_only_the_prefix_worth_fetching_is_fetched():
+    # DRAM blocks pay (0.1 ms < 0.5 ms of prefill each); the SSD tail does not (1 ms).
+    got = decide("auto", [0, 0, 0, 0, 1, 1, 1, 1], BLOCK, 16, [Link(10e9, 1e-4), Link(1e9, 1e-4)], 5e-4)
+    assert got.fetch and got.num_blocks == 4
+
+
+def test_overrides_and_bad_input():
+    assert decide("always", [1, 1], BLOCK, 16, FAST, prefill_s=0.0).num_blocks == 2
+    assert not decide("never", [0], BLOCK, 16, FAST, prefill_s=1.0).fetch
+    assert decide("always", [], BLOCK, 16, FAST, 1.0) == Decision(False, 0, 0.0, 0.0, "not_stored")
+    with pytest.raises(ValueError, match="kvstore_fetch"):
+        decide("sometimes", [0], BLOCK, 16, FAST, 1.0)
+    with pytest.raises(ValueError, match="tiers"):
+        decide("auto", [2], BLOCK, 16, FAST, 1.0)
+
+
+def test_measurements_move_the_decision():
+    costs = FetchCosts(load_cost_model(""), block_size=16)
+    seeded = costs.block_prefill_s()
+    assert seeded == pytest.approx(load_cost_model("").recompute_s(16))
+    costs.observe_prefill(8, 1.0)  # too short to say anything
+    assert costs.block_prefill_s() == seeded
+    for _ in range(50):
+        costs.observe_prefill(1600, 1.0)  # 1,600 tokens/s: 10 ms a block
+    assert costs.block_prefill_s() == pytest.approx(0.01, rel=1e-3)
+    assert not costs.decide("auto", [1] * 4, 64 << 20).fetch  # 64 MiB a block from a seeded 200 MB/s SSD
+    for _ in range(50):
+        costs.observe_fetch([1], 4 * (64 << 20), 0.02)  # measured: ~13 GB/s
+        costs.observe_call(1, 1e-4)
+    got = costs.decide("auto", [1] * 4, 64 << 20)
+    assert got.fetch and got.num_blocks == 4
+    costs.observe_fetch([], 10, 1.0)  # ignored: nothing fetched
+    costs.observe_fetch([5], 10, 1.0)  # ignored: no such tier
+
+
+def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, random_prompts):
+    """A GPU engine's fetch lands in a host buffer laid out as a pool of the fetched blocks
+    (plane-major); the loop copies it into the engine's blocks. Checked here on CPU."""
+    from common.config import ClusterConfig
+    from common.metrics import Registry
+    from common.sampling_params import SamplingParams
+    from services.worker.kv_store_use import FetchResult
+    from services.worker.service import StoreUse, WorkerMetrics
+
+    source, engine = make_engine(max_model_len=128), make_engine(max_model_len=128)
+    prompt = random_prompts([70], seed=41)[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = source.generate([prompt], greedy)[0].token_ids
+    blocks = source.block_manager.match_prefix(
+        chain_hashes(source._root_hash(""), prompt, 16), prompt, 4)
+    values = source.read_blocks(blocks)  # (4, bytes_per_block), plane-major per block
+    planes = 2 * source.kv_cache.layout.num_layers
+    bounce = values.reshape(4, planes, -1).transpose(1, 0, 2).copy().reshape(-1)  # as StoreClient.fetch fills it
+
+    use = StoreUse(ClusterConfig(kvstore=True), engine, lambda: None, WorkerMetrics(Registry()))
+    fetch = engine.begin_fetch("r", prompt, greedy)
+    assert fetch is not None
+    use.in_flight["r"] = fetch.dst_block_ids
+    use._land(FetchResult("r", 3, "fetch", (0, 0, 0), bounce))  # 4 asked, 3 landed
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += output.new_token_ids
+            if output.finished:
+                assert output.num_cached_tokens == 48
+    assert tokens == want
