@@ -307,13 +307,16 @@ class Engine:
     # ---- the KV store (docs/architecture.md §8) -----------------------------------------
 
     def begin_fetch(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    tenant_salt: str | None = None, num_blocks: int = 1 << 30) -> KvFetch | None:
+                    tenant_salt: str | None = None, num_blocks: int = 1 << 30,
+                    hold_kv: bool = False) -> KvFetch | None:
         """Take a request whose prompt blocks past this engine's prefix cache may come from
         the KV store: fresh blocks are allocated for up to `num_blocks` of them (never the
         block holding the last prompt token, which is computed to sample) and the request
         waits until `complete_fetch`. None, taking nothing, when there is no such block or
-        no room: the caller adds the request normally. Raises InvalidRequestError."""
+        no room: the caller adds the request normally. Raises InvalidRequestError.
+        `hold_kv` as for `add_request` (the prefill role)."""
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
+        seq.hold_kv = hold_kv
         size = self.config.block_size
         limit = (seq.prompt_len - 1) // size
         hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids,

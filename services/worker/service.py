@@ -169,13 +169,14 @@ class StoreUse:
     def close(self) -> None:
         self.thread.close(self.config.kvstore_timeout_s + 1)
 
-    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str | None) -> bool:
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
+              hold_kv: bool = False) -> bool:
         """Start fetching the prompt's blocks past the local cache; False when there are
         none (or no room, or too many fetches out): the caller adds the request itself."""
         if self.config.kvstore_fetch == "never" or len(self.in_flight) >= MAX_FETCHES_IN_FLIGHT \
                 or time.monotonic() < self.skip_until:
             return False
-        fetch = self.engine.begin_fetch(request_id, prompt_ids, params, tenant)
+        fetch = self.engine.begin_fetch(request_id, prompt_ids, params, tenant, hold_kv=hold_kv)
         if fetch is None:
             return False
         depth = fetch.num_local_blocks * self.engine.config.block_size
