@@ -258,6 +258,183 @@ def print_throughput(figures: dict) -> None:
           f"ssd get / file read {figures['ssd_get_vs_file_read']:.2f} (target >= 0.5)")
 
 
+# ---- parts 2 and 3: real clusters ----------------------------------------------------------
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+class Served:
+    """One `svc up` cluster (one worker) and an SDK client to it; `stop` ends both."""
+
+    def __init__(self, name: str, model_dir: Path, flags: list[str], kvstore: bool):
+        from services.client import Client
+        from services.local_cluster import start_cluster
+
+        self.name = name
+        self.cluster = start_cluster(model_dir, workers=1, extra=flags, kvstore=kvstore, timeout_s=300)
+        self.client = Client(self.cluster.sdk, timeout_s=900)
+
+    def generate(self, prompt: list[int], max_tokens: int = 1):
+        return self.client.generate(token_ids=prompt, max_tokens=max_tokens, **GREEDY)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Worker 0's counter (0 until first counted)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.cluster.port_base + 11}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+    def wait_written(self, blocks: float) -> None:
+        """Until the worker has written back at least `blocks` blocks (write-back is asynchronous)."""
+        self.cluster.wait_for(lambda: self.metric("baton_worker_kvstore_written_blocks_total") >= blocks, 300,
+                              f"{self.name}: {blocks} blocks written back")
+
+    def stop(self) -> None:
+        self.client.close()
+        self.cluster.stop()
+
+
+def random_prompts(model_dir: Path, lengths: list[int], seed: int) -> list[list[int]]:
+    from common.engine.checkpoint import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab, length).tolist() for length in lengths]
+
+
+def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict[str, object]:
+    """TTFT of a prompt held only by the store (DRAM; SSD) against recomputing it, at
+    --prompt-tokens and at a short length, each cluster up at once, requests alternating."""
+    from common.engine.checkpoint import load_model_config
+    from common.engine.kv_layout import KVLayout
+
+    long = args.prompt_tokens
+    short = 256
+    layout = KVLayout.for_model(load_model_config(model_dir), 16, "bfloat16")
+    pool_gb = (long // 16 + 24) * layout.bytes_per_block / 1e9  # one long prompt and a little more
+    common = ["--max-model-len", str(long + 64), "--kv-cache-gb", f"{pool_gb:.6f}", "--kvstore-fetch", "always",
+              "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024"]
+    prompt_gb = (long // 16) * layout.bytes_per_block / 1e9
+    runs = {"recompute": Served("recompute", model_dir, common, kvstore=False),
+            "dram": Served("dram", model_dir, [*common, "--kvstore-dram-gb", f"{4 * prompt_gb:.6f}"], kvstore=True),
+            "ssd": Served("ssd", model_dir, [*common, "--kvstore-dram-gb", f"{0.5 * prompt_gb:.6f}",
+                                               "--kvstore-ssd-dir", str(scratch / "ssd"),
+                                               "--kvstore-ssd-gb", f"{6 * prompt_gb:.6f}"], kvstore=True)}
+    ttft: dict[str, dict[int, float]] = {name: {} for name in runs}
+    cached: dict[str, dict[int, int]] = {name: {} for name in runs}
+    try:
+        for length, seed in ((short, 5), (long, 6)):
+            prompt, filler_a, filler_b = random_prompts(model_dir, [length, long, long], seed)
+            for served in runs.values():  # computed once, then pushed out of the worker's pool
+                served.generate(prompt)
+                served.generate(filler_a)
+                served.generate(filler_b)
+            for name in ("dram", "ssd"):
+                runs[name].wait_written(3 * (length // 16))
+            for name, served in runs.items():
+                result = served.generate(prompt)
+                ttft[name][length], cached[name][length] = result.ttft_s, result.num_cached_tokens
+        time.sleep(2.0)  # worker metrics follow its load reports
+        tiers = {name: {tier: runs[name].metric("baton_worker_kvstore_fetched_blocks_total", tier=tier)
+                        for tier in ("dram", "ssd")} for name in ("dram", "ssd")}
+    finally:
+        for served in runs.values():
+            served.stop()
+    speedup = {name: ttft["recompute"][long] / ttft[name][long] for name in ("dram", "ssd")}
+    return {"ttft_s": ttft, "cached_tokens": cached, "fetched_blocks_by_tier": tiers,
+            "fetch_vs_recompute_speedup": speedup,
+            "fetch_loses_below_tokens": {name: break_even(ttft[name], ttft["recompute"]) for name in ("dram", "ssd")}}
+
+
+def break_even(fetch: dict[int, float], recompute: dict[int, float]) -> float:
+    """The prompt length below which fetching loses, from straight lines through the two
+    measured lengths of each (TTFT = fixed + per-token); 0 when fetching wins at every length."""
+    (short, long) = sorted(fetch)
+    fetch_slope = (fetch[long] - fetch[short]) / (long - short)
+    compute_slope = (recompute[long] - recompute[short]) / (long - short)
+    fetch_fixed = fetch[short] - fetch_slope * short
+    compute_fixed = recompute[short] - compute_slope * short
+    if fetch_fixed <= compute_fixed or compute_slope <= fetch_slope:
+        return 0.0 if compute_slope > fetch_slope else float("inf")
+    return (fetch_fixed - compute_fixed) / (compute_slope - fetch_slope)
+
+
+def print_fetch(figures: dict) -> None:
+    print("part 2: TTFT of a prompt only the store holds, against recomputing it")
+    for length in sorted(figures["ttft_s"]["recompute"]):
+        row = "  ".join(f"{name} {figures['ttft_s'][name][length] * 1000:8.1f} ms "
+                        f"({figures['cached_tokens'][name][length]} cached)" for name in ("recompute", "dram", "ssd"))
+        print(f"  {length:>5} tokens: {row}")
+    print(f"  fetched blocks by tier: {figures['fetched_blocks_by_tier']}")
+    print(f"  fetch_vs_recompute_speedup {figures['fetch_vs_recompute_speedup']}; "
+          f"fetching loses below {figures['fetch_loses_below_tokens']} tokens")
+
+
+def multi_turn(args: argparse.Namespace, scratch: Path) -> dict[str, object]:
+    """Chat sessions taking turns on the tiny model, with a pool of about two sessions;
+    then prompts never reused. Both clusters up at once, requests alternating."""
+    from common.engine.default_model import default_model_dir
+
+    model_dir = default_model_dir(size="tiny")
+    turn_tokens, answer_tokens = 192, 16
+    max_len = args.turns * (turn_tokens + answer_tokens) + 64
+    flags = ["--max-model-len", str(max_len), "--kv-cache-gb", "0.0025", "--kvstore-dram-gb", "0.008",
+             "--kvstore-ssd-dir", str(scratch / "chat-ssd"), "--kvstore-ssd-gb", "0.05"]
+    runs = {"store": Served("store", model_dir, flags, kvstore=True),
+            "no_store": Served("no_store", model_dir, flags, kvstore=False)}
+    rng_seed = 11
+    records: dict[str, list] = {name: [] for name in runs}
+    unique: dict[str, list[float]] = {name: [] for name in runs}
+    try:
+        histories = {name: [[] for _ in range(args.sessions)] for name in runs}
+        for turn in range(args.turns):
+            for session in range(args.sessions):
+                user = random_prompts(model_dir, [turn_tokens], rng_seed + 97 * session + turn)[0]
+                for name, served in runs.items():
+                    prompt = histories[name][session] + user
+                    result = served.generate(prompt, max_tokens=answer_tokens)
+                    histories[name][session] = prompt + result.token_ids
+                    if turn:  # first turns have nothing to reuse
+                        records[name].append(result)
+        time.sleep(2.0)  # worker metrics follow its load reports
+        fetched = {tier: runs["store"].metric("baton_worker_kvstore_fetched_blocks_total", tier=tier) * 16
+                   for tier in ("dram", "ssd")}
+        for index, prompt in enumerate(random_prompts(model_dir, [turn_tokens * 2] * 24, 1234)):
+            order = list(runs.items()) if index % 2 else list(runs.items())[::-1]
+            for name, served in order:
+                unique[name].append(served.generate(prompt).ttft_s)
+    finally:
+        for served in runs.values():
+            served.stop()
+    report: dict[str, object] = {}
+    for name, results in records.items():
+        prompt_tokens = sum(r.num_prompt_tokens for r in results)
+        cached = sum(r.num_cached_tokens for r in results)
+        from_store = fetched if name == "store" else {"dram": 0.0, "ssd": 0.0}
+        engine = cached - sum(from_store.values())
+        report[name] = {"mean_ttft_ms": 1000 * statistics.mean(r.ttft_s for r in results),
+                        "hit_rate": {"engine": engine / prompt_tokens,
+                                     **{tier: tokens / prompt_tokens for tier, tokens in from_store.items()},
+                                     "computed": 1 - cached / prompt_tokens}}
+    report["ttft_ratio_store_vs_none"] = report["store"]["mean_ttft_ms"] / report["no_store"]["mean_ttft_ms"]  # type: ignore[index]
+    report["no_reuse_overhead"] = statistics.median(unique["store"]) / statistics.median(unique["no_store"])
+    return report
+
+
+def print_multi_turn(figures: dict) -> None:
+    print("part 3: multi-turn chat, working set over the engine's pool")
+    for name in ("store", "no_store"):
+        rates = "  ".join(f"{tier} {rate:.1%}" for tier, rate in figures[name]["hit_rate"].items())
+        print(f"  {name:<9} mean TTFT {figures[name]['mean_ttft_ms']:7.1f} ms   {rates}")
+    print(f"  TTFT with the store / without {figures['ttft_ratio_store_vs_none']:.3f}; "
+          f"no-reuse overhead {figures['no_reuse_overhead']:.3f} (target <= 1.03)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from common.engine.default_model import default_model_dir
     from common.logs import configure_logging
@@ -271,6 +448,16 @@ def main(argv: list[str] | None = None) -> int:
         figures = throughput(args, model_dir)
         print_throughput(figures)
         result.update(figures)
+    with tempfile.TemporaryDirectory(prefix="bench-kvstore-") as scratch_name:
+        if "fetch" in parts:
+            figures = fetch_vs_recompute(args, model_dir, Path(scratch_name))
+            print_fetch(figures)
+            result.update(figures)
+        if "multiturn" in parts:
+            figures = multi_turn(args, Path(scratch_name))
+            print_multi_turn(figures)
+            result["multi_turn"] = figures
+            result["no_reuse_overhead"] = figures["no_reuse_overhead"]
     if args.json:
         print(json.dumps(result))
     return 0
