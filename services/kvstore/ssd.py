@@ -304,14 +304,12 @@ class SsdTier:
         self._require_live(slot)
         fd, offset = self._locate(slot)
         raw = _pread_exact(fd, self.config.slot_bytes, offset)
-        reason = self._damage(raw, self._record_of[slot])
-        if reason is not None:
+        reason, header, payload = self._check_record(raw, self._record_of[slot])
+        if reason is not None or header is None:
             self._damaged_reads += 1
             self._release(slot)
-            raise DamagedRecord(slot, reason)
-        header = _decode_header(raw)
-        assert header is not None  # _damage checked it
-        return header.namespace, header.key, raw[HEADER_BYTES : HEADER_BYTES + header.payload_length]
+            raise DamagedRecord(slot, reason or "bad header")
+        return header.namespace, header.key, payload
 
     def free(self, slot: int) -> None:
         """Frees a live slot: its magic is zeroed so no rebuild resurrects the record."""
@@ -394,17 +392,23 @@ class SsdTier:
 
     def _damage(self, raw: bytes, expected: tuple[bytes, int] | None) -> str | None:
         """Why a slot's bytes are not a valid record (of `expected`, when given), or None."""
+        return self._check_record(raw, expected)[0]
+
+    def _check_record(self, raw: bytes, expected: tuple[bytes, int] | None
+                      ) -> tuple[str | None, _Header | None, bytes]:
+        """(why the bytes are not a valid record, or None; its header; its payload), the
+        payload cut once: it is what a read returns."""
         header = _decode_header(raw)
         if header is None or header.magic != RECORD_MAGIC:
-            return "bad header"
+            return "bad header", None, b""
         if header.payload_length > self.config.max_payload:
-            return f"payload length {header.payload_length} exceeds the slot"
+            return f"payload length {header.payload_length} exceeds the slot", header, b""
         payload = raw[HEADER_BYTES : HEADER_BYTES + header.payload_length]
         if not _crc_matches(raw, payload, header.crc):
-            return "CRC32C mismatch"
+            return "CRC32C mismatch", header, b""
         if expected is not None and (header.namespace, header.key) != expected:
-            return "holds another key than the index says"
-        return None
+            return "holds another key than the index says", header, b""
+        return None, header, payload
 
     # ---- opening
 
