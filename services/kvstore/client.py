@@ -27,6 +27,7 @@ from common.protocol import MAX_STORE_KEYS, ProtocolError, StoreReply, StoreRequ
 from common.sockets import MAX_MESSAGE_BYTES, Security, send
 
 MAX_INLINE_BYTES = MAX_MESSAGE_BYTES // 2  # raw bytes one request or reply carries at most
+CHUNK_BYTES = 1 << 20  # blocks copied and checked per step: about what one core's cache holds
 
 
 class StoreUnavailable(ConnectionError):
@@ -58,6 +59,8 @@ class StoreClient:
         self.last_refusal = ""  # why the last put stopped short, for the engine's logs
         self.checksum_failures = 0  # fetched blocks whose copy did not match (not handed to the engine)
         self._shm: np.ndarray | None = None
+        self._chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
+        self._scratch = np.empty((self._chunk_blocks, self.block_bytes), dtype=np.uint8)
         self._ids = itertools.count(1)
         self._socket: zmq.Socket = self._connect()
 
@@ -107,6 +110,7 @@ class StoreClient:
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(values)} values")
         if values.ndim != 2 or values.shape[1] != self.block_bytes or values.dtype != np.uint8:
             raise ValueError(f"values must be (n, {self.block_bytes}) uint8, got {values.shape} {values.dtype}")
+        values = np.ascontiguousarray(values)  # whole rows, so each value's CRC32C reads it in place
         stored, done = 0, 0
         step = self._step()
         while done < len(keys):
@@ -146,48 +150,82 @@ class StoreClient:
 
     def _copy_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
                   dst_block_ids: Sequence[int]) -> int:
-        """Copy a get's blocks into the pool (one gather, one scatter), then end its lease."""
+        """Copy a get's leading verified blocks into the pool, then end its lease."""
         try:
             count = len(reply.slots)
             if not count:
                 return 0
-            slots = np.asarray(reply.slots, dtype=np.int64)
-            inline = slots < 0
-            if int(inline.sum()) != len(frames) or any(f.size != self.block_bytes for f in frames):
+            if len(reply.checksums) != count:
+                raise StoreUnavailable("the store's get reply lacks a checksum per block")
+            inline = sum(1 for slot in reply.slots if slot < 0)
+            if inline != len(frames) or any(f.size != self.block_bytes for f in frames):
                 raise StoreUnavailable("the store's get reply does not match its frames")
-            if inline.all():
-                staged = np.stack(frames) if count > 1 else frames[0][None, :]
-            else:
-                if self._shm is None:
-                    raise StoreUnavailable("the store answered shared-memory slots this client cannot map")
-                staged = self._shm[np.where(inline, 0, slots)]
-                if inline.any():
-                    staged[inline] = np.stack(frames)
-            count = self._verified(staged, reply.checksums)
-            if not count:
-                return 0
-            planes = staged[:count].reshape(count, self.num_planes, -1).transpose(1, 0, 2)
-            pool3[:, np.asarray(dst_block_ids[:count], dtype=np.int64), :] = planes
-            return count
+            if inline < count and self._shm is None:
+                raise StoreUnavailable("the store answered shared-memory slots this client cannot map")
+            return self._land(reply.slots, reply.checksums, frames, pool3, dst_block_ids[:count])
         finally:
             if reply.lease_id:
-                self._call(StoreRequest("release", 0, lease_id=reply.lease_id))
+                self._notify(StoreRequest("release", 0, lease_id=reply.lease_id))
 
-    def _verified(self, staged: np.ndarray, checksums: list[int]) -> int:
-        """How many leading copied blocks match the store's CRC32C: a slot rewritten under
-        an expired lease, or by a writer past its ticket, never reaches the engine."""
-        if len(checksums) != len(staged):
-            raise StoreUnavailable("the store's get reply lacks a checksum per block")
-        for i, (row, checksum) in enumerate(zip(staged, checksums)):
-            if google_crc32c.value(row) != checksum:
-                self.checksum_failures += 1
-                return i
-        return len(staged)
+    def _land(self, slots: Sequence[int], checksums: Sequence[int], frames: list[np.ndarray], pool3: np.ndarray,
+              dst_block_ids: Sequence[int]) -> int:
+        """Place blocks in the pool in cache-sized chunks: copy a chunk of slots into private
+        scratch memory, check each block's CRC32C there (while it is in the cache), then
+        place the leading blocks that match. The bytes checked are the bytes placed, so a
+        slot rewritten under an expired lease, or by a writer past its ticket, never reaches
+        the engine (docs/kvstore.md §4), and every byte crosses memory once each way."""
+        frame_iter = iter(frames)
+        count, i = len(slots), 0
+        while i < count:
+            if slots[i] < 0:  # an inline block: its frame is private memory already
+                value = next(frame_iter)
+                if not self._matches(value, checksums[i]):
+                    return i
+                pool3[:, dst_block_ids[i], :] = value.reshape(self.num_planes, -1)
+                i += 1
+                continue
+            end = i + 1
+            while end < count and end - i < self._chunk_blocks and slots[end] >= 0:
+                end += 1
+            placed = self._land_chunk(slots[i:end], checksums[i:end], pool3, dst_block_ids[i:end])
+            if placed < end - i:
+                return i + placed
+            i = end
+        return count
+
+    def _land_chunk(self, slots: Sequence[int], checksums: Sequence[int], pool3: np.ndarray,
+                    dst_block_ids: Sequence[int]) -> int:
+        """One chunk of shared-memory slots (slices where the ids run on, else one gather)."""
+        assert self._shm is not None
+        n = len(slots)
+        staged = self._scratch[:n]
+        if _runs_on(slots):
+            np.copyto(staged, self._shm[slots[0]:slots[0] + n])
+        else:
+            np.take(self._shm, np.asarray(slots, dtype=np.int64), axis=0, out=staged)
+        good = n
+        for j in range(n):
+            if not self._matches(staged[j], checksums[j]):
+                good = j
+                break
+        if good:
+            planes = staged[:good].reshape(good, self.num_planes, -1).transpose(1, 0, 2)
+            if _runs_on(dst_block_ids[:good]):
+                pool3[:, dst_block_ids[0]:dst_block_ids[0] + good, :] = planes
+            else:
+                pool3[:, np.asarray(dst_block_ids[:good], dtype=np.int64), :] = planes
+        return good
+
+    def _matches(self, value: np.ndarray, checksum: int) -> bool:
+        if google_crc32c.value(value) == checksum:
+            return True
+        self.checksum_failures += 1
+        return False
 
     def _put_chunk(self, namespace: int, keys: list[int], parents: list[int], values: np.ndarray) -> tuple[int, int]:
         """(keys taken, blocks newly stored) of one request's worth."""
-        checksums = [google_crc32c.value(row.tobytes()) for row in values]
         if not self.same_host:
+            checksums = [google_crc32c.value(row) for row in values]
             reply, _ = self._call(StoreRequest("put", 0, namespace, keys=keys, parents=parents, checksums=checksums),
                                   payloads=list(values))
             self.last_refusal = reply.reason
@@ -200,17 +238,32 @@ class StoreClient:
         writes = [i for i, ticket in enumerate(reply.tickets) if ticket]
         if not writes:
             return taken, 0
-        assert self._shm is not None
+        tickets = [reply.tickets[i] for i in writes]
         try:
-            self._shm[np.asarray([reply.slots[i] for i in writes], dtype=np.int64)] = values[writes]
+            checksums = self._write_slots([reply.slots[i] for i in writes], writes, values)
         except BaseException:
-            self._call(StoreRequest("put_abort", 0, namespace, tickets=[reply.tickets[i] for i in writes]))
+            self._call(StoreRequest("put_abort", 0, namespace, tickets=tickets))
             raise
-        commit, _ = self._call(StoreRequest("put_commit", 0, namespace, tickets=[reply.tickets[i] for i in writes],
-                                            checksums=[checksums[i] for i in writes]))
+        commit, _ = self._call(StoreRequest("put_commit", 0, namespace, tickets=tickets, checksums=checksums))
         if not commit.ok:
             self.last_refusal = commit.reason
         return taken, commit.count
+
+    def _write_slots(self, slots: list[int], rows: list[int], values: np.ndarray) -> list[int]:
+        """Copy values[rows[i]] into shared-memory slot slots[i], a slice per cache-sized run,
+        each value's CRC32C taken right after its copy (its bytes still in the cache)."""
+        assert self._shm is not None
+        checksums: list[int] = []
+        i = 0
+        while i < len(rows):
+            end = i + 1
+            while (end < len(rows) and end - i < self._chunk_blocks and slots[end] == slots[end - 1] + 1
+                   and rows[end] == rows[end - 1] + 1):
+                end += 1
+            self._shm[slots[i]:slots[i] + end - i] = values[rows[i]:rows[i] + end - i]
+            checksums += [google_crc32c.value(values[row]) for row in rows[i:end]]
+            i = end
+        return checksums
 
     def _step(self) -> int:
         """Keys per request: the protocol's limit, and with raw frames the message size."""
@@ -258,6 +311,15 @@ class StoreClient:
             raise StoreRefused(reply.code, reply.reason)
         return reply, out
 
+    def _notify(self, request: StoreRequest) -> None:
+        """Send without waiting for the answer (the next call skips it): for a release,
+        whose lease expires anyway if it is lost, so a fetch costs one round trip."""
+        request.request_id = next(self._ids)
+        try:
+            send(self._socket, request, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
     def _reset(self) -> None:
         self._socket.close(0)
         self._socket = self._connect()
@@ -278,3 +340,8 @@ class StoreClient:
             self._shm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size // self.block_bytes, self.block_bytes))
         except (OSError, ValueError):
             self._shm = None  # another host's path, or not ours to open: the bytes travel in frames
+
+
+def _runs_on(ids: Sequence[int]) -> bool:
+    """True when the ids step by one, so a slice covers them."""
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
