@@ -238,7 +238,10 @@ class StoreClient:
                                          time.monotonic() + self.timeout_s)
             result = handle.wait(self.timeout_s + 1.0)  # the pull's own deadline ends it first
         except (TimeoutError, ConnectionError, RuntimeError) as error:
-            self.transport.cancel(transfer_id)
+            try:
+                self.transport.cancel(transfer_id)
+            except (RuntimeError, TimeoutError):
+                pass  # the transport is closed or stuck: its deadline ends the pull
             self._kv_forget()
             raise StoreUnavailable(f"pulling from the store's KV transport at {peer}: {error}") from None
         if result.status != "done":

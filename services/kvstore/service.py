@@ -153,6 +153,7 @@ class StoreService:
         self.damaged: set[tuple[bytes, int]] = set()  # blocks whose SSD record failed a read
         self.leases: dict[int, ReadLease] = {}
         self.exposed: set[int] = set()  # leases whose DRAM slots the KV transport exposes
+        self.pulled: dict[int, float] = {}  # leases released when their exposure ended, until their release comes
         self.registry = Registry()
         self.metrics = StoreMetrics(self.registry, self)
         self.context: zmq.Context = zmq.Context()
@@ -207,6 +208,7 @@ class StoreService:
         self.index.reclaim(now)
         self.tickets = {t: ticket for t, ticket in self.tickets.items() if ticket.deadline > now}
         self.leases = {i: lease for i, lease in self.leases.items() if lease.expires_at > now}
+        self.pulled = {i: expires_at for i, expires_at in self.pulled.items() if expires_at > now}
         self._end_transfers()
         for ns, key in list(self.damaged):
             try:
@@ -340,6 +342,8 @@ class StoreService:
 
     def _release(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         lease = self.leases.pop(request.lease_id, None)
+        if lease is None and self.pulled.pop(request.lease_id, None) is not None:
+            return self._reply(request), []  # its pull ended first
         if lease is None:
             raise Refused(ErrorCode.INVALID_REQUEST, f"lease {request.lease_id} was released or expired")
         self.index.release(lease)
@@ -555,6 +559,7 @@ class StoreService:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
                 self.index.release(lease)
+                self.pulled[lease_id] = lease.expires_at
         for lease_id in [i for i in self.exposed if i not in self.leases]:  # expired under the index
             self.exposed.discard(lease_id)
             self.transport.withdraw(self.transfer_id(lease_id))
