@@ -3,7 +3,8 @@
 One thread runs the loop: answer the engines' StoreRequests on one ROUTER socket, then on
 each turn reclaim stale puts and expired leases and publish what changed as StoreEvents.
 Block bookkeeping is services/kvstore/index.py; the bytes live in a DRAM pool in POSIX
-shared memory (same-host engines copy in and out of it themselves) and, with
+shared memory (same-host engines copy in and out of it themselves; remote engines pull
+leased slots over the store's KV transport, or get them as frames) and, with
 kvstore_ssd_dir, in the SSD tier, from which a restarted store rebuilds its index.
 Every request is validated; a refusal is a StoreReply with ok false naming what is wrong,
 and nothing an engine sends stops the loop.
