@@ -149,7 +149,7 @@ class StoreProcess:
         from common.sockets import Security
         from services.kvstore.client import StoreClient
 
-        security = Security(zmq.Context.instance(), self.config, "worker")
+        security: Security = Security(zmq.Context.instance(), self.config, "worker")
         return StoreClient(self.config, security, "bench", layout, shared_memory=shared_memory, transport=transport)
 
     def transport(self, layout, pool: np.ndarray):
@@ -160,7 +160,7 @@ class StoreProcess:
         from common.kv_transfer import PoolGeometry, make_transport
         from common.sockets import Security
 
-        security = Security(zmq.Context.instance(), self.config, "worker")
+        security: Security = Security(zmq.Context.instance(), self.config, "worker")
         geometry = PoolGeometry(layout, pool.size // layout.bytes_per_block)
         return make_transport(self.config.kv_transport, pool, geometry, fingerprints(Path(self.config.model))[0],
                               security, "bench")
