@@ -419,6 +419,7 @@ class StoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     tickets: list[int] = []  # put_commit, put_abort: from put_start's reply
     lease_id: int = 0  # release
     inline: bool = False
+    transfer: bool = False  # get: expose the DRAM blocks for a pull over the store's KV transport
 
 
 class StoreReply(msgspec.Struct, forbid_unknown_fields=True):
@@ -442,6 +443,7 @@ class StoreReply(msgspec.Struct, forbid_unknown_fields=True):
     lease_id: int = 0
     count: int = 0  # put_commit, put: blocks newly stored; remove: blocks removed
     stats: dict[str, float] = {}
+    kv_address: str = ""  # get with transfer: where to pull the slots from (transfer id "<instance_id>:<lease_id>")
 
 
 MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {

@@ -3,12 +3,14 @@ recompute on a long prompt, and a multi-turn chat whose working set overflows th
 
 Part 1, throughput (one real kvstore process, this process its client): --blocks blocks of
 the --model's KV layout (bf16, 16 tokens per block) are put and then fetched back through
-the same-host path (the store's DRAM pool mapped from /dev/shm) and through the transport
-(the bytes travel over sockets), and written to and read from the SSD tier (SsdTier in a
-temporary directory, CRC32C on every record). Beside them, the raw references on the same
-bytes: a numpy memcpy, and a sequential file write with fsync and its read back. Every
-figure is the median of --repeats runs (GB/s = bytes / median seconds); the runs of the
-different paths alternate, so that load from elsewhere falls on all of them alike.
+the same-host path (the store's DRAM pool mapped from /dev/shm), as inline frames (the
+bytes travel in the control messages) and, for gets, over the KV transport (the engine's
+KvTransport pulls the leased DRAM slots; puts then travel as frames), and written to and
+read from the SSD tier (SsdTier in a temporary directory, CRC32C on every record). Beside
+them, the raw references on the same bytes: a numpy memcpy, and a sequential file write
+with fsync and its read back. Every figure is the median of --repeats runs (GB/s = bytes
+/ median seconds); the runs of the different paths alternate, so that load from elsewhere
+falls on all of them alike.
 
 Part 2, fetch against recompute (a real cluster: router, tokenizer, one worker, kvstore):
 a --prompt-tokens prompt is computed once, pushed out of the worker's own KV pool by
@@ -27,7 +29,7 @@ reused, whose TTFT with the store over without is `no_reuse_overhead` (target <=
     PYTHONPATH=. .venv/bin/python scripts/bench_kvstore.py --json --parts throughput
 
 With --json the last line is one object with dram_get_gbps, dram_put_gbps,
-transport_get_gbps, transport_put_gbps, ssd_get_gbps, ssd_put_gbps, memcpy_gbps,
+frames_get_gbps, frames_put_gbps, transport_get_gbps, ssd_get_gbps, ssd_put_gbps, memcpy_gbps,
 file_read_gbps, file_write_gbps, fetch_vs_recompute_speedup (per tier), fetch_loses_below_tokens,
 multi_turn (per run: hit rates, mean TTFT) and no_reuse_overhead.
 """
@@ -141,14 +143,27 @@ class StoreProcess:
             time.sleep(0.2)
         raise TimeoutError("the store did not come up:\n" + self.log.read_text()[-3000:])
 
-    def client(self, layout, shared_memory: bool):
+    def client(self, layout, shared_memory: bool, transport=None):
         import zmq
 
         from common.sockets import Security
         from services.kvstore.client import StoreClient
 
-        security = Security(zmq.Context.instance(), self.config, "worker")
-        return StoreClient(self.config, security, "bench", layout, shared_memory=shared_memory)
+        security: Security = Security(zmq.Context.instance(), self.config, "worker")
+        return StoreClient(self.config, security, "bench", layout, shared_memory=shared_memory, transport=transport)
+
+    def transport(self, layout, pool: np.ndarray):
+        """An engine's KvTransport over `pool` (plane-major), the store's kv_transport setting."""
+        import zmq
+
+        from common.engine.checkpoint import fingerprints
+        from common.kv_transfer import PoolGeometry, make_transport
+        from common.sockets import Security
+
+        security: Security = Security(zmq.Context.instance(), self.config, "worker")
+        geometry = PoolGeometry(layout, pool.size // layout.bytes_per_block)
+        return make_transport(self.config.kv_transport, pool, geometry, fingerprints(Path(self.config.model))[0],
+                              security, "bench")
 
     def stop(self) -> None:
         self.process.terminate()
@@ -159,11 +174,12 @@ class StoreProcess:
             self.process.wait(10)
 
 
-def store_seconds(client, values: np.ndarray, repeats: int) -> tuple[float, float]:
+def store_seconds(client, values: np.ndarray, repeats: int, pool: np.ndarray | None = None) -> tuple[float, float]:
     """(put, fetch) median seconds of values.shape[0] blocks as one chain, a fresh
-    namespace each run (so every put stores every block), each run checked and removed."""
+    namespace each run (so every put stores every block), each run checked and removed;
+    fetched into `pool` (the transport's) or a fresh one."""
     count = values.shape[0]
-    pool = np.zeros(values.size, dtype=np.uint8)
+    pool = np.zeros(values.size, dtype=np.uint8) if pool is None else pool
     planes = client.num_planes
     expected = values.reshape(count, planes, -1).transpose(1, 0, 2).reshape(-1)
     puts, fetches = [], []
@@ -234,13 +250,21 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
         figures.update(ssd_put_gbps=gbps(num_bytes, ssd_write_s), ssd_get_gbps=gbps(num_bytes, ssd_read_s))
         store = StoreProcess(model_dir, scratch, kvstore_dram_gb=3 * num_bytes / 1e9)
         try:
-            for name, shared_memory in (("dram", True), ("transport", False)):
-                client = store.client(layout, shared_memory)
-                put_s, fetch_s = store_seconds(client, values, args.repeats)
-                if client.same_host != shared_memory:
-                    raise RuntimeError(f"{name}: the client's same_host is {client.same_host}")
-                client.close()
-                figures[f"{name}_put_gbps"] = gbps(num_bytes, put_s)
+            for name, shared_memory in (("dram", True), ("frames", False), ("transport", False)):
+                pool = np.zeros(values.size, dtype=np.uint8)
+                transport = store.transport(layout, pool) if name == "transport" else None
+                client = store.client(layout, shared_memory, transport)
+                try:
+                    put_s, fetch_s = store_seconds(client, values, args.repeats, pool)
+                    if client.same_host != shared_memory or client.pulls != (transport is not None):
+                        raise RuntimeError(f"{name}: the client's same_host is {client.same_host}, "
+                                           f"pulls {client.pulls}")
+                finally:
+                    client.close()
+                    if transport is not None:
+                        transport.close()
+                if name != "transport":  # its puts are the frames' puts
+                    figures[f"{name}_put_gbps"] = gbps(num_bytes, put_s)
                 figures[f"{name}_get_gbps"] = gbps(num_bytes, fetch_s)
         finally:
             store.stop()
@@ -251,8 +275,8 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
 
 def print_throughput(figures: dict) -> None:
     print(f"part 1: {figures['blocks']} blocks of {figures['block_bytes']} bytes ({figures['bytes'] / 1e6:.1f} MB)")
-    for name in ("memcpy", "file_write", "file_read", "dram_put", "dram_get", "transport_put", "transport_get",
-                 "ssd_put", "ssd_get"):
+    for name in ("memcpy", "file_write", "file_read", "dram_put", "dram_get", "frames_put", "frames_get",
+                 "transport_get", "ssd_put", "ssd_get"):
         print(f"  {name:<14}{figures[f'{name}_gbps']:>8.2f} GB/s")
     print(f"  dram get / memcpy {figures['dram_get_vs_memcpy']:.2f} (target >= 0.5); "
           f"ssd get / file read {figures['ssd_get_vs_file_read']:.2f} (target >= 0.5)")

@@ -3,8 +3,10 @@
 On the store's host the client maps the store's DRAM pool (a file under /dev/shm the
 store names in every reply) and copies between it and the engine's pool itself: a get
 returns leased slot ids, a put reserves slots, the client fills them and commits with
-CRC32C checksums the store verifies. Elsewhere the bytes travel as raw frames. A reply
-from a new store instance (it restarted) re-maps the pool.
+CRC32C checksums the store verifies. Elsewhere, given a KvTransport over the engine's
+pool, a get's blocks are pulled over the store's KV transport (the store exposes the
+leased slots); without one the bytes travel as raw frames, as puts always do. A reply
+from a new store instance (it restarted) re-maps the pool and handshakes anew.
 
 Synchronous, one thread, a deadline of config.kvstore_timeout_s on every call: past it, or
 when the store is gone, StoreUnavailable (a ConnectionError), and the engine recomputes.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -23,10 +26,12 @@ import zmq
 
 from common.config import ClusterConfig
 from common.engine.kv_layout import KVLayout
+from common.kv_transfer import HandshakeRefused, KvTransport
 from common.protocol import MAX_STORE_KEYS, ProtocolError, StoreReply, StoreRequest, decode
 from common.sockets import MAX_MESSAGE_BYTES, Security, send
 
 MAX_INLINE_BYTES = MAX_MESSAGE_BYTES // 2  # raw bytes one request or reply carries at most
+CHUNK_BYTES = 1 << 20  # blocks copied and checked per step: about what one core's cache holds
 
 
 class StoreUnavailable(ConnectionError):
@@ -45,7 +50,12 @@ class StoreClient:
     """One engine's connection to the store; see the module docstring."""
 
     def __init__(self, config: ClusterConfig, security: Security, client_id: str, layout: KVLayout,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, transport: KvTransport | None = None):
+        """`transport`: the engine's KvTransport over the pool `fetch` fills (a CPU pool);
+        used when the store's shared memory cannot be mapped."""
+        if transport is not None and (transport.geometry.block_major
+                                      or transport.geometry.bytes_per_block != layout.bytes_per_block):
+            raise ValueError("the transport must serve a plane-major pool of this layout's blocks")
         self.config = config
         self.security = security
         self.client_id = client_id
@@ -57,7 +67,13 @@ class StoreClient:
         self.instance_id = ""
         self.last_refusal = ""  # why the last put stopped short, for the engine's logs
         self.checksum_failures = 0  # fetched blocks whose copy did not match (not handed to the engine)
+        self.transport = transport
+        self.transport_refused = ""  # why the store's KV transport refused our pool (then: frames)
+        self._kv_peer = ""  # the store KV address we have a handshake with, and the instance it was
+        self._kv_instance = ""
         self._shm: np.ndarray | None = None
+        self._chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
+        self._scratch = np.empty((self._chunk_blocks, self.block_bytes), dtype=np.uint8)
         self._ids = itertools.count(1)
         self._socket: zmq.Socket = self._connect()
 
@@ -65,6 +81,11 @@ class StoreClient:
     def same_host(self) -> bool:
         """True once a reply named a shared-memory pool this process could map."""
         return self._shm is not None
+
+    @property
+    def pulls(self) -> bool:
+        """True when gets pull their blocks over the KV transport."""
+        return self.transport is not None and self._shm is None and not self.transport_refused
 
     # ---- the API
 
@@ -82,7 +103,9 @@ class StoreClient:
     def fetch(self, namespace: int, keys: Sequence[int], dst_pool: np.ndarray, dst_block_ids: Sequence[int]) -> int:
         """Copy the longest stored prefix of `keys` into the engine pool's blocks
         `dst_block_ids` (block i of keys into dst_block_ids[i]); how many leading blocks
-        landed. `dst_pool` is the flat uint8 pool, plane-major (docs/kvstore.md §5)."""
+        landed. `dst_pool` is the flat uint8 pool, plane-major (docs/kvstore.md §5); with a
+        transport, the pool it serves. A pulled block whose CRC32C does not match lands all
+        the same but is not counted: blocks past the returned count hold nothing usable."""
         if len(dst_block_ids) < len(keys):
             raise ValueError(f"{len(keys)} keys but {len(dst_block_ids)} destination blocks")
         pool3 = self._pool3(dst_pool)
@@ -90,9 +113,15 @@ class StoreClient:
         step = self._step()
         while landed < len(keys):
             chunk = list(keys[landed:landed + step])
-            request = StoreRequest("get", 0, namespace, keys=chunk, inline=not self.same_host)
+            pulls = self.pulls
+            if pulls and not self._is_transport_pool(dst_pool):
+                raise ValueError("dst_pool is not the pool the client's KV transport serves")
+            request = StoreRequest("get", 0, namespace, keys=chunk, inline=not self.same_host and not pulls,
+                                   transfer=pulls)
             reply, frames = self._call(request)
-            got = self._copy_out(reply, frames, pool3, dst_block_ids[landed:landed + len(reply.slots)])
+            dst = dst_block_ids[landed:landed + len(reply.slots)]
+            got = self._pull_out(reply, frames, pool3, dst) if reply.kv_address else \
+                self._copy_out(reply, frames, pool3, dst)
             landed += got
             if got < len(chunk):
                 break
@@ -107,6 +136,7 @@ class StoreClient:
             raise ValueError(f"{len(keys)} keys, {len(parents)} parents, {len(values)} values")
         if values.ndim != 2 or values.shape[1] != self.block_bytes or values.dtype != np.uint8:
             raise ValueError(f"values must be (n, {self.block_bytes}) uint8, got {values.shape} {values.dtype}")
+        values = np.ascontiguousarray(values)  # whole rows, so each value's CRC32C reads it in place
         stored, done = 0, 0
         step = self._step()
         while done < len(keys):
@@ -134,6 +164,8 @@ class StoreClient:
         return {**reply.stats, "instance_id": reply.instance_id, "same_host": self.same_host}
 
     def close(self) -> None:
+        """Close the socket and forget the store's KV peer; the transport is the engine's."""
+        self._kv_forget()
         self._socket.close(0)
         self._shm = None
 
@@ -146,48 +178,165 @@ class StoreClient:
 
     def _copy_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
                   dst_block_ids: Sequence[int]) -> int:
-        """Copy a get's blocks into the pool (one gather, one scatter), then end its lease."""
+        """Copy a get's leading verified blocks into the pool, then end its lease."""
         try:
-            count = len(reply.slots)
-            if not count:
+            if not self._check_get(reply, frames):
                 return 0
-            slots = np.asarray(reply.slots, dtype=np.int64)
-            inline = slots < 0
-            if int(inline.sum()) != len(frames) or any(f.size != self.block_bytes for f in frames):
-                raise StoreUnavailable("the store's get reply does not match its frames")
-            if inline.all():
-                staged = np.stack(frames) if count > 1 else frames[0][None, :]
-            else:
-                if self._shm is None:
-                    raise StoreUnavailable("the store answered shared-memory slots this client cannot map")
-                staged = self._shm[np.where(inline, 0, slots)]
-                if inline.any():
-                    staged[inline] = np.stack(frames)
-            count = self._verified(staged, reply.checksums)
-            if not count:
-                return 0
-            planes = staged[:count].reshape(count, self.num_planes, -1).transpose(1, 0, 2)
-            pool3[:, np.asarray(dst_block_ids[:count], dtype=np.int64), :] = planes
+            if any(slot >= 0 for slot in reply.slots) and self._shm is None:
+                raise StoreUnavailable("the store answered shared-memory slots this client cannot map")
+            return self._land(reply.slots, reply.checksums, frames, pool3, dst_block_ids[:len(reply.slots)])
+        finally:
+            if reply.lease_id:
+                self._notify(StoreRequest("release", 0, lease_id=reply.lease_id))
+
+    def _check_get(self, reply: StoreReply, frames: list[np.ndarray]) -> int:
+        """The number of blocks a get answered, once its checksums and frames add up."""
+        count = len(reply.slots)
+        if len(reply.checksums) != count:
+            raise StoreUnavailable("the store's get reply lacks a checksum per block")
+        inline = sum(1 for slot in reply.slots if slot < 0)
+        if inline != len(frames) or any(f.size != self.block_bytes for f in frames):
+            raise StoreUnavailable("the store's get reply does not match its frames")
+        return count
+
+    # ---- the KV transport path (docs/kvstore.md §6)
+
+    def _pull_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
+                  dst_block_ids: Sequence[int]) -> int:
+        """Pull a get's exposed DRAM slots into their blocks over the KV transport, place its
+        inline blocks, then count the leading blocks whose landed bytes match their CRC32C;
+        the lease is released after, whatever happened."""
+        try:
+            count = self._check_get(reply, frames)
+            pulled = [i for i, slot in enumerate(reply.slots) if slot >= 0]
+            if pulled:
+                self._pull(reply, [reply.slots[i] for i in pulled], [dst_block_ids[i] for i in pulled])
+            frame_iter = iter(frames)
+            for i in range(count):
+                if reply.slots[i] < 0:
+                    value = next(frame_iter)
+                    if not self._matches(value, reply.checksums[i]):
+                        return i
+                    pool3[:, dst_block_ids[i], :] = value.reshape(self.num_planes, -1)
+                    continue
+                landed = self._scratch[0].reshape(self.num_planes, -1)
+                np.copyto(landed, pool3[:, dst_block_ids[i], :])  # contiguous, for the CRC
+                if not self._matches(self._scratch[0], reply.checksums[i]):
+                    return i
             return count
         finally:
             if reply.lease_id:
-                self._call(StoreRequest("release", 0, lease_id=reply.lease_id))
+                self._notify(StoreRequest("release", 0, lease_id=reply.lease_id))
 
-    def _verified(self, staged: np.ndarray, checksums: list[int]) -> int:
-        """How many leading copied blocks match the store's CRC32C: a slot rewritten under
-        an expired lease, or by a writer past its ticket, never reaches the engine."""
-        if len(checksums) != len(staged):
-            raise StoreUnavailable("the store's get reply lacks a checksum per block")
-        for i, (row, checksum) in enumerate(zip(staged, checksums)):
-            if google_crc32c.value(row) != checksum:
-                self.checksum_failures += 1
-                return i
-        return len(staged)
+    def _pull(self, reply: StoreReply, src_slots: list[int], dst_block_ids: list[int]) -> None:
+        """Pull the slots within the deadline; StoreUnavailable if the pull did not finish."""
+        assert self.transport is not None
+        peer = self._kv_connect(reply.kv_address, reply.instance_id)
+        transfer_id = f"{reply.instance_id}:{reply.lease_id}"  # the store's name for the lease's exposure
+        try:
+            handle = self.transport.pull(peer, transfer_id, src_slots, dst_block_ids,
+                                         time.monotonic() + self.timeout_s)
+            result = handle.wait(self.timeout_s + 1.0)  # the pull's own deadline ends it first
+        except (TimeoutError, ConnectionError, RuntimeError) as error:
+            try:
+                self.transport.cancel(transfer_id)
+            except (RuntimeError, TimeoutError):
+                pass  # the transport is closed or stuck: its deadline ends the pull
+            self._kv_forget()
+            raise StoreUnavailable(f"pulling from the store's KV transport at {peer}: {error}") from None
+        if result.status != "done":
+            self._kv_forget()  # a store that died or restarted: handshake anew next time
+            raise StoreUnavailable(f"the pull from the store's KV transport at {peer} ended {result.status}"
+                                   f"{': ' + result.reason if result.reason else ''}")
+
+    def _kv_connect(self, address: str, instance_id: str) -> str:
+        """The store's KV peer, handshaking once per store instance."""
+        assert self.transport is not None
+        if self._kv_peer and (self._kv_peer != address or self._kv_instance != instance_id):
+            self._kv_forget()
+        if not self._kv_peer:
+            try:
+                self.transport.connect(address, server_role="kvstore")
+            except HandshakeRefused as refusal:
+                self.transport_refused = str(refusal)  # our pools do not match: frames from now on
+                raise StoreUnavailable(f"the store's KV transport refused this engine's pool: {refusal}") from None
+            except (TimeoutError, ConnectionError, RuntimeError) as error:
+                raise StoreUnavailable(f"no KV handshake with the store at {address}: {error}") from None
+            self._kv_peer, self._kv_instance = address, instance_id
+        return self._kv_peer
+
+    def _kv_forget(self) -> None:
+        if self._kv_peer and self.transport is not None:
+            try:
+                self.transport.disconnect(self._kv_peer)
+            except (RuntimeError, TimeoutError):
+                pass  # a closed transport has no peers left
+        self._kv_peer = self._kv_instance = ""
+
+    def _is_transport_pool(self, pool: np.ndarray) -> bool:
+        served = getattr(self.transport.pool, "array", None) if self.transport is not None else None
+        return isinstance(served, np.ndarray) and served.nbytes == pool.nbytes and \
+            served.__array_interface__["data"][0] == pool.__array_interface__["data"][0]
+
+    def _land(self, slots: Sequence[int], checksums: Sequence[int], frames: list[np.ndarray], pool3: np.ndarray,
+              dst_block_ids: Sequence[int]) -> int:
+        """Place blocks in the pool in cache-sized chunks: copy a chunk of slots into private
+        scratch memory, check each block's CRC32C there (while it is in the cache), then
+        place the leading blocks that match. The bytes checked are the bytes placed, so a
+        slot rewritten under an expired lease, or by a writer past its ticket, never reaches
+        the engine (docs/kvstore.md §4), and every byte crosses memory once each way."""
+        frame_iter = iter(frames)
+        count, i = len(slots), 0
+        while i < count:
+            if slots[i] < 0:  # an inline block: its frame is private memory already
+                value = next(frame_iter)
+                if not self._matches(value, checksums[i]):
+                    return i
+                pool3[:, dst_block_ids[i], :] = value.reshape(self.num_planes, -1)
+                i += 1
+                continue
+            end = i + 1
+            while end < count and end - i < self._chunk_blocks and slots[end] >= 0:
+                end += 1
+            placed = self._land_chunk(slots[i:end], checksums[i:end], pool3, dst_block_ids[i:end])
+            if placed < end - i:
+                return i + placed
+            i = end
+        return count
+
+    def _land_chunk(self, slots: Sequence[int], checksums: Sequence[int], pool3: np.ndarray,
+                    dst_block_ids: Sequence[int]) -> int:
+        """One chunk of shared-memory slots (slices where the ids run on, else one gather)."""
+        assert self._shm is not None
+        n = len(slots)
+        staged = self._scratch[:n]
+        if _runs_on(slots):
+            np.copyto(staged, self._shm[slots[0]:slots[0] + n])
+        else:
+            np.take(self._shm, np.asarray(slots, dtype=np.int64), axis=0, out=staged)
+        good = n
+        for j in range(n):
+            if not self._matches(staged[j], checksums[j]):
+                good = j
+                break
+        if good:
+            planes = staged[:good].reshape(good, self.num_planes, -1).transpose(1, 0, 2)
+            if _runs_on(dst_block_ids[:good]):
+                pool3[:, dst_block_ids[0]:dst_block_ids[0] + good, :] = planes
+            else:
+                pool3[:, np.asarray(dst_block_ids[:good], dtype=np.int64), :] = planes
+        return good
+
+    def _matches(self, value: np.ndarray, checksum: int) -> bool:
+        if google_crc32c.value(value) == checksum:
+            return True
+        self.checksum_failures += 1
+        return False
 
     def _put_chunk(self, namespace: int, keys: list[int], parents: list[int], values: np.ndarray) -> tuple[int, int]:
         """(keys taken, blocks newly stored) of one request's worth."""
-        checksums = [google_crc32c.value(row.tobytes()) for row in values]
         if not self.same_host:
+            checksums = [google_crc32c.value(row) for row in values]
             reply, _ = self._call(StoreRequest("put", 0, namespace, keys=keys, parents=parents, checksums=checksums),
                                   payloads=list(values))
             self.last_refusal = reply.reason
@@ -200,23 +349,38 @@ class StoreClient:
         writes = [i for i, ticket in enumerate(reply.tickets) if ticket]
         if not writes:
             return taken, 0
-        assert self._shm is not None
+        tickets = [reply.tickets[i] for i in writes]
         try:
-            self._shm[np.asarray([reply.slots[i] for i in writes], dtype=np.int64)] = values[writes]
+            checksums = self._write_slots([reply.slots[i] for i in writes], writes, values)
         except BaseException:
-            self._call(StoreRequest("put_abort", 0, namespace, tickets=[reply.tickets[i] for i in writes]))
+            self._call(StoreRequest("put_abort", 0, namespace, tickets=tickets))
             raise
-        commit, _ = self._call(StoreRequest("put_commit", 0, namespace, tickets=[reply.tickets[i] for i in writes],
-                                            checksums=[checksums[i] for i in writes]))
+        commit, _ = self._call(StoreRequest("put_commit", 0, namespace, tickets=tickets, checksums=checksums))
         if not commit.ok:
             self.last_refusal = commit.reason
         return taken, commit.count
+
+    def _write_slots(self, slots: list[int], rows: list[int], values: np.ndarray) -> list[int]:
+        """Copy values[rows[i]] into shared-memory slot slots[i], a slice per cache-sized run,
+        each value's CRC32C taken right after its copy (its bytes still in the cache)."""
+        assert self._shm is not None
+        checksums: list[int] = []
+        i = 0
+        while i < len(rows):
+            end = i + 1
+            while (end < len(rows) and end - i < self._chunk_blocks and slots[end] == slots[end - 1] + 1
+                   and rows[end] == rows[end - 1] + 1):
+                end += 1
+            self._shm[slots[i]:slots[i] + end - i] = values[rows[i]:rows[i] + end - i]
+            checksums += [google_crc32c.value(values[row]) for row in rows[i:end]]
+            i = end
+        return checksums
 
     def _step(self) -> int:
         """Keys per request: the protocol's limit, and with raw frames the message size."""
         if self.instance_id == "":
             self._hello()
-        if self.same_host:
+        if self.same_host or self.pulls:
             return MAX_STORE_KEYS
         return max(1, min(MAX_STORE_KEYS, MAX_INLINE_BYTES // self.block_bytes))
 
@@ -258,6 +422,15 @@ class StoreClient:
             raise StoreRefused(reply.code, reply.reason)
         return reply, out
 
+    def _notify(self, request: StoreRequest) -> None:
+        """Send without waiting for the answer (the next call skips it): for a release,
+        whose lease expires anyway if it is lost, so a fetch costs one round trip."""
+        request.request_id = next(self._ids)
+        try:
+            send(self._socket, request, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
     def _reset(self) -> None:
         self._socket.close(0)
         self._socket = self._connect()
@@ -278,3 +451,8 @@ class StoreClient:
             self._shm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size // self.block_bytes, self.block_bytes))
         except (OSError, ValueError):
             self._shm = None  # another host's path, or not ours to open: the bytes travel in frames
+
+
+def _runs_on(ids: Sequence[int]) -> bool:
+    """True when the ids step by one, so a slice covers them."""
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))

@@ -7,19 +7,21 @@ import threading
 from pathlib import Path
 
 from common.config import ClusterConfig
-from common.engine.checkpoint import load_model_config
+from common.engine.checkpoint import fingerprints, load_model_config
 from common.engine.kv_layout import KVLayout
+
+
+def model_dir_of(config: ClusterConfig) -> Path:
+    if config.model:
+        return Path(config.model)
+    from common.engine.default_model import default_model_dir
+
+    return default_model_dir()
 
 
 def store_layout(config: ClusterConfig) -> KVLayout:
     """The KV layout of the cluster's engines: the model's shape, their block size and dtype."""
-    if config.model:
-        model_dir = Path(config.model)
-    else:
-        from common.engine.default_model import default_model_dir
-
-        model_dir = default_model_dir()
-    return KVLayout.for_model(load_model_config(model_dir), config.block_size, config.dtype)
+    return KVLayout.for_model(load_model_config(model_dir_of(config)), config.block_size, config.dtype)
 
 
 def run(config: ClusterConfig) -> None:
@@ -28,4 +30,5 @@ def run(config: ClusterConfig) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    StoreService(config, store_layout(config)).run(stop)
+    model_fingerprint, _ = fingerprints(model_dir_of(config))  # the KV transport's handshake compares it
+    StoreService(config, store_layout(config), model_fingerprint).run(stop)

@@ -3,7 +3,8 @@
 One thread runs the loop: answer the engines' StoreRequests on one ROUTER socket, then on
 each turn reclaim stale puts and expired leases and publish what changed as StoreEvents.
 Block bookkeeping is services/kvstore/index.py; the bytes live in a DRAM pool in POSIX
-shared memory (same-host engines copy in and out of it themselves) and, with
+shared memory (same-host engines copy in and out of it themselves; remote engines pull
+leased slots over the store's KV transport, or get them as frames) and, with
 kvstore_ssd_dir, in the SSD tier, from which a restarted store rebuilds its index.
 Every request is validated; a refusal is a StoreReply with ok false naming what is wrong,
 and nothing an engine sends stops the loop.
@@ -22,6 +23,7 @@ import zmq
 
 from common.config import ClusterConfig
 from common.engine.kv_layout import KVLayout
+from common.kv_transfer import KvTransport, PoolGeometry, TransferOptions, make_transport
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
@@ -126,7 +128,7 @@ def _reader(tier: object, name: str) -> Callable[[], float]:
 class StoreService:
     """The store's state and its request handlers; `run` serves them until `stop` is set."""
 
-    def __init__(self, config: ClusterConfig, layout: KVLayout, shm_dir: Path = SHM_DIR):
+    def __init__(self, config: ClusterConfig, layout: KVLayout, model_fingerprint: str, shm_dir: Path = SHM_DIR):
         self.config = config
         self.layout = layout
         self.options = StoreOptions.from_config(config, layout)
@@ -151,6 +153,8 @@ class StoreService:
         self.tickets: dict[int, PutTicket] = {}
         self.damaged: set[tuple[bytes, int]] = set()  # blocks whose SSD record failed a read
         self.leases: dict[int, ReadLease] = {}
+        self.exposed: set[int] = set()  # leases whose DRAM slots the KV transport exposes
+        self.pulled: dict[int, float] = {}  # leases released when their exposure ended, until their release comes
         self.registry = Registry()
         self.metrics = StoreMetrics(self.registry, self)
         self.context: zmq.Context = zmq.Context()
@@ -159,6 +163,15 @@ class StoreService:
         self.publisher = self.security.server(zmq.PUB, config.kvstore_events_address, accept=("router",))
         self.metrics_server = MetricsServer(config.host, config.kvstore_metrics_port, self.registry,
                                             health=self.health)
+        try:
+            self.transport, self.kv_address = self._start_transport(model_fingerprint)
+        except BaseException:
+            self.control.close(0)
+            self.publisher.close(0)
+            self.security.stop()
+            self.context.term()
+            self._close_tiers()
+            raise
         self.handlers: dict[str, Callable[[StoreRequest, list[np.ndarray], float], tuple[StoreReply, list]]] = {
             "lookup": self._lookup, "get": self._get, "release": self._release, "put_start": self._put_start,
             "put_commit": self._put_commit, "put_abort": self._put_abort, "put": self._put,
@@ -170,6 +183,7 @@ class StoreService:
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
         log.info("kvstore_ready", instance_id=self.instance_id, control=self.config.kvstore_control,
+                 kv_address=self.kv_address, kv_transport=self.transport.name,
                  shm_path=str(self.dram.path), dram_slots=self.dram.capacity, block_bytes=self.block_bytes,
                  ssd_slots=self.ssd.capacity if self.ssd else 0, warmup_s=round(self.recovered.seconds, 4),
                  recovered_blocks=self.recovered.blocks, dropped_orphans=self.recovered.orphans,
@@ -195,6 +209,8 @@ class StoreService:
         self.index.reclaim(now)
         self.tickets = {t: ticket for t, ticket in self.tickets.items() if ticket.deadline > now}
         self.leases = {i: lease for i, lease in self.leases.items() if lease.expires_at > now}
+        self.pulled = {i: expires_at for i, expires_at in self.pulled.items() if expires_at > now}
+        self._end_transfers()
         for ns, key in list(self.damaged):
             try:
                 self.index.remove(ns, key)
@@ -212,6 +228,7 @@ class StoreService:
             except (OSError, SsdTierError, TierError) as error:
                 log.warning("kvstore_flush_failed", error=str(error))
         self.metrics_server.stop()
+        self.transport.close()  # before the pool it reads goes
         self.control.close(0)
         self.publisher.close(0)
         self.security.stop()
@@ -310,13 +327,30 @@ class StoreService:
             self.index.release(lease)
             return self._reply(request, tiers=tiers, slots=slots, checksums=checksums), frames
         self.leases[lease.lease_id] = lease
-        return self._reply(request, tiers=tiers, slots=slots, checksums=checksums, lease_id=lease.lease_id), frames
+        if not request.transfer:
+            return self._reply(request, tiers=tiers, slots=slots, checksums=checksums,
+                               lease_id=lease.lease_id), frames
+        try:
+            self.transport.expose(self.transfer_id(lease.lease_id), [s for s in slots if s >= 0],
+                                  self.options.index.lease_timeout_s)
+        except Exception:
+            del self.leases[lease.lease_id]
+            self.index.release(lease)
+            raise
+        self.exposed.add(lease.lease_id)
+        return self._reply(request, tiers=tiers, slots=slots, checksums=checksums, lease_id=lease.lease_id,
+                           kv_address=self.kv_address), frames
 
     def _release(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         lease = self.leases.pop(request.lease_id, None)
+        if lease is None and self.pulled.pop(request.lease_id, None) is not None:
+            return self._reply(request), []  # its pull ended first
         if lease is None:
             raise Refused(ErrorCode.INVALID_REQUEST, f"lease {request.lease_id} was released or expired")
         self.index.release(lease)
+        if request.lease_id in self.exposed:  # a pull given up on: no send may read the slots from now
+            self.exposed.discard(request.lease_id)
+            self.transport.withdraw(self.transfer_id(request.lease_id))
         return self._reply(request), []
 
     def _put_start(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
@@ -489,9 +523,47 @@ class StoreService:
             log.warning("kvstore_events_dropped", events=len(events))
 
     def shared_pool(self) -> np.ndarray:
-        """The DRAM pool, (slots, block_bytes): the seam for the KvTransport that will serve
-        remote engines' gets from leased slots (docs/kvstore.md §6)."""
+        """The DRAM pool, (slots, block_bytes), which the KV transport serves from."""
         return self.dram.pool
+
+    # ---- the KV transport (docs/kvstore.md §6)
+
+    def _start_transport(self, model_fingerprint: str) -> tuple[KvTransport, str]:
+        """A KvTransport over the DRAM pool (block-major: slot = block) serving the engine
+        roles at kvstore_kv_address; (it, the address engines dial)."""
+        geometry = PoolGeometry(self.layout, self.dram.capacity, block_major=True)
+        options = TransferOptions(puller_roles=ENGINE_ROLES, huge_pages=False,  # tmpfs pages: not ours to collapse
+                                  send_pause_s=self.config.kv_send_pause_s)
+        transport = make_transport(self.config.kv_transport, self.shared_pool().reshape(-1), geometry,
+                                   model_fingerprint, self.security, f"{STORE_ID}-{self.instance_id}", options)
+        try:
+            return transport, self.config.advertised(transport.listen(self.config.kvstore_kv_address))
+        except BaseException:
+            transport.close()
+            raise
+
+    def transfer_id(self, lease_id: int) -> str:
+        """The transfer id a get's lease is exposed under: unique across store restarts."""
+        return f"{self.instance_id}:{lease_id}"
+
+    def _end_transfers(self) -> None:
+        """Release the lease of every exposure the transport says ended (the puller has its
+        bytes, gave up, or never came), and withdraw the exposures of expired leases."""
+        while (event := self.transport.next_event(0)) is not None:
+            _, _, number = event.transfer_id.rpartition(":")
+            lease_id = int(number) if number.isdigit() else 0
+            if lease_id not in self.exposed:
+                continue  # released by the engine already
+            self.exposed.discard(lease_id)
+            if not event.settled:
+                log.warning("kvstore_sends_unsettled", transfer_id=event.transfer_id, status=event.status)
+            lease = self.leases.pop(lease_id, None)
+            if lease is not None:
+                self.index.release(lease)
+                self.pulled[lease_id] = lease.expires_at
+        for lease_id in [i for i in self.exposed if i not in self.leases]:  # expired under the index
+            self.exposed.discard(lease_id)
+            self.transport.withdraw(self.transfer_id(lease_id))
 
 
 def _validate(request: StoreRequest, payloads: list[np.ndarray]) -> None:
