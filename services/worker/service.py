@@ -35,7 +35,7 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.cost_model import load_cost_model
 from common.engine.engine import Engine, KnownBlocks, RequestOutput, WritebackConfig
-from common.kv_transfer import TransferOptions, transport_for_cache
+from common.kv_transfer import KvTransport, TransferOptions, transport_for_cache
 from common.logs import get_logger
 from common.metrics import Registry
 from common.metrics_server import MetricsServer
@@ -277,7 +277,13 @@ class WorkerService:
         """The KV store's client, made on (and used only from) the store thread."""
         from services.kvstore.client import StoreClient  # the kvstore role's module, only when used
 
-        return StoreClient(self.config, self.security, self.worker_id, self.engine.kv_cache.layout)
+        return StoreClient(self.config, self.security, self.worker_id, self.engine.kv_cache.layout,
+                           transport=self._store_transport())
+
+    def _store_transport(self) -> KvTransport | None:
+        """The KV transport a store on another host sends this engine's fetches over (None:
+        inline frames); a co-located worker runs none."""
+        return None
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -616,3 +622,6 @@ class TransferringService(WorkerService):
             self.transport.close()
         finally:
             super().close()
+
+    def _store_transport(self) -> KvTransport | None:
+        return self.transport
