@@ -209,7 +209,8 @@ class ClusterConfig(EngineSettings):
 
     @property
     def kvstore_events_address(self) -> str:
-        return self.address(KVSTORE_PORT_OFFSET + 1)
+        """Beside the store's control socket (+1), on its host: what the router dials."""
+        return self._beside_kvstore(1)
 
     @property
     def kvstore_metrics_port(self) -> int:
@@ -217,7 +218,14 @@ class ClusterConfig(EngineSettings):
 
     @property
     def kvstore_kv_address(self) -> str:
-        return self.address(KVSTORE_PORT_OFFSET + 3)
+        """Where the store's KV transport listens (+3 from its control socket)."""
+        return self._beside_kvstore(3)
+
+    def _beside_kvstore(self, offset: int) -> str:
+        if not self.kvstore_address:
+            return self.address(KVSTORE_PORT_OFFSET + offset)
+        endpoint, _, port = self.kvstore_address.rpartition(":")
+        return f"{endpoint}:{int(port) + offset}"
 
     # ---- SLO classes ---------------------------------------------------------------
 

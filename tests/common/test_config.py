@@ -379,3 +379,15 @@ def test_an_unknown_slo_subkey_error_says_what_a_class_has(tmp_path):
     path = write(tmp_path, "[slo_classes.a]\nttft_s = 1\ntpot_s = 1\nttft = 2\n")
     with pytest.raises(ConfigError, match="unknown key 'ttft'.*an SLO class has ttft_s and tpot_s"):
         load_config(path, env={})
+
+
+def test_the_kv_store_sockets_sit_beside_its_control_endpoint():
+    local = ClusterConfig(port_base=9000)
+    assert (local.kvstore_control, local.kvstore_events_address, local.kvstore_kv_address,
+            local.kvstore_metrics_port) == ("tcp://127.0.0.1:9004", "tcp://127.0.0.1:9005", "tcp://127.0.0.1:9007",
+                                            9006)
+    remote = ClusterConfig(kvstore_address="tcp://kv.example:7204")  # a store on its own host
+    assert (remote.kvstore_events_address, remote.kvstore_kv_address) == ("tcp://kv.example:7205",
+                                                                          "tcp://kv.example:7207")
+    with pytest.raises(ConfigError, match="kvstore_low_watermark"):
+        ClusterConfig(kvstore_low_watermark=0.95, kvstore_high_watermark=0.9)
