@@ -4,9 +4,10 @@ On the store's host the client maps the store's DRAM pool (a file under /dev/shm
 store names in every reply) and copies between it and the engine's pool itself: a get
 returns leased slot ids, a put reserves slots, the client fills them and commits with
 CRC32C checksums the store verifies. Elsewhere, given a KvTransport over the engine's
-pool, a get's blocks are pulled over the store's KV transport (the store exposes the
-leased slots); without one the bytes travel as raw frames, as puts always do. A reply
-from a new store instance (it restarted) re-maps the pool and handshakes anew.
+pool, a get's blocks are pulled over the store's KV transport (the store copies the
+leased slots into staging blocks and exposes those); without one the bytes travel as
+raw frames, as puts always do. A reply from a new store instance (it restarted) re-maps
+the pool and handshakes anew.
 
 Synchronous, one thread, a deadline of config.kvstore_timeout_s on every call: past it, or
 when the store is gone, StoreUnavailable (a ConnectionError), and the engine recomputes.
@@ -123,7 +124,8 @@ class StoreClient:
             got = self._pull_out(reply, frames, pool3, dst) if reply.kv_address else \
                 self._copy_out(reply, frames, pool3, dst)
             landed += got
-            if got < len(chunk):
+            more = 0 < got == len(reply.slots) < reply.count  # the store served part (staging full): ask again
+            if got < len(chunk) and not more:
                 break
         return landed
 
@@ -203,9 +205,9 @@ class StoreClient:
 
     def _pull_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
                   dst_block_ids: Sequence[int]) -> int:
-        """Pull a get's exposed DRAM slots into their blocks over the KV transport, place its
-        inline blocks, then count the leading blocks whose landed bytes match their CRC32C;
-        the lease is released after, whatever happened."""
+        """Pull a get's exposed staging blocks (its slots) into their blocks over the KV
+        transport, place its inline blocks, then count the leading blocks whose landed bytes
+        match their CRC32C; the release (freeing the staging blocks) follows, whatever happened."""
         try:
             count = self._check_get(reply, frames)
             pulled = [i for i, slot in enumerate(reply.slots) if slot >= 0]

@@ -68,6 +68,7 @@ MAX_MESSAGES_PER_TURN = 256
 TURN_S = 0.05  # the longest the loop waits for a request before its periodic work
 MAX_KEY = 2**64 - 1
 MAX_INLINE_BYTES = MAX_MESSAGE_BYTES // 2  # raw bytes in one reply; the client asks in chunks under it
+STAGING_BYTES = 256 << 20  # the KV transport's staging pool at most (docs/kvstore.md §6)
 
 
 class Refused(Exception):
@@ -76,6 +77,14 @@ class Refused(Exception):
     def __init__(self, code: ErrorCode, reason: str):
         super().__init__(reason)
         self.code = code
+
+
+@dataclass
+class Staged:
+    """The staging blocks a get with transfer exposes under its lease's transfer id."""
+
+    blocks: np.ndarray
+    released: bool = False  # the engine's release came (its exposure was withdrawn then)
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class StoreOptions:
     ssd_dir: Path | None
     ssd_gb: float
     index: IndexConfig
+    staging_blocks: int  # the plane-major pool the KV transport serves gets from
 
     @classmethod
     def from_config(cls, config: ClusterConfig, layout: KVLayout) -> StoreOptions:
@@ -99,8 +109,9 @@ class StoreOptions:
                             low_watermark=config.kvstore_low_watermark, put_timeout_s=timeout_s,
                             lease_timeout_s=timeout_s, quota_blocks=config.kvstore_quota_blocks or None,
                             demote_min_hits=0)  # engines write back what they may reuse: keep it on SSD
+        staging = max(1, min(slots // 2, STAGING_BYTES // block_bytes))  # memory on top of the DRAM tier
         return cls(slots, block_bytes, Path(config.kvstore_ssd_dir) if config.kvstore_ssd_dir else None,
-                   config.kvstore_ssd_gb, index)
+                   config.kvstore_ssd_gb, index, staging)
 
 
 class StoreMetrics:
@@ -153,8 +164,11 @@ class StoreService:
         self.tickets: dict[int, PutTicket] = {}
         self.damaged: set[tuple[bytes, int]] = set()  # blocks whose SSD record failed a read
         self.leases: dict[int, ReadLease] = {}
-        self.exposed: set[int] = set()  # leases whose DRAM slots the KV transport exposes
-        self.pulled: dict[int, float] = {}  # leases released when their exposure ended, until their release comes
+        self.pulled: dict[int, float] = {}  # exposures that ended before the engine's release came, until it does
+        self.staging = np.zeros(self.options.staging_blocks * self.block_bytes, dtype=np.uint8)
+        self.staging_used = np.zeros(self.options.staging_blocks, dtype=bool)
+        self.staged: dict[int, Staged] = {}  # by lease id, until the transport reports its exposure ended
+        self.quarantined: list[tuple[float, np.ndarray]] = []  # (free at, blocks) of unsettled exposures
         self.registry = Registry()
         self.metrics = StoreMetrics(self.registry, self)
         self.context: zmq.Context = zmq.Context()
@@ -210,7 +224,7 @@ class StoreService:
         self.tickets = {t: ticket for t, ticket in self.tickets.items() if ticket.deadline > now}
         self.leases = {i: lease for i, lease in self.leases.items() if lease.expires_at > now}
         self.pulled = {i: expires_at for i, expires_at in self.pulled.items() if expires_at > now}
-        self._end_transfers()
+        self._end_transfers(now)
         for ns, key in list(self.damaged):
             try:
                 self.index.remove(ns, key)
@@ -297,18 +311,31 @@ class StoreService:
         return self._reply(request, tiers=[self.tier_numbers[t] for t in match.tiers]), []
 
     def _get(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
+        """The leased blocks: tier-0 ones by slot (shared memory), or with `transfer` copied into
+        staging blocks the KV transport exposes (those that fit; as frames if none is free), the
+        rest as frames while they fit in one message. `count` is the stored prefix: an engine
+        answered fewer blocks asks again for the rest."""
         ns = namespace_bytes(request.namespace)
         try:
             lease = self.index.get(ns, request.keys, now)
         except DamagedBlock:  # a promotion met a damaged SSD record: drop it, serve what is left
             self._drop_damaged(ns, request.keys)
             lease = self.index.get(ns, request.keys, now)
+        in_place = 0 if request.inline else len(lease.blocks)
+        staging = None
+        if request.transfer and not request.inline:
+            self._end_transfers(now)  # the engine's last pull may just have freed its blocks
+            staging = self._take_staging(sum(1 for block in lease.blocks if block.tier == self.dram.name))
+            in_place = len(staging)
         tiers, slots, frames, checksums = [], [], [], []
         budget = MAX_INLINE_BYTES
         for block in lease.blocks:
             tier = self.tier_numbers[block.tier]
-            if tier == 0 and not request.inline:
+            if tier == 0 and in_place:
+                in_place -= 1
                 slots.append(block.slot)
+            elif tier == 0 and staging is not None and len(staging):
+                break  # the staging pool is full: the engine asks again for the rest
             else:
                 if budget < block.nbytes:
                     break
@@ -323,35 +350,33 @@ class StoreService:
                 frames.append(data)
             tiers.append(tier)
             checksums.append(block.checksum)
+        served = dict(tiers=tiers, checksums=checksums, count=len(lease.blocks))
+        if staging is not None:
+            used = sum(1 for slot in slots if slot >= 0)  # fewer than taken if a frame ended the reply early
+            self.staging_used[staging[used:]] = False
+            staging = staging[:used]
+        if staging is not None and len(staging):
+            return self._expose_staged(request, lease, slots, staging, served), frames
         if all(slot < 0 for slot in slots):  # nothing left for the engine to read in place
             self.index.release(lease)
-            return self._reply(request, tiers=tiers, slots=slots, checksums=checksums), frames
+            return self._reply(request, slots=slots, **served), frames
         self.leases[lease.lease_id] = lease
-        if not request.transfer:
-            return self._reply(request, tiers=tiers, slots=slots, checksums=checksums,
-                               lease_id=lease.lease_id), frames
-        try:
-            self.transport.expose(self.transfer_id(lease.lease_id), [s for s in slots if s >= 0],
-                                  self.options.index.lease_timeout_s)
-        except Exception:
-            del self.leases[lease.lease_id]
-            self.index.release(lease)
-            raise
-        self.exposed.add(lease.lease_id)
-        return self._reply(request, tiers=tiers, slots=slots, checksums=checksums, lease_id=lease.lease_id,
-                           kv_address=self.kv_address), frames
+        return self._reply(request, slots=slots, lease_id=lease.lease_id, **served), frames
 
     def _release(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         lease = self.leases.pop(request.lease_id, None)
-        if lease is None and self.pulled.pop(request.lease_id, None) is not None:
-            return self._reply(request), []  # its pull ended first
-        if lease is None:
-            raise Refused(ErrorCode.INVALID_REQUEST, f"lease {request.lease_id} was released or expired")
-        self.index.release(lease)
-        if request.lease_id in self.exposed:  # a pull given up on: no send may read the slots from now
-            self.exposed.discard(request.lease_id)
-            self.transport.withdraw(self.transfer_id(request.lease_id))
-        return self._reply(request), []
+        if lease is not None:
+            self.index.release(lease)
+            return self._reply(request), []
+        staged = self.staged.get(request.lease_id)
+        if staged is not None:  # a pull given up on, or its end not reported yet: no send may start now
+            if not staged.released:
+                staged.released = True
+                self.transport.withdraw(self.transfer_id(request.lease_id))  # its blocks go with its event
+            return self._reply(request), []
+        if self.pulled.pop(request.lease_id, None) is not None:
+            return self._reply(request), []  # its exposure ended first
+        raise Refused(ErrorCode.INVALID_REQUEST, f"lease {request.lease_id} was released or expired")
 
     def _put_start(self, request: StoreRequest, _: list, now: float) -> tuple[StoreReply, list]:
         tickets, slots, reason = self._start(request, now)
@@ -460,7 +485,10 @@ class StoreService:
                         stats[f"{tier}_{field}"] = float(number)
             elif isinstance(value, int | float):
                 stats[name] = float(value)
-        stats.update(warmup_seconds=self.recovered.seconds, warmup_blocks=float(self.recovered.blocks),
+        stats.update(staging_blocks=float(self.staging_used.size),
+                     staging_free=float(self.staging_used.size - np.count_nonzero(self.staging_used)),
+                     staging_exposures=float(len(self.staged)),
+                     warmup_seconds=self.recovered.seconds, warmup_blocks=float(self.recovered.blocks),
                      warmup_dropped_orphans=float(self.recovered.orphans),
                      warmup_dropped_damaged=float(self.recovered.damaged),
                      warmup_dropped_stale=float(self.recovered.stale),
@@ -523,19 +551,19 @@ class StoreService:
             log.warning("kvstore_events_dropped", events=len(events))
 
     def shared_pool(self) -> np.ndarray:
-        """The DRAM pool, (slots, block_bytes), which the KV transport serves from."""
+        """The DRAM pool, (slots, block_bytes), which same-host engines map."""
         return self.dram.pool
 
     # ---- the KV transport (docs/kvstore.md §6)
 
     def _start_transport(self, model_fingerprint: str) -> tuple[KvTransport, str]:
-        """A KvTransport over the DRAM pool (block-major: slot = block) serving the engine
-        roles at kvstore_kv_address; (it, the address engines dial)."""
-        geometry = PoolGeometry(self.layout, self.dram.capacity, block_major=True)
-        options = TransferOptions(puller_roles=ENGINE_ROLES, huge_pages=False,  # tmpfs pages: not ours to collapse
-                                  send_pause_s=self.config.kv_send_pause_s)
-        transport = make_transport(self.config.kv_transport, self.shared_pool().reshape(-1), geometry,
-                                   model_fingerprint, self.security, f"{STORE_ID}-{self.instance_id}", options)
+        """A KvTransport over the staging pool (plane-major, like the engines' pools, so a run
+        of blocks moves as one piece per plane) serving the engine roles at kvstore_kv_address;
+        (it, the address engines dial)."""
+        geometry = PoolGeometry(self.layout, self.options.staging_blocks)
+        options = TransferOptions(puller_roles=ENGINE_ROLES, send_pause_s=self.config.kv_send_pause_s)
+        transport = make_transport(self.config.kv_transport, self.staging, geometry, model_fingerprint,
+                                   self.security, f"{STORE_ID}-{self.instance_id}", options)
         try:
             return transport, self.config.advertised(transport.listen(self.config.kvstore_kv_address))
         except BaseException:
@@ -546,24 +574,77 @@ class StoreService:
         """The transfer id a get's lease is exposed under: unique across store restarts."""
         return f"{self.instance_id}:{lease_id}"
 
-    def _end_transfers(self) -> None:
-        """Release the lease of every exposure the transport says ended (the puller has its
-        bytes, gave up, or never came), and withdraw the exposures of expired leases."""
+    def _take_staging(self, wanted: int) -> np.ndarray:
+        """Up to `wanted` free staging block ids, marked used: one consecutive run where one
+        fits (the transport then moves it as one piece per plane), else the first free ones."""
+        free = np.flatnonzero(~self.staging_used)
+        count = min(wanted, free.size)
+        if count == 0:
+            return free[:0]
+        starts = np.flatnonzero(np.diff(free, prepend=-2) != 1)
+        lengths = np.diff(np.append(starts, free.size))
+        fits = np.flatnonzero(lengths >= count)
+        first = starts[fits[0]] if fits.size else 0
+        taken = free[first:first + count]
+        self.staging_used[taken] = True
+        return taken
+
+    def _expose_staged(self, request: StoreRequest, lease: ReadLease, slots: list[int], staging: np.ndarray,
+                       served: dict) -> StoreReply:
+        """Copy the in-place DRAM slots into the staging blocks in one transposing copy, end
+        the lease (the bytes are ours now), expose the staging blocks; the reply names them."""
+        rows = [i for i, slot in enumerate(slots) if slot >= 0]
+        count, planes = len(rows), 2 * self.layout.num_layers
+        try:
+            source = _rows(self.dram.pool, [slots[i] for i in rows]).reshape(count, planes, -1)
+            staging3 = self.staging.reshape(planes, self.options.staging_blocks, -1)
+            staging3[:, _rows_index(staging), :] = source.transpose(1, 0, 2)
+        finally:
+            self.index.release(lease)
+        try:
+            self.transport.expose(self.transfer_id(lease.lease_id), staging.tolist(),
+                                  self.options.index.lease_timeout_s)
+        except BaseException:
+            self.staging_used[staging] = False
+            raise
+        self.staged[lease.lease_id] = Staged(staging)
+        for row, block in zip(rows, staging.tolist()):
+            slots[row] = block
+        return self._reply(request, slots=slots, lease_id=lease.lease_id, kv_address=self.kv_address, **served)
+
+    def _end_transfers(self, now: float) -> None:
+        """Free the staging blocks of every exposure the transport says ended (pulled, given
+        up, withdrawn, or never pulled before its lease ended) once no send reads them; an
+        unsettled one's blocks stay out of use for another lease time."""
+        lease_s = self.options.index.lease_timeout_s
         while (event := self.transport.next_event(0)) is not None:
             _, _, number = event.transfer_id.rpartition(":")
-            lease_id = int(number) if number.isdigit() else 0
-            if lease_id not in self.exposed:
-                continue  # released by the engine already
-            self.exposed.discard(lease_id)
-            if not event.settled:
+            staged = self.staged.pop(int(number) if number.isdigit() else 0, None)
+            if staged is None:
+                continue
+            if event.settled:
+                self.staging_used[staged.blocks] = False
+            else:
                 log.warning("kvstore_sends_unsettled", transfer_id=event.transfer_id, status=event.status)
-            lease = self.leases.pop(lease_id, None)
-            if lease is not None:
-                self.index.release(lease)
-                self.pulled[lease_id] = lease.expires_at
-        for lease_id in [i for i in self.exposed if i not in self.leases]:  # expired under the index
-            self.exposed.discard(lease_id)
-            self.transport.withdraw(self.transfer_id(lease_id))
+                self.quarantined.append((now + lease_s, staged.blocks))
+            if not staged.released:
+                self.pulled[int(number)] = now + lease_s  # the engine's release may still come
+        while self.quarantined and self.quarantined[0][0] <= now:
+            self.staging_used[self.quarantined.pop(0)[1]] = False
+
+
+def _rows(pool: np.ndarray, rows: list[int]) -> np.ndarray:
+    """pool[rows]: a view where the rows run on, else a gathered copy."""
+    if all(b == a + 1 for a, b in zip(rows, rows[1:])):
+        return pool[rows[0]:rows[0] + len(rows)]
+    return pool[np.asarray(rows, dtype=np.int64)]
+
+
+def _rows_index(ids: np.ndarray) -> slice | np.ndarray:
+    """A slice where the ids run on (a strided copy), else the ids (a scatter)."""
+    if ids.size and int(ids[-1]) - int(ids[0]) == ids.size - 1:
+        return slice(int(ids[0]), int(ids[-1]) + 1)
+    return ids
 
 
 def _validate(request: StoreRequest, payloads: list[np.ndarray]) -> None:

@@ -1,6 +1,7 @@
 """Remote engines' gets over the store's KV transport (docs/kvstore.md §6), with real
-store processes: the store exposes leased DRAM slots, the engine's transport pulls them
-into its plane-major pool. UCX cases skip only where ucxx does not import."""
+store processes: the store copies leased DRAM slots into its plane-major staging pool and
+exposes them, the engine's transport pulls them into its plane-major pool. UCX cases skip
+only where ucxx does not import."""
 from __future__ import annotations
 
 import signal
@@ -133,7 +134,7 @@ def test_a_store_killed_mid_pull_fails_the_fetch_and_a_restarted_one_serves_agai
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                if watcher.stats()["leases"]:
+                if watcher.stats()["staging_exposures"]:
                     break
             except StoreUnavailable:
                 break
@@ -166,3 +167,24 @@ def test_without_a_transport_a_remote_engine_keeps_the_inline_frames(stores):
     pool = np.zeros(POOL_BLOCKS * store.layout.bytes_per_block, dtype=np.uint8)
     assert client.fetch(NS_A, keys, pool, [9, 10, 11]) == 3 and not client.pulls
     assert np.array_equal(block_of(pool, store.layout, 11, POOL_BLOCKS), values[2])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_get_larger_than_the_staging_pool_lands_over_several_calls_and_frees_it(stores, engines, transport):
+    store = stores(kv_transport=transport)
+    writer = _client(stores, store)
+    staging = int(writer.stats()["staging_blocks"])
+    keys = chain(700, staging + 5)
+    assert len(keys) < POOL_BLOCKS
+    values = values_for(keys, store.layout.bytes_per_block)
+    assert writer.put(NS_A, keys, parents_of(NS_A, keys), values) == len(keys)
+    engine = engines(store, transport)
+    dst = list(range(POOL_BLOCKS - 1, POOL_BLOCKS - 1 - len(keys), -1))  # descending: no runs to coalesce
+    assert engine.fetch(keys, dst) == len(keys)
+    assert engine.client.pulls and engine.client.checksum_failures == 0
+    for i, block in enumerate(dst):
+        assert np.array_equal(engine.block(block), values[i]), f"block {i} differs"
+    deadline = time.monotonic() + 30
+    while (stats := writer.stats())["staging_free"] < staging or stats["staging_exposures"] or stats["leases"]:
+        assert time.monotonic() < deadline, f"staging blocks were never freed: {stats}"
+        time.sleep(0.05)
