@@ -38,6 +38,14 @@ joins its running batch with its prompt computed. A request's record splits its 
 into queue, prefill, transfer (first token to landing: waiting for the decode worker's
 memory and the link, then the bytes) and decode wait (landing to its first decode step);
 its TPOT includes the transfer and the wait.
+
+The KV store (docs/evaluation.md §3.2), with `SimConfig.store` enabled: one store for
+the cluster (services/eval/sim_store.py, the live store's index). A worker's block
+manager writes back each block it evicts, with the ancestors the store lacks, root-first.
+A request placed on a worker first looks up the store beyond the worker's own cached
+prefix; when fetching a run of those blocks beats recomputing them, the request waits
+the fetch time (off the worker's compute: the worker steps on meanwhile), the blocks are
+named in the worker's cache, and then it queues as usual and hits them there.
 """
 from __future__ import annotations
 
@@ -47,12 +55,12 @@ import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from common.cost_model import CostModel
-from common.engine.block_manager import BlockManager
+from common.engine.block_manager import BlockManager, KVEventSink
 from common.engine.queue_policy import make_queue_policy
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
@@ -69,7 +77,9 @@ from services.eval.disagg import (
     rank_decode_workers,
 )
 from services.eval.report import RequestRecord, RunTotals
+from services.eval.sim_store import SimStore, StoreModel
 from services.eval.workloads.base import WorkloadRequest
+from services.kvstore.index import ReadLease
 from services.router.admission import AdmissionConfig, AdmissionControl, Slo
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
@@ -106,6 +116,7 @@ class SimConfig:
     link: Link = LINKS[DEFAULT_LINK]  # what prefill-to-decode KV transfers move over
     kv_bytes_per_block: int = 0  # KVLayout.bytes_per_block of the model; needed with pools
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+    store: StoreModel = StoreModel()  # both tiers 0: no store
 
     @property
     def instances(self) -> int:
@@ -121,6 +132,8 @@ class SimConfig:
             raise ValueError("no worker to prefill on: give co-located or prefill workers")
         if self.decode_workers and self.kv_bytes_per_block <= 0:
             raise ValueError("disaggregated pools need kv_bytes_per_block (the model's KV layout)")
+        if self.store.enabled and self.kv_bytes_per_block <= 0:
+            raise ValueError("the KV store needs kv_bytes_per_block (the model's KV layout)")
         if self.network_s < 0 or self.network_s + self.first_token_extra_s < 0:
             raise ValueError(f"network_s ({self.network_s}) and network_s + first_token_extra_s "
                              f"({self.network_s + self.first_token_extra_s}) must not be negative")
@@ -131,6 +144,7 @@ class SimResult:
     records: list[RequestRecord]
     totals: RunTotals
     steps: int
+    store: dict | None = None  # with a store: Simulator.store_report()
 
 
 class _EventSink:
@@ -148,14 +162,70 @@ class _EventSink:
         self.cluster.kv_removed(self.worker_id, block_hashes)
 
 
+class _WriteBackBlockManager(BlockManager):
+    """The engine's block manager that also knows each named block's parent, and writes
+    back the blocks an allocation evicts to the store, each with the ancestors the store
+    lacks, root-first, as the engine's write-back does (a chain is put root-first).
+    An ancestor neither cached here nor stored ends that block's chain: nothing to copy."""
+
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventSink, store: SimStore,
+                 clock: Callable[[], float]):
+        super().__init__(num_blocks, block_size, events)
+        self.store, self.clock = store, clock
+        self.parent: list[int | None] = [None] * num_blocks  # of each named block; None: a chain's first
+        self.evicting: dict[int, int | None] = {}  # name -> parent of the blocks being evicted
+
+    def commit(self, block_ids: Seq[int], block_hashes: Seq[int], token_ids: Seq[int],
+               first: int, last: int) -> None:
+        super().commit(block_ids, block_hashes, token_ids, first, last)
+        for index in range(first, last):
+            block_id = block_ids[index]
+            if self.block_hash[block_id] == block_hashes[index]:
+                self.parent[block_id] = block_hashes[index - 1] if index else None
+
+    def allocate(self, count: int) -> list[int]:
+        allocated = super().allocate(count)
+        if self.evicting:
+            evicted, self.evicting = self.evicting, {}
+            self._write_back(evicted)
+        return allocated
+
+    def _forget(self, block_id: int) -> int:
+        name = super()._forget(block_id)
+        self.evicting[name] = self.parent[block_id]
+        self.parent[block_id] = None
+        return name
+
+    def _write_back(self, evicted: dict[int, int | None]) -> None:
+        now = self.clock()
+        for name, parent in evicted.items():
+            if self.store.holds(name):
+                self.store.put_chain([(name, parent)], now)  # touched: recently used again
+                continue
+            chain = [(name, parent)]
+            while parent is not None and not self.store.holds(parent):
+                if parent in evicted:
+                    grandparent = evicted[parent]
+                elif parent in self.hash_to_block:
+                    grandparent = self.parent[self.hash_to_block[parent]]
+                else:
+                    chain = []
+                    break
+                chain.append((parent, grandparent))
+                parent = grandparent
+            self.store.put_chain(chain[::-1], now)
+
+
 class SimWorker:
     """One worker: the engine's scheduler and block manager, with modelled step times."""
 
-    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink, role: str = "colocated"):
+    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink, role: str = "colocated",
+                 store: SimStore | None = None):
         self.worker_id = worker_id
         self.role = role  # colocated, prefill or decode
         self.config = config
-        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink)
+        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink) if store is None else \
+            _WriteBackBlockManager(config.kv_blocks, config.block_size, sink, store, sink.clock)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
             self.block_manager, make_queue_policy(config.queue_policy))
@@ -202,6 +272,11 @@ class Simulator:
         self.decode_cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl) \
             if config.decode_workers else None
         self.links = LinkQueues(config.link)
+        self.store = SimStore(config.store, config.kv_bytes_per_block) if config.store.enabled else None
+        self.fetch_ends: list[float] = []  # heap: when each store fetch in flight lands
+        self.fetched: dict[str, tuple[int, tuple[str, ...]]] = {}  # request id -> (blocks held, tiers fetched)
+        self.store_tokens = dict.fromkeys(("engine", "dram", "ssd", "computed"), 0)
+        self.store_fetch = {"fetches": 0, "skipped": 0, "unused": 0, "blocks": 0, "fetch_s": 0.0}
         self.workers: dict[str, SimWorker] = {}
         for role, prefix, count in (("colocated", "worker", config.workers), ("prefill", "prefill",
                                     config.prefill_workers), ("decode", "decode", config.decode_workers)):
@@ -228,7 +303,7 @@ class Simulator:
         assert cluster is not None  # decode workers come with decode_cluster (config.decode_workers > 0)
         cluster.add_worker(worker_id, self.config.kv_blocks)
         sink = _EventSink(cluster, worker_id, lambda: self.now)
-        self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role)
+        self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role, self.store)
 
     # ---- driving -----------------------------------------------------------------------
 
@@ -255,6 +330,8 @@ class Simulator:
                 pending -= self._step_done(*event[1:])
             elif event[0] == "kv_landed":
                 self._kv_landed(*event[1:])
+            elif event[0] == "fetched":
+                self._fetched(*event[1:])
             elif event[0] == "heartbeat":
                 self._heartbeat()
                 self._at(self.now + self.config.heartbeat_interval_s, ("heartbeat",))
@@ -264,7 +341,8 @@ class Simulator:
         totals = RunTotals(duration_s=self.now, gpus=self.config.instances, evictions=evictions,
                            eviction_recompute_s=evictions * self.config.cost.recompute_s(self.config.block_size),
                            transfer_bytes=self.transfer_bytes)
-        return SimResult(list(self.records.values()), totals, self.steps)
+        return SimResult(list(self.records.values()), totals, self.steps,
+                         self.store_report() if self.store is not None else None)
 
     def _at(self, time: float, event: _Event) -> None:
         heapq.heappush(self.events, (time, next(self.order), event))
@@ -333,9 +411,82 @@ class Simulator:
         record.worker_id = worker_id
         worker = self.workers[worker_id]
         seq.arrival_index = next(worker.arrivals)
+        if self.store is not None and self._fetch(worker, seq):
+            return
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
+
+    # ---- the KV store --------------------------------------------------------------------
+
+    def _fetch(self, worker: SimWorker, seq: Sequence) -> bool:
+        """Start fetching the stored blocks beyond the worker's cached prefix when that
+        beats recomputing them; True when a fetch started (the request queues when it lands)."""
+        store = self.store
+        assert store is not None  # _start fetches only with a store
+        size = self.config.block_size
+        limit = (seq.prompt_len - 1) // size  # the scheduler's bound on a prefix hit
+        held = worker.block_manager.num_matched_cached(seq.block_hashes, limit)
+        keys = seq.block_hashes[held:limit]
+        tiers = store.lookup(keys)
+        count, fetch_s = store.plan_fetch(tiers, held * size, size, self.config.cost)
+        if not count:
+            self.store_fetch["skipped"] += bool(tiers)
+            return False
+        lease = store.get(keys[:count], self.now)
+        end = self.now + fetch_s
+        heapq.heappush(self.fetch_ends, end)
+        self.store_fetch["fetches"] += 1
+        self.store_fetch["blocks"] += count
+        self.store_fetch["fetch_s"] += fetch_s
+        self._at(end, ("fetched", worker, seq, lease, held, tiers[:count]))
+        return True
+
+    def _fetched(self, worker: SimWorker, seq: Sequence, lease: ReadLease, held: int, tiers: tuple[str, ...]) -> None:
+        """The fetched blocks are in the worker's pool: name them in its cache (most
+        recently used), then queue the request, which finds them as cached blocks."""
+        store = self.store
+        assert store is not None  # a fetch happens only with a store
+        heapq.heappop(self.fetch_ends)
+        store.release(lease)
+        manager = worker.block_manager
+        end = held + len(tiers)
+        prefix = manager.match_prefix(seq.block_hashes, seq.token_ids, end)
+        first = len(prefix)  # the worker may have lost or gained blocks while the fetch ran
+        if held <= first < end:
+            manager.take(prefix)  # so making room cannot evict the prefix the fetched blocks extend
+            if manager.num_available >= end - first:
+                fresh = manager.allocate(end - first)
+                manager.commit([-1] * first + fresh, seq.block_hashes, seq.token_ids, first, end)
+                manager.release(fresh)
+                self.fetched[seq.request_id] = (first, tiers[first - held:])
+            manager.release(prefix)
+        if seq.request_id not in self.fetched:
+            self.store_fetch["unused"] += 1
+        worker.add(seq)
+        if not worker.busy:
+            self._start_step(worker)
+
+    def _count_store_hits(self, seq: Sequence) -> None:
+        """At the request's first token: its prompt tokens by where they came from."""
+        size = self.config.block_size
+        cached = seq.num_cached_tokens
+        held, tiers = self.fetched.pop(seq.request_id, (0, ()))
+        used = tiers[:max(0, min(cached // size - held, len(tiers)))]
+        dram, ssd = used.count("dram") * size, used.count("ssd") * size
+        counts = self.store_tokens
+        counts["engine"] += cached - dram - ssd
+        counts["dram"] += dram
+        counts["ssd"] += ssd
+        counts["computed"] += seq.prompt_len - cached
+
+    def store_report(self) -> dict:
+        """Prompt tokens by source (and each one's share), the fetches, and the store's own counters."""
+        assert self.store is not None  # reported only with a store
+        total = sum(self.store_tokens.values())
+        rates = {f"{name}_hit_rate" if name != "computed" else "computed_rate": (count / total if total else 0.0)
+                 for name, count in self.store_tokens.items()}
+        return {"tokens": dict(self.store_tokens), **rates, **self.store_fetch, **self.store.stats()}
 
     # ---- the KV transfer -----------------------------------------------------------------
 
@@ -439,6 +590,8 @@ class Simulator:
         end = self.now + worker.step_time(plan)
         steps = 1
         next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
+        if self.fetch_ends:  # a landing fetch queues a request too
+            next_arrival = min(next_arrival, self.fetch_ends[0])
         if worker.role == "decode":  # landing KV adds work too
             landing = self.landing.get(worker.worker_id)
             if self.awaiting[worker.worker_id]:
@@ -506,6 +659,8 @@ class Simulator:
             record.queue_s = scheduled - seq.arrival_time
             record.prefill_s = self.now - scheduled
             record.num_cached_tokens = seq.num_cached_tokens
+            if self.store is not None:
+                self._count_store_hits(seq)
         seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
@@ -540,6 +695,8 @@ class _Pull:
 _Event: TypeAlias = (tuple[Literal["arrive"], WorkloadRequest]
                      | tuple[Literal["step_done"], SimWorker, SchedulePlan, int]  # worker, plan, steps it ends
                      | tuple[Literal["kv_landed"], _Pull, SimWorker]  # the pull and its decode worker
+                     # worker, request, store lease, blocks it held, tiers of the blocks fetched
+                     | tuple[Literal["fetched"], SimWorker, Sequence, ReadLease, int, tuple[str, ...]]
                      | tuple[Literal["heartbeat"]])
 
 
