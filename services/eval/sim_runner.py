@@ -527,8 +527,8 @@ def print_store(store: StoreModel, results: Mapping[str, dict]) -> None:
         text = (f"{key} ({tiers}): prompt tokens from engine cache {report['engine_hit_rate']:.3f}, "
                 f"DRAM {report['dram_hit_rate']:.3f}, SSD {report['ssd_hit_rate']:.3f}, computed "
                 f"{report['computed_rate']:.3f}; {report['fetches']:,} fetches "
-                f"({report['blocks']:,} blocks, mean {_mean_ms(report['fetch_s'], report['fetches']):.1f} ms), "
-                f"{report['skipped']:,} skipped as slower than recomputing; TTFT mean "
+                f"({report['fetched_blocks']:,} blocks, mean {_mean_ms(report['fetch_s'], report['fetches']):.1f} ms), "
+                f"{report['fetches_skipped']:,} skipped as slower than recomputing; TTFT mean "
                 f"{r['overall']['ttft_mean_s'] * 1000:.1f} ms")
         baseline = results.get(key.removesuffix("+store"))
         if baseline is not None and baseline is not r:

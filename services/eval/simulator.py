@@ -42,10 +42,13 @@ its TPOT includes the transfer and the wait.
 The KV store (docs/evaluation.md §3.2), with `SimConfig.store` enabled: one store for
 the cluster (services/eval/sim_store.py, the live store's index). A worker's block
 manager writes back each block it evicts, with the ancestors the store lacks, root-first.
-A request placed on a worker first looks up the store beyond the worker's own cached
-prefix; when fetching a run of those blocks beats recomputing them, the request waits
-the fetch time (off the worker's compute: the worker steps on meanwhile), the blocks are
-named in the worker's cache, and then it queues as usual and hits them there.
+When a step's plan has a prefill chunk (the request admitted with its prefix cached on
+the worker, or a later chunk), the worker looks up the store for the blocks the chunk
+would compute; when fetching a run of them beats recomputing it (StoreModel.fetch_s
+against the cost model's prefill time of those tokens), the chunk starts after them,
+they are named in the worker's cache, and the step takes the fetch time longer: a fetch
+is synchronous with the step, which every sequence in the batch waits for (the live
+engine overlaps what it can, so this is the store's worst case).
 """
 from __future__ import annotations
 
@@ -79,7 +82,6 @@ from services.eval.disagg import (
 from services.eval.report import RequestRecord, RunTotals
 from services.eval.sim_store import SimStore, StoreModel
 from services.eval.workloads.base import WorkloadRequest
-from services.kvstore.index import ReadLease
 from services.router.admission import AdmissionConfig, AdmissionControl, Slo
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
@@ -273,10 +275,9 @@ class Simulator:
             if config.decode_workers else None
         self.links = LinkQueues(config.link)
         self.store = SimStore(config.store, config.kv_bytes_per_block) if config.store.enabled else None
-        self.fetch_ends: list[float] = []  # heap: when each store fetch in flight lands
-        self.fetched: dict[str, tuple[int, tuple[str, ...]]] = {}  # request id -> (blocks held, tiers fetched)
+        self.fetched: dict[str, collections.Counter[str]] = {}  # request id -> tokens fetched per tier
         self.store_tokens = dict.fromkeys(("engine", "dram", "ssd", "computed"), 0)
-        self.store_fetch = {"fetches": 0, "skipped": 0, "unused": 0, "blocks": 0, "fetch_s": 0.0}
+        self.fetches, self.fetches_skipped, self.fetched_blocks, self.fetch_s = 0, 0, 0, 0.0
         self.workers: dict[str, SimWorker] = {}
         for role, prefix, count in (("colocated", "worker", config.workers), ("prefill", "prefill",
                                     config.prefill_workers), ("decode", "decode", config.decode_workers)):
@@ -330,8 +331,6 @@ class Simulator:
                 pending -= self._step_done(*event[1:])
             elif event[0] == "kv_landed":
                 self._kv_landed(*event[1:])
-            elif event[0] == "fetched":
-                self._fetched(*event[1:])
             elif event[0] == "heartbeat":
                 self._heartbeat()
                 self._at(self.now + self.config.heartbeat_interval_s, ("heartbeat",))
@@ -411,74 +410,59 @@ class Simulator:
         record.worker_id = worker_id
         worker = self.workers[worker_id]
         seq.arrival_index = next(worker.arrivals)
-        if self.store is not None and self._fetch(worker, seq):
-            return
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
 
     # ---- the KV store --------------------------------------------------------------------
 
-    def _fetch(self, worker: SimWorker, seq: Sequence) -> bool:
-        """Start fetching the stored blocks beyond the worker's cached prefix when that
-        beats recomputing them; True when a fetch started (the request queues when it lands)."""
-        store = self.store
-        assert store is not None  # _start fetches only with a store
-        size = self.config.block_size
-        limit = (seq.prompt_len - 1) // size  # the scheduler's bound on a prefix hit
-        held = worker.block_manager.num_matched_cached(seq.block_hashes, limit)
-        keys = seq.block_hashes[held:limit]
-        tiers = store.lookup(keys)
-        count, fetch_s = store.plan_fetch(tiers, held * size, size, self.config.cost)
-        if not count:
-            self.store_fetch["skipped"] += bool(tiers)
-            return False
-        lease = store.get(keys[:count], self.now)
-        end = self.now + fetch_s
-        heapq.heappush(self.fetch_ends, end)
-        self.store_fetch["fetches"] += 1
-        self.store_fetch["blocks"] += count
-        self.store_fetch["fetch_s"] += fetch_s
-        self._at(end, ("fetched", worker, seq, lease, held, tiers[:count]))
-        return True
+    def _fetch(self, worker: SimWorker, plan: SchedulePlan) -> float:
+        """Fetch from the store what the plan's prefill chunks would compute, where that
+        beats recomputing it: each such chunk then starts after the fetched blocks, which
+        are named in the worker's cache. Returns the seconds the fetches take. A chunk
+        keeps at least one token to compute."""
+        store, manager = self.store, worker.block_manager
+        assert store is not None  # _start_step fetches only with a store
+        size, total = self.config.block_size, 0.0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.start >= seq.prompt_len or chunk.start % size:
+                continue
+            first = chunk.start // size
+            last = min((seq.prompt_len - 1) // size, first + (chunk.num_new - 1) // size)
+            if last <= first:
+                continue
+            keys = seq.block_hashes[first:last]
+            tiers = store.lookup(keys)
+            count, fetch_s = store.plan_fetch(tiers, chunk.start, size, self.config.cost)
+            if not count:
+                self.fetches_skipped += bool(tiers)
+                continue
+            store.release(store.get(keys[:count], self.now))  # the read (and its promotion)
+            manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids, first, first + count)
+            chunk.start += count * size
+            chunk.num_new -= count * size
+            seq.num_computed = chunk.start
+            if seq.first_token_time is None and not seq.num_preemptions:
+                fetched = self.fetched.setdefault(seq.request_id, collections.Counter())
+                for name in tiers[:count]:
+                    fetched[name] += size
+            self.fetches += 1
+            self.fetched_blocks += count
+            self.fetch_s += fetch_s
+            total += fetch_s
+        return total
 
-    def _fetched(self, worker: SimWorker, seq: Sequence, lease: ReadLease, held: int, tiers: tuple[str, ...]) -> None:
-        """The fetched blocks are in the worker's pool: name them in its cache (most
-        recently used), then queue the request, which finds them as cached blocks."""
-        store = self.store
-        assert store is not None  # a fetch happens only with a store
-        heapq.heappop(self.fetch_ends)
-        store.release(lease)
-        manager = worker.block_manager
-        end = held + len(tiers)
-        prefix = manager.match_prefix(seq.block_hashes, seq.token_ids, end)
-        first = len(prefix)  # the worker may have lost or gained blocks while the fetch ran
-        if held <= first < end:
-            manager.take(prefix)  # so making room cannot evict the prefix the fetched blocks extend
-            if manager.num_available >= end - first:
-                fresh = manager.allocate(end - first)
-                manager.commit([-1] * first + fresh, seq.block_hashes, seq.token_ids, first, end)
-                manager.release(fresh)
-                self.fetched[seq.request_id] = (first, tiers[first - held:])
-            manager.release(prefix)
-        if seq.request_id not in self.fetched:
-            self.store_fetch["unused"] += 1
-        worker.add(seq)
-        if not worker.busy:
-            self._start_step(worker)
-
-    def _count_store_hits(self, seq: Sequence) -> None:
-        """At the request's first token: its prompt tokens by where they came from."""
-        size = self.config.block_size
-        cached = seq.num_cached_tokens
-        held, tiers = self.fetched.pop(seq.request_id, (0, ()))
-        used = tiers[:max(0, min(cached // size - held, len(tiers)))]
-        dram, ssd = used.count("dram") * size, used.count("ssd") * size
+    def _count_store_hits(self, seq: Sequence, record: RequestRecord) -> None:
+        """At the request's first token: its prompt tokens by where they came from. The
+        record's cached tokens count the store's too (the report's hit rate is all reuse)."""
+        fetched = self.fetched.pop(seq.request_id, collections.Counter())
         counts = self.store_tokens
-        counts["engine"] += cached - dram - ssd
-        counts["dram"] += dram
-        counts["ssd"] += ssd
-        counts["computed"] += seq.prompt_len - cached
+        counts["engine"] += seq.num_cached_tokens
+        counts["dram"] += fetched["dram"]
+        counts["ssd"] += fetched["ssd"]
+        record.num_cached_tokens = seq.num_cached_tokens + fetched["dram"] + fetched["ssd"]
+        counts["computed"] += seq.prompt_len - record.num_cached_tokens
 
     def store_report(self) -> dict:
         """Prompt tokens by source (and each one's share), the fetches, and the store's own counters."""
@@ -486,7 +470,9 @@ class Simulator:
         total = sum(self.store_tokens.values())
         rates = {f"{name}_hit_rate" if name != "computed" else "computed_rate": (count / total if total else 0.0)
                  for name, count in self.store_tokens.items()}
-        return {"tokens": dict(self.store_tokens), **rates, **self.store_fetch, **self.store.stats()}
+        fetches = {"fetches": self.fetches, "fetched_blocks": self.fetched_blocks, "fetch_s": self.fetch_s,
+                   "fetches_skipped": self.fetches_skipped}
+        return {"tokens": dict(self.store_tokens), **rates, **fetches, **self.store.stats()}
 
     # ---- the KV transfer -----------------------------------------------------------------
 
@@ -587,11 +573,10 @@ class Simulator:
                 chunk.seq.first_scheduled_time = self.now
                 if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
                     self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
-        end = self.now + worker.step_time(plan)
+        fetch_s = self._fetch(worker, plan) if self.store is not None else 0.0
+        end = self.now + fetch_s + worker.step_time(plan)
         steps = 1
         next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
-        if self.fetch_ends:  # a landing fetch queues a request too
-            next_arrival = min(next_arrival, self.fetch_ends[0])
         if worker.role == "decode":  # landing KV adds work too
             landing = self.landing.get(worker.worker_id)
             if self.awaiting[worker.worker_id]:
@@ -660,7 +645,7 @@ class Simulator:
             record.prefill_s = self.now - scheduled
             record.num_cached_tokens = seq.num_cached_tokens
             if self.store is not None:
-                self._count_store_hits(seq)
+                self._count_store_hits(seq, record)
         seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
@@ -695,8 +680,6 @@ class _Pull:
 _Event: TypeAlias = (tuple[Literal["arrive"], WorkloadRequest]
                      | tuple[Literal["step_done"], SimWorker, SchedulePlan, int]  # worker, plan, steps it ends
                      | tuple[Literal["kv_landed"], _Pull, SimWorker]  # the pull and its decode worker
-                     # worker, request, store lease, blocks it held, tiers of the blocks fetched
-                     | tuple[Literal["fetched"], SimWorker, Sequence, ReadLease, int, tuple[str, ...]]
                      | tuple[Literal["heartbeat"]])
 
 
