@@ -86,7 +86,8 @@ def test_a_fetch_slower_than_recomputing_is_skipped():
 
 def test_the_fetch_stops_where_the_next_tier_costs_more_than_it_saves():
     store = SimStore(StoreModel(dram_gb=0.1, ssd_gb=0.1, ssd_gbps=1e-3), BLOCK_BYTES)
-    assert store.plan_fetch(("dram",) * 4 + ("ssd",) * 4, 0, 16, COST) == (4, pytest.approx(0.001 + 4 * 0.0002))
+    count, fetch_s = store.plan_fetch(("dram",) * 4 + ("ssd",) * 4, 0, 16, COST)
+    assert count == 4 and fetch_s == pytest.approx(0.001 + 4 * 0.0002)
     assert store.plan_fetch(("ssd",) * 4, 0, 16, COST) == (0, 0.0)
 
 
