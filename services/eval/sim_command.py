@@ -60,10 +60,20 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
 @click.option("--admission", is_flag=True, help="refuse requests predicted to miss their SLO")
 @click.option("--index-mode", default="events", show_default=True,
               help="router's prefix index: events (KV events) or approximate (from placements)")
+@click.option("--store-dram-gb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="the cluster's KV store: its DRAM tier, GB (0: none; with --store-ssd-gb 0 too: no store)")
+@click.option("--store-ssd-gb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="the KV store's SSD tier, GB (0: none)")
+@click.option("--store-dram-gbps", type=POSITIVE, default=5.0, show_default=True,
+              help="GB/s a fetch from the store's DRAM moves (plus 1 ms per fetch)")
+@click.option("--store-ssd-gbps", type=POSITIVE, default=1.0, show_default=True,
+              help="GB/s a fetch from the store's SSD moves (plus 2 ms per fetch)")
+@click.option("--store-only", is_flag=True,
+              help="with a store: skip the runs without it (by default each policy runs without and with it)")
 def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, max_local_prefill_tokens, policy_list,
         profile, sweep_text, as_json, plot_dir, num_requests, seed, rate, load, arrival, time_scale, scale, zipf,
         option_pairs, queue_policy, kv_blocks, max_num_batched_tokens, ttft_slo, tpot_slo, admission,
-        index_mode) -> None:
+        index_mode, store_dram_gb, store_ssd_gb, store_dram_gbps, store_ssd_gbps, store_only) -> None:
     """Simulate a workload on WORKERS workers under each policy in discrete virtual time
     (the live router's policies and the engine's scheduler, with step times from the
     cost profile) and print the metrics table: TTFT, TPOT, end-to-end latency, SLO
@@ -72,10 +82,16 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
     (beside any co-located --workers), and each handed-off request's KV moves over
     --link: latency + the bytes the decode worker lacks / bandwidth, one transfer at a
     time per worker link.
+    With --store-dram-gb or --store-ssd-gb the cluster has a tiered KV store: engines
+    write back the blocks they evict and fetch a stored prefix when that beats
+    recomputing it; each policy then runs without the store (POLICY) and with it
+    (POLICY+store), and a line per run with it says where prompt tokens came from.
 
     \b
     With --json the last line of output is one JSON object:
       {POLICY: {"overall": {...}, "classes": {CLASS: {...}}, "simulation": {...}}, ...}
+    (with a store, also POLICY+store keys, whose "overall" has a "store" object:
+    engine_hit_rate, dram_hit_rate, ssd_hit_rate, computed_rate, tokens, fetches...)
     and with --sweep VAR=a,b,c
       {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ..., "simulation": ...}}}}
     with each VALUE as written in --sweep. "simulation" is the simulator's own speed:
@@ -86,6 +102,7 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
 
     from common.cost_model import ProfileError, load_cost_model
     from services.eval import sim_runner as runner
+    from services.eval.sim_store import StoreModel
 
     try:
         sweep = runner.parse_sweep(sweep_text) if sweep_text else None
@@ -101,7 +118,10 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
             rate=rate, load=load, time_scale=time_scale, scale=scale,
             options=runner.parse_options(option_pairs, zipf), queue_policy=queue_policy, kv_blocks=kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
-            admission=admission, index_mode=index_mode)
+            admission=admission, index_mode=index_mode,
+            store=StoreModel(dram_gb=store_dram_gb, ssd_gb=store_ssd_gb, dram_gbps=store_dram_gbps,
+                             ssd_gbps=store_ssd_gbps),
+            store_baseline=not store_only)
         points = runner.prepare(spec, sweep)
     except (runner.SimUsageError, ProfileError) as error:
         raise click.UsageError(str(error)) from error

@@ -18,6 +18,11 @@ so the value alone sets the arrival rate), workers, zipf (toolbench's zipf_a) or
 Disaggregated pools (--prefill-workers, --decode-workers) need a profile that names its
 model: the KV transfer's bytes come from that model's layout (disagg.layout_for_model).
 
+The KV store (--store-dram-gb, --store-ssd-gb; SimSpec.store) needs a profile that names
+its model too (a block's bytes). With a store each policy runs twice, without it (keyed
+POLICY, exactly the run without store options) and with it (keyed POLICY+store), so the
+table and the JSON compare them side by side; store_baseline=False runs only the latter.
+
 Progress counts simulated requests (finished or refused) across every setting and policy.
 """
 from __future__ import annotations
@@ -54,6 +59,7 @@ from services.eval.report import (
     reported,
     summarize,
 )
+from services.eval.sim_store import StoreModel
 from services.eval.simulator import SimConfig, Simulator, decode_alone_s
 from services.eval.workloads import WORKLOADS, WorkloadRequest, make_workload
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
@@ -103,10 +109,23 @@ class SimSpec:
     decode_workers: int = 0
     link: str = DEFAULT_LINK
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+    store: StoreModel = StoreModel()  # both tiers 0: no store
+    store_baseline: bool = True  # with a store: also run each policy without it
 
     @property
     def instances(self) -> int:
         return self.workers + self.prefill_workers + self.decode_workers
+
+    def variants(self) -> tuple[tuple[str, str, bool], ...]:
+        """(result key, policy, with the store) of each simulation of a point."""
+        if not self.store.enabled:
+            return tuple((policy, policy, False) for policy in self.policies)
+        runs: list[tuple[str, str, bool]] = []
+        for policy in self.policies:
+            if self.store_baseline:
+                runs.append((policy, policy, False))
+            runs.append((f"{policy}+store", policy, True))
+        return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -231,6 +250,11 @@ def check(spec: SimSpec) -> None:
     if spec.decode_workers and gpu_model_of(spec.cost) is None:
         raise SimUsageError("disaggregated pools need a profile that names its model (e.g. h100/llama-3-8b): "
                             "the KV transfer's bytes come from its layout")
+    if spec.store.enabled and gpu_model_of(spec.cost) is None:
+        raise SimUsageError("the KV store (--store-dram-gb, --store-ssd-gb) needs a profile that names its model "
+                            "(e.g. h100/llama-3-8b): a block's bytes come from its layout")
+    if spec.store.enabled:
+        _check_store(spec)
     if spec.index_mode not in INDEX_MODES:
         raise SimUsageError(f"--index-mode: unknown {spec.index_mode!r}; known: {', '.join(INDEX_MODES)}")
     accepted = workload_options(spec.workload)
@@ -238,6 +262,17 @@ def check(spec: SimSpec) -> None:
         if key not in accepted:
             raise SimUsageError(f"--option {key}: the {spec.workload} workload takes "
                                 f"{', '.join(accepted) or 'no options'}")
+
+
+def _check_store(spec: SimSpec) -> None:
+    named = gpu_model_of(spec.cost)
+    if named is None:
+        return  # refused above
+    block_bytes = layout_for_model(named[1], SimConfig.block_size).bytes_per_block
+    for name, gb in spec.store.tiers():
+        if gb * 1e9 < block_bytes:
+            raise SimUsageError(f"--store-{name}-gb: {gb:g} GB holds no block of {named[1]} "
+                                f"({block_bytes:,} bytes)")
 
 
 def workload_options(name: str) -> tuple[str, ...]:
@@ -386,8 +421,9 @@ def slos_for(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Sl
 # ---- running ---------------------------------------------------------------------------
 
 
-def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig:
-    """The simulator's configuration of a resolved spec under one policy."""
+def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo], store: bool = False) -> SimConfig:
+    """The simulator's configuration of a resolved spec under one policy, with the
+    spec's store or without any."""
     ttl = ClusterConfig.index_ttl_s if spec.index_mode == "approximate" else None
     named = gpu_model_of(spec.cost)
     block_bytes = layout_for_model(named[1], SimConfig.block_size).bytes_per_block if named else 0
@@ -396,26 +432,33 @@ def sim_config(spec: SimSpec, policy: str, slos: Mapping[str, Slo]) -> SimConfig
                      max_num_batched_tokens=spec.max_num_batched_tokens, queue_policy=spec.queue_policy,
                      index_ttl_s=ttl, admission=spec.admission, slos=slos, prefill_workers=spec.prefill_workers,
                      decode_workers=spec.decode_workers, link=LINKS[spec.link], kv_bytes_per_block=block_bytes,
-                     max_local_prefill_tokens=spec.max_local_prefill_tokens)
+                     max_local_prefill_tokens=spec.max_local_prefill_tokens,
+                     store=spec.store if store else StoreModel())
 
 
 def total_requests(points: Sequence[Point]) -> int:
     """How many requests `run_points` simulates (its progress total)."""
-    return sum(len(point.requests) * len(point.spec.policies) for point in points)
+    return sum(len(point.requests) * len(point.spec.variants()) for point in points)
 
 
 def run_points(points: Sequence[Point], advance: Callable[[int], object] | None = None) -> dict[str, dict]:
-    """{point label: {policy: summarize result}}, calling `advance(n)` as n more requests
-    finish or are refused."""
-    return {point.label: {policy: simulate_policy(point, policy, advance) for policy in point.spec.policies}
+    """{point label: {result key: summarize result}}, calling `advance(n)` as n more
+    requests finish or are refused. A result key is the policy, or POLICY+store for its
+    run with the store (SimSpec.variants)."""
+    return {point.label: {key: simulate_policy(point, policy, advance, store)
+                          for key, policy, store in point.spec.variants()}
             for point in points}
 
 
-def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] | None = None) -> dict:
-    """One simulation of the point's requests under `policy`, summarised, with the
-    simulator's own speed under "simulation": requests, wall_s, requests_per_wall_s."""
+def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] | None = None,
+                    store: bool = False) -> dict:
+    """One simulation of the point's requests under `policy` (with the spec's store when
+    `store`), summarised, with the simulator's own speed under "simulation": requests,
+    wall_s, requests_per_wall_s, and with the store its report under overall["store"]
+    (Simulator.store_report: prompt tokens served from the engine cache, DRAM, SSD or
+    computed, their rates, the fetches and the store's counters)."""
     started = time.perf_counter()
-    simulator = Simulator(sim_config(point.spec, policy, point.slos))
+    simulator = Simulator(sim_config(point.spec, policy, point.slos, store))
     reported = 0
 
     def on_event(_now: float) -> None:
@@ -429,6 +472,8 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] 
 
     result = simulator.run(point.requests, on_event if advance is not None else None)
     summary = summarize(result.records, point.slos, result.totals)
+    if result.store is not None:
+        summary["overall"]["store"] = result.store
     wall_s = time.perf_counter() - started
     summary["simulation"] = {"requests": len(point.requests), "wall_s": wall_s,
                              "requests_per_wall_s": len(point.requests) / wall_s}
@@ -460,6 +505,8 @@ def print_results(points: Sequence[Point], results: Mapping[str, dict], variable
                 print(f"{policy}: KV transfer mean {overall['transfer_mean_s'] * 1000:.1f} ms (link wait "
                       f"included), decode wait mean {overall['decode_wait_mean_s'] * 1000:.1f} ms, "
                       f"{overall['transfer_bytes'] / 1e9:,.1f} GB moved")
+        if point.spec.store.enabled:
+            print_store(point.spec.store, results[point.label])
         floor_mean, floor_p99 = e2e_floor(point)
         print(f"floor: e2e mean {floor_mean * 1000:.1f} ms, p99 {floor_p99 * 1000:.1f} ms "
               "(each request decoding alone: no queue, no prefill; no policy goes below it)")
@@ -467,6 +514,31 @@ def print_results(points: Sequence[Point], results: Mapping[str, dict], variable
                            f"({r['simulation']['requests_per_wall_s']:,.0f} req/s)"
                            for policy, r in results[point.label].items())
         print(f"simulated {len(point.requests):,} requests on {_cluster_text(point.spec)} in: {speeds}")
+
+
+def print_store(store: StoreModel, results: Mapping[str, dict]) -> None:
+    """Per run with the store: where prompt tokens came from, the fetches, and the TTFT
+    beside the same policy's run without the store when there is one."""
+    tiers = ", ".join(f"{name} {gb:g} GB" for name, gb in store.tiers())
+    for key, r in results.items():
+        report = r["overall"].get("store")
+        if report is None:
+            continue
+        text = (f"{key} ({tiers}): prompt tokens from engine cache {report['engine_hit_rate']:.3f}, "
+                f"DRAM {report['dram_hit_rate']:.3f}, SSD {report['ssd_hit_rate']:.3f}, computed "
+                f"{report['computed_rate']:.3f}; {report['fetches']:,} fetches "
+                f"({report['fetched_blocks']:,} blocks, mean {_mean_ms(report['fetch_s'], report['fetches']):.1f} ms), "
+                f"{report['fetches_skipped']:,} skipped as slower than recomputing; TTFT mean "
+                f"{r['overall']['ttft_mean_s'] * 1000:.1f} ms")
+        baseline = results.get(key.removesuffix("+store"))
+        if baseline is not None and baseline is not r:
+            text += (f" vs {baseline['overall']['ttft_mean_s'] * 1000:.1f} ms without the store "
+                     f"(hit {baseline['overall']['hit_rate']:.3f})")
+        print(text)
+
+
+def _mean_ms(total_s: float, count: int) -> float:
+    return total_s / count * 1000 if count else 0.0
 
 
 def results_json(results: Mapping[str, dict], variable: str | None) -> str:

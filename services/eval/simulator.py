@@ -38,6 +38,17 @@ joins its running batch with its prompt computed. A request's record splits its 
 into queue, prefill, transfer (first token to landing: waiting for the decode worker's
 memory and the link, then the bytes) and decode wait (landing to its first decode step);
 its TPOT includes the transfer and the wait.
+
+The KV store (docs/evaluation.md §3.2), with `SimConfig.store` enabled: one store for
+the cluster (services/eval/sim_store.py, the live store's index). A worker's block
+manager writes back each block it evicts, with the ancestors the store lacks, root-first.
+When a step's plan has a prefill chunk (the request admitted with its prefix cached on
+the worker, or a later chunk), the worker looks up the store for the blocks the chunk
+would compute; when fetching a run of them beats recomputing it (StoreModel.fetch_s
+against the cost model's prefill time of those tokens), the chunk starts after them,
+they are named in the worker's cache, and the step takes the fetch time longer: a fetch
+is synchronous with the step, which every sequence in the batch waits for (the live
+engine overlaps what it can, so this is the store's worst case).
 """
 from __future__ import annotations
 
@@ -47,12 +58,12 @@ import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from common.cost_model import CostModel
-from common.engine.block_manager import BlockManager
+from common.engine.block_manager import BlockManager, KVEventSink
 from common.engine.queue_policy import make_queue_policy
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
@@ -69,6 +80,7 @@ from services.eval.disagg import (
     rank_decode_workers,
 )
 from services.eval.report import RequestRecord, RunTotals
+from services.eval.sim_store import SimStore, StoreModel
 from services.eval.workloads.base import WorkloadRequest
 from services.router.admission import AdmissionConfig, AdmissionControl, Slo
 from services.router.cluster import ClusterState
@@ -106,6 +118,7 @@ class SimConfig:
     link: Link = LINKS[DEFAULT_LINK]  # what prefill-to-decode KV transfers move over
     kv_bytes_per_block: int = 0  # KVLayout.bytes_per_block of the model; needed with pools
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+    store: StoreModel = StoreModel()  # both tiers 0: no store
 
     @property
     def instances(self) -> int:
@@ -121,6 +134,8 @@ class SimConfig:
             raise ValueError("no worker to prefill on: give co-located or prefill workers")
         if self.decode_workers and self.kv_bytes_per_block <= 0:
             raise ValueError("disaggregated pools need kv_bytes_per_block (the model's KV layout)")
+        if self.store.enabled and self.kv_bytes_per_block <= 0:
+            raise ValueError("the KV store needs kv_bytes_per_block (the model's KV layout)")
         if self.network_s < 0 or self.network_s + self.first_token_extra_s < 0:
             raise ValueError(f"network_s ({self.network_s}) and network_s + first_token_extra_s "
                              f"({self.network_s + self.first_token_extra_s}) must not be negative")
@@ -131,6 +146,7 @@ class SimResult:
     records: list[RequestRecord]
     totals: RunTotals
     steps: int
+    store: dict | None = None  # with a store: Simulator.store_report()
 
 
 class _EventSink:
@@ -148,14 +164,70 @@ class _EventSink:
         self.cluster.kv_removed(self.worker_id, block_hashes)
 
 
+class _WriteBackBlockManager(BlockManager):
+    """The engine's block manager that also knows each named block's parent, and writes
+    back the blocks an allocation evicts to the store, each with the ancestors the store
+    lacks, root-first, as the engine's write-back does (a chain is put root-first).
+    An ancestor neither cached here nor stored ends that block's chain: nothing to copy."""
+
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventSink, store: SimStore,
+                 clock: Callable[[], float]):
+        super().__init__(num_blocks, block_size, events)
+        self.store, self.clock = store, clock
+        self.parent: list[int | None] = [None] * num_blocks  # of each named block; None: a chain's first
+        self.evicting: dict[int, int | None] = {}  # name -> parent of the blocks being evicted
+
+    def commit(self, block_ids: Seq[int], block_hashes: Seq[int], token_ids: Seq[int],
+               first: int, last: int) -> None:
+        super().commit(block_ids, block_hashes, token_ids, first, last)
+        for index in range(first, last):
+            block_id = block_ids[index]
+            if self.block_hash[block_id] == block_hashes[index]:
+                self.parent[block_id] = block_hashes[index - 1] if index else None
+
+    def allocate(self, count: int) -> list[int]:
+        allocated = super().allocate(count)
+        if self.evicting:
+            evicted, self.evicting = self.evicting, {}
+            self._write_back(evicted)
+        return allocated
+
+    def _forget(self, block_id: int) -> int:
+        name = super()._forget(block_id)
+        self.evicting[name] = self.parent[block_id]
+        self.parent[block_id] = None
+        return name
+
+    def _write_back(self, evicted: dict[int, int | None]) -> None:
+        now = self.clock()
+        for name, parent in evicted.items():
+            if self.store.holds(name):
+                self.store.put_chain([(name, parent)], now)  # touched: recently used again
+                continue
+            chain = [(name, parent)]
+            while parent is not None and not self.store.holds(parent):
+                if parent in evicted:
+                    grandparent = evicted[parent]
+                elif parent in self.hash_to_block:
+                    grandparent = self.parent[self.hash_to_block[parent]]
+                else:
+                    chain = []
+                    break
+                chain.append((parent, grandparent))
+                parent = grandparent
+            self.store.put_chain(chain[::-1], now)
+
+
 class SimWorker:
     """One worker: the engine's scheduler and block manager, with modelled step times."""
 
-    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink, role: str = "colocated"):
+    def __init__(self, worker_id: str, config: SimConfig, sink: _EventSink, role: str = "colocated",
+                 store: SimStore | None = None):
         self.worker_id = worker_id
         self.role = role  # colocated, prefill or decode
         self.config = config
-        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink)
+        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink) if store is None else \
+            _WriteBackBlockManager(config.kv_blocks, config.block_size, sink, store, sink.clock)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
             self.block_manager, make_queue_policy(config.queue_policy))
@@ -202,6 +274,10 @@ class Simulator:
         self.decode_cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl) \
             if config.decode_workers else None
         self.links = LinkQueues(config.link)
+        self.store = SimStore(config.store, config.kv_bytes_per_block) if config.store.enabled else None
+        self.fetched: dict[str, collections.Counter[str]] = {}  # request id -> tokens fetched per tier
+        self.store_tokens = dict.fromkeys(("engine", "dram", "ssd", "computed"), 0)
+        self.fetches, self.fetches_skipped, self.fetched_blocks, self.fetch_s = 0, 0, 0, 0.0
         self.workers: dict[str, SimWorker] = {}
         for role, prefix, count in (("colocated", "worker", config.workers), ("prefill", "prefill",
                                     config.prefill_workers), ("decode", "decode", config.decode_workers)):
@@ -228,7 +304,7 @@ class Simulator:
         assert cluster is not None  # decode workers come with decode_cluster (config.decode_workers > 0)
         cluster.add_worker(worker_id, self.config.kv_blocks)
         sink = _EventSink(cluster, worker_id, lambda: self.now)
-        self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role)
+        self.workers[worker_id] = SimWorker(worker_id, self.config, sink, role, self.store)
 
     # ---- driving -----------------------------------------------------------------------
 
@@ -264,7 +340,8 @@ class Simulator:
         totals = RunTotals(duration_s=self.now, gpus=self.config.instances, evictions=evictions,
                            eviction_recompute_s=evictions * self.config.cost.recompute_s(self.config.block_size),
                            transfer_bytes=self.transfer_bytes)
-        return SimResult(list(self.records.values()), totals, self.steps)
+        return SimResult(list(self.records.values()), totals, self.steps,
+                         self.store_report() if self.store is not None else None)
 
     def _at(self, time: float, event: _Event) -> None:
         heapq.heappush(self.events, (time, next(self.order), event))
@@ -336,6 +413,66 @@ class Simulator:
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
+
+    # ---- the KV store --------------------------------------------------------------------
+
+    def _fetch(self, worker: SimWorker, plan: SchedulePlan) -> float:
+        """Fetch from the store what the plan's prefill chunks would compute, where that
+        beats recomputing it: each such chunk then starts after the fetched blocks, which
+        are named in the worker's cache. Returns the seconds the fetches take. A chunk
+        keeps at least one token to compute."""
+        store, manager = self.store, worker.block_manager
+        assert store is not None  # _start_step fetches only with a store
+        size, total = self.config.block_size, 0.0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.start >= seq.prompt_len or chunk.start % size:
+                continue
+            first = chunk.start // size
+            last = min((seq.prompt_len - 1) // size, first + (chunk.num_new - 1) // size)
+            if last <= first:
+                continue
+            keys = seq.block_hashes[first:last]
+            tiers = store.lookup(keys)
+            count, fetch_s = store.plan_fetch(tiers, chunk.start, size, self.config.cost)
+            if not count:
+                self.fetches_skipped += bool(tiers)
+                continue
+            store.release(store.get(keys[:count], self.now))  # the read (and its promotion)
+            manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids, first, first + count)
+            chunk.start += count * size
+            chunk.num_new -= count * size
+            seq.num_computed = chunk.start
+            if seq.first_token_time is None and not seq.num_preemptions:
+                fetched = self.fetched.setdefault(seq.request_id, collections.Counter())
+                for name in tiers[:count]:
+                    fetched[name] += size
+            self.fetches += 1
+            self.fetched_blocks += count
+            self.fetch_s += fetch_s
+            total += fetch_s
+        return total
+
+    def _count_store_hits(self, seq: Sequence, record: RequestRecord) -> None:
+        """At the request's first token: its prompt tokens by where they came from. The
+        record's cached tokens count the store's too (the report's hit rate is all reuse)."""
+        fetched = self.fetched.pop(seq.request_id, collections.Counter())
+        counts = self.store_tokens
+        counts["engine"] += seq.num_cached_tokens
+        counts["dram"] += fetched["dram"]
+        counts["ssd"] += fetched["ssd"]
+        record.num_cached_tokens = seq.num_cached_tokens + fetched["dram"] + fetched["ssd"]
+        counts["computed"] += seq.prompt_len - record.num_cached_tokens
+
+    def store_report(self) -> dict:
+        """Prompt tokens by source (and each one's share), the fetches, and the store's own counters."""
+        assert self.store is not None  # reported only with a store
+        total = sum(self.store_tokens.values())
+        rates = {f"{name}_hit_rate" if name != "computed" else "computed_rate": (count / total if total else 0.0)
+                 for name, count in self.store_tokens.items()}
+        fetches = {"fetches": self.fetches, "fetched_blocks": self.fetched_blocks, "fetch_s": self.fetch_s,
+                   "fetches_skipped": self.fetches_skipped}
+        return {"tokens": dict(self.store_tokens), **rates, **fetches, **self.store.stats()}
 
     # ---- the KV transfer -----------------------------------------------------------------
 
@@ -436,7 +573,8 @@ class Simulator:
                 chunk.seq.first_scheduled_time = self.now
                 if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
                     self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
-        end = self.now + worker.step_time(plan)
+        fetch_s = self._fetch(worker, plan) if self.store is not None else 0.0
+        end = self.now + fetch_s + worker.step_time(plan)
         steps = 1
         next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
         if worker.role == "decode":  # landing KV adds work too
@@ -506,6 +644,8 @@ class Simulator:
             record.queue_s = scheduled - seq.arrival_time
             record.prefill_s = self.now - scheduled
             record.num_cached_tokens = seq.num_cached_tokens
+            if self.store is not None:
+                self._count_store_hits(seq, record)
         seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
