@@ -337,12 +337,13 @@ def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path)
     from common.engine.checkpoint import load_model_config
     from common.engine.kv_layout import KVLayout
 
-    long = args.prompt_tokens
+    model = load_model_config(model_dir)
+    long = min(args.prompt_tokens, model.context_limit - 1)  # one token of room to answer
     short = 256
-    layout = KVLayout.for_model(load_model_config(model_dir), 16, "bfloat16")
+    layout = KVLayout.for_model(model, 16, "bfloat16")
     pool_gb = (long // 16 + 24) * layout.bytes_per_block / 1e9  # one long prompt and a little more
-    common = ["--max-model-len", str(long + 64), "--kv-cache-gb", f"{pool_gb:.6f}", "--kvstore-fetch", "always",
-              "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024"]
+    common = ["--max-model-len", str(min(long + 64, model.context_limit)), "--kv-cache-gb", f"{pool_gb:.6f}",
+              "--kvstore-fetch", "always", "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024"]
     prompt_gb = (long // 16) * layout.bytes_per_block / 1e9
     runs = {"recompute": Served("recompute", model_dir, common, kvstore=False),
             "dram": Served("dram", model_dir, [*common, "--kvstore-dram-gb", f"{4 * prompt_gb:.6f}"], kvstore=True),

@@ -58,12 +58,12 @@ import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from common.cost_model import CostModel
-from common.engine.block_manager import BlockManager, KVEventSink
+from common.engine.block_manager import BlockManager, EvictedBlock
 from common.engine.queue_policy import make_queue_policy
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
@@ -164,58 +164,46 @@ class _EventSink:
         self.cluster.kv_removed(self.worker_id, block_hashes)
 
 
-class _WriteBackBlockManager(BlockManager):
-    """The engine's block manager that also knows each named block's parent, and writes
-    back the blocks an allocation evicts to the store, each with the ancestors the store
-    lacks, root-first, as the engine's write-back does (a chain is put root-first).
-    An ancestor neither cached here nor stored ends that block's chain: nothing to copy."""
+class _WriteBack:
+    """The block manager's eviction hook: writes back the blocks an allocation evicts to
+    the store, each with the ancestors the store lacks, root-first, as the engine's
+    write-back does (a chain is put root-first). An ancestor neither cached here nor
+    stored ends that block's chain: nothing to copy."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: KVEventSink, store: SimStore,
-                 clock: Callable[[], float]):
-        super().__init__(num_blocks, block_size, events)
-        self.store, self.clock = store, clock
-        self.parent: list[int | None] = [None] * num_blocks  # of each named block; None: a chain's first
-        self.evicting: dict[int, int | None] = {}  # name -> parent of the blocks being evicted
+    def __init__(self, block_manager: BlockManager, store: SimStore, clock: Callable[[], float]):
+        self.block_manager, self.store, self.clock = block_manager, store, clock
+        block_manager.on_evict = self
 
-    def commit(self, block_ids: Seq[int], block_hashes: Seq[int], token_ids: Seq[int],
-               first: int, last: int) -> None:
-        super().commit(block_ids, block_hashes, token_ids, first, last)
-        for index in range(first, last):
-            block_id = block_ids[index]
-            if self.block_hash[block_id] == block_hashes[index]:
-                self.parent[block_id] = block_hashes[index - 1] if index else None
-
-    def allocate(self, count: int) -> list[int]:
-        allocated = super().allocate(count)
-        if self.evicting:
-            evicted, self.evicting = self.evicting, {}
-            self._write_back(evicted)
-        return allocated
-
-    def _forget(self, block_id: int) -> int:
-        name = super()._forget(block_id)
-        self.evicting[name] = self.parent[block_id]
-        self.parent[block_id] = None
-        return name
-
-    def _write_back(self, evicted: dict[int, int | None]) -> None:
+    def __call__(self, evicted: list[EvictedBlock]) -> None:
         now = self.clock()
-        for name, parent in evicted.items():
+        parents = {block.name: _parent(block.parent, block.root) for block in evicted}
+        for name, parent in parents.items():
             if self.store.holds(name):
                 self.store.put_chain([(name, parent)], now)  # touched: recently used again
                 continue
             chain = [(name, parent)]
             while parent is not None and not self.store.holds(parent):
-                if parent in evicted:
-                    grandparent = evicted[parent]
-                elif parent in self.hash_to_block:
-                    grandparent = self.parent[self.hash_to_block[parent]]
-                else:
+                try:
+                    grandparent = self._parent_of(parent, parents)
+                except LookupError:
                     chain = []
                     break
                 chain.append((parent, grandparent))
                 parent = grandparent
             self.store.put_chain(chain[::-1], now)
+
+    def _parent_of(self, name: int, evicting: dict[int, int | None]) -> int | None:
+        """The parent of a block being evicted or cached here (None: a chain's first);
+        LookupError when this engine no longer has it."""
+        if name in evicting:
+            return evicting[name]
+        block_id = self.block_manager.hash_to_block[name]
+        return _parent(self.block_manager.block_parent[block_id], self.block_manager.block_root[block_id])
+
+
+def _parent(parent: int | None, root: int | None) -> int | None:
+    """The store's parent of a block: None for a chain's first (whose parent is its root)."""
+    return None if parent == root else parent
 
 
 class SimWorker:
@@ -226,8 +214,9 @@ class SimWorker:
         self.worker_id = worker_id
         self.role = role  # colocated, prefill or decode
         self.config = config
-        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink) if store is None else \
-            _WriteBackBlockManager(config.kv_blocks, config.block_size, sink, store, sink.clock)
+        self.block_manager = BlockManager(config.kv_blocks, config.block_size, sink)
+        if store is not None:
+            _WriteBack(self.block_manager, store, sink.clock)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
             self.block_manager, make_queue_policy(config.queue_policy))
