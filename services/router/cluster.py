@@ -143,6 +143,9 @@ class ClusterState:
         self.sample_epoch: int | None = None
         fit = cost.prefill  # recompute_s(block_size, depth × block_size), as base + slope × depth
         self.block_recompute = (fit.b * block_size, (fit.c + fit.d * block_size) * block_size)
+        # Per store tier, the seconds one block adds to a fetch (the latency is the fetch's, not the block's).
+        self.block_fetch = tuple(store.bytes_per_block / link.bandwidth_bytes_s for link in store.tiers) \
+            if store is not None else ()
 
     @property
     def approximate(self) -> bool:
@@ -372,6 +375,8 @@ class ClusterState:
         """M: recompute seconds that placing the request would cause, weighted by how often
         the evicted blocks were hit in the window (LRU blocks go first, as in the engine).
 
+        A block the KV store holds costs the cheaper of its recompute and its fetch
+        (docs/router.md §7); store events alone do not renew a kept sample.
         Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is kept per
         worker until its LRU changes or the hit window moves on, except on workers that
         hold part of the prompt: the request pins those blocks, so they are skipped."""
@@ -410,6 +415,7 @@ class ClusterState:
         read: list[BlockNode] = []
         total = 0.0
         base, slope = self.block_recompute
+        fetch = self.block_fetch
         hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
@@ -418,7 +424,10 @@ class ClusterState:
                 continue
             node_hits = hits(node, now)
             if node_hits:
-                total += node_hits * (base + slope * max(node.depth, 0))
+                block_s = base + slope * max(node.depth, 0)
+                if fetch and node.store_tier >= 0:  # the store holds it: getting it back costs a fetch
+                    block_s = min(block_s, fetch[node.store_tier])
+                total += node_hits * block_s
             cumulative.append(total)
             read.append(node)
         return cumulative, frozenset(read)

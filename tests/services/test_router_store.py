@@ -223,3 +223,21 @@ def test_cache_aware_prices_the_holders_advantage_as_the_fetch_it_saves():
             cluster.store_stored(names, [0] * 128)
         choices[store] = CacheAware().choose(request_for(cluster, prompt), cluster, 0.0)[0]
     assert choices == {False: "a", True: "b"}
+
+
+def test_evicting_blocks_the_store_holds_is_priced_as_their_fetch():
+    old = tokens(13, 64 * BLOCK)
+    names = hashes(old)
+    costs = {}
+    for store in (False, True):
+        cluster = ClusterState(BLOCK, HAND, store=SMALL_BLOCKS)
+        cluster.add_worker("a", 64)
+        cluster.kv_stored("a", names, 0.0)
+        cluster.place(request_for(cluster, old, "reuse"), "a", 0.0)  # a hit on each of its blocks
+        cluster.finish("reuse")
+        cluster.report("a", 0, 0, 0, 64)  # every block caches a prefix: nothing is free
+        if store:
+            cluster.store_stored(names, [0] * 64)
+        costs[store] = cluster.eviction_cost_s(request_for(cluster, tokens(14, 32 * BLOCK), "new"), "a", 0.0)
+    assert costs[False] == pytest.approx(32 * BLOCK * HAND.prefill.b)  # 32 blocks recomputed
+    assert costs[True] == pytest.approx(32 * SMALL_BLOCKS.bytes_per_block / DRAM_LINK.bandwidth_bytes_s)
