@@ -290,6 +290,7 @@ class RouterService:
         self.metrics.store_events.inc(len(message.moved), kind="moved")
         self.metrics.store_events.inc(len(message.evicted), kind="evicted")
         self.metrics.store_blocks.set(self.cluster.index.store_blocks)
+        self.metrics.index_blocks.set(len(self.cluster.index) + len(self.decode_pool.index))
 
     def _pool_of(self, worker_id: str) -> ClusterState:
         member = self.members.get(worker_id)

@@ -13,6 +13,7 @@ import zmq
 from common.config import ClusterConfig
 from common.protocol import StatusRequest, StoreEvents, encode
 from services.local_cluster import REPO, child_env, free_port_base
+from services.router.service import RouterService
 
 KEYS = [11, 12, 13]  # block names; the router need not have seen their tokens
 
@@ -85,3 +86,12 @@ def test_the_router_applies_the_stores_events_and_counts_bad_ones(router_with_st
     publisher.send_multipart(encode(StoreEvents(store_id="store-1", evicted=[12, 13])))
     wait_until(lambda: metric(port, "baton_router_store_blocks") == 0, "the last evictions")
     assert process.poll() is None  # none of it stopped the router
+
+
+def test_without_kvstore_the_router_neither_subscribes_nor_prices_a_store():
+    service = RouterService(ClusterConfig(port_base=free_port_base()))
+    try:
+        assert service.store_events is None
+        assert service.cluster.store is None and service.decode_pool.store is None
+    finally:
+        service.close()
