@@ -137,13 +137,14 @@ class StorePricing:
 
     bytes_per_block: int
     tiers: tuple[TierLink, ...] = (DRAM_LINK, SSD_LINK)
+    always_fetch: bool = False  # engines fetch even where recomputing is quicker (kvstore_fetch = always)
 
     @classmethod
-    def for_model(cls, cost: CostModel, block_size: int,
-                  tiers: tuple[TierLink, ...] = (DRAM_LINK, SSD_LINK)) -> StorePricing:
+    def for_model(cls, cost: CostModel, block_size: int, tiers: tuple[TierLink, ...] = (DRAM_LINK, SSD_LINK),
+                  always_fetch: bool = False) -> StorePricing:
         """The pricing for blocks of `block_size` tokens of the profile's model."""
         per_token = cost.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
-        return cls(per_token * block_size, tiers)
+        return cls(per_token * block_size, tiers, always_fetch)
 
     def fetch_s(self, blocks_per_tier: Sequence[int]) -> float:
         """Seconds to fetch blocks_per_tier[t] blocks from each tier t (0: nothing to fetch)."""

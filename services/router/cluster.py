@@ -346,7 +346,8 @@ class ClusterState:
         fetched = max(0, min((held + sum(run)) * self.block_size, num_tokens - 1))
         if fetched <= cached:
             return compute_s
-        return min(compute_s, self.store.fetch_s(run) + self.cost.prefill_s(num_tokens - fetched, fetched))
+        fetch_s = self.store.fetch_s(run) + self.cost.prefill_s(num_tokens - fetched, fetched)
+        return fetch_s if self.store.always_fetch else min(compute_s, fetch_s)
 
     def store_share(self, request: Request) -> float:
         """The share of the prompt's cold prefill time that its best holder saves over a
@@ -416,6 +417,7 @@ class ClusterState:
         total = 0.0
         base, slope = self.block_recompute
         fetch = self.block_fetch
+        always = self.store is not None and self.store.always_fetch
         hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
@@ -426,7 +428,7 @@ class ClusterState:
             if node_hits:
                 block_s = base + slope * max(node.depth, 0)
                 if fetch and node.store_tier >= 0:  # the store holds it: getting it back costs a fetch
-                    block_s = min(block_s, fetch[node.store_tier])
+                    block_s = fetch[node.store_tier] if always else min(block_s, fetch[node.store_tier])
                 total += node_hits * block_s
             cumulative.append(total)
             read.append(node)

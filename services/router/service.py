@@ -114,7 +114,9 @@ class RouterService:
         self.policy = make_policy(config.policy)
         ttl = config.index_ttl_s if config.index_mode == "approximate" else None
         cost = load_cost_model(config.profile)
-        store = StorePricing.for_model(cost, config.block_size) if config.kvstore else None
+        # The engines fetch from the store as kvstore_fetch says; with "never" it saves no prefill.
+        store = StorePricing.for_model(cost, config.block_size, always_fetch=config.kvstore_fetch == "always") \
+            if config.kvstore and config.kvstore_fetch != "never" else None
         # The engines that prefill (co-located workers and the prefill pool), which the policy
         # places on, and the decode pool, which pairing picks from (docs/router.md §6).
         self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl, store)
@@ -142,7 +144,7 @@ class RouterService:
         # One subscriber per role: a CURVE client pins one server key.
         self.events = {role: self.security.subscriber(role) for role in ENGINE_ROLES}
         self.subscribed: set[str] = set()
-        self.store_events = self._subscribe_store() if config.kvstore else None
+        self.store_events = self._subscribe_store() if store is not None else None
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
         # message type -> handler(identity, message of that type, payloads)
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {

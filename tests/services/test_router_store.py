@@ -170,6 +170,17 @@ def test_recomputing_is_priced_when_fetching_would_be_slower():
     assert cluster.prefill_s(request, "a") == HAND.prefill_s(2048)
 
 
+def test_with_always_fetch_the_fetch_is_priced_even_where_recomputing_is_quicker():
+    prompt = tokens(8, 2048)
+    crawl = StorePricing(bytes_per_block=64 * 1024, tiers=(TierLink(1e6, 1e-3), TierLink(1e6, 1e-3)),
+                         always_fetch=True)
+    cluster = cluster_of("a", store=crawl)
+    cluster.store_stored(hashes(prompt), [1] * 128)
+    request = request_for(cluster, prompt)
+    assert cluster.prefill_s(request, "a") == pytest.approx(crawl.fetch_s([0, 128]) + HAND.prefill_s(1, 2047))
+    assert cluster.prefill_s(request, "a") > HAND.prefill_s(2048)
+
+
 def test_only_the_store_run_right_after_the_workers_own_blocks_is_fetched():
     prompt = tokens(9, 1024)
     names = hashes(prompt)

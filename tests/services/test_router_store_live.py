@@ -88,10 +88,18 @@ def test_the_router_applies_the_stores_events_and_counts_bad_ones(router_with_st
     assert process.poll() is None  # none of it stopped the router
 
 
-def test_without_kvstore_the_router_neither_subscribes_nor_prices_a_store():
-    service = RouterService(ClusterConfig(port_base=free_port_base()))
+@pytest.mark.parametrize("settings, priced", [
+    ({}, None),
+    ({"kvstore": True, "kvstore_fetch": "never"}, None),
+    ({"kvstore": True}, "min"),
+    ({"kvstore": True, "kvstore_fetch": "always"}, "always"),
+])
+def test_the_router_subscribes_and_prices_the_store_only_where_engines_fetch_from_it(settings, priced):
+    service = RouterService(ClusterConfig(port_base=free_port_base(), **settings))
     try:
-        assert service.store_events is None
-        assert service.cluster.store is None and service.decode_pool.store is None
+        assert (service.store_events is not None) == (priced is not None)
+        for pool in (service.cluster, service.decode_pool):
+            assert (pool.store is not None) == (priced is not None)
+            assert pool.store is None or pool.store.always_fetch == (priced == "always")
     finally:
         service.close()
