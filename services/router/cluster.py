@@ -338,7 +338,7 @@ class ClusterState:
         num_tokens = request.num_tokens
         cached = max(0, min(held * self.block_size, num_tokens - 1))
         compute_s = self.cost.prefill_s(num_tokens - cached, cached)
-        if self.store is None or not self.index.store_blocks:
+        if self.store is None or not self.index.store_tiers:
             return compute_s
         run = self.index.store_run(request.path, held)
         if not run:
@@ -356,7 +356,7 @@ class ClusterState:
         share of the prompt's tokens the best holder holds."""
         token_share = request.best_cached_tokens / max(request.num_tokens, 1)
         path = request.path
-        if self.store is None or not self.index.store_blocks or not path or path[0].store_tier < 0:
+        if self.store is None or not path or path[0].block_hash not in self.index.store_tiers:
             return token_share
         cold_s = self.cost.prefill_s(request.num_tokens)
         saved_s = self.held_prefill_s(request, 0) - self.held_prefill_s(request, request.best_blocks)
@@ -418,6 +418,7 @@ class ClusterState:
         base, slope = self.block_recompute
         fetch = self.block_fetch
         always = self.store is not None and self.store.always_fetch
+        store_tiers = self.index.store_tiers
         hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
@@ -427,8 +428,9 @@ class ClusterState:
             node_hits = hits(node, now)
             if node_hits:
                 block_s = base + slope * max(node.depth, 0)
-                if fetch and node.store_tier >= 0:  # the store holds it: getting it back costs a fetch
-                    block_s = fetch[node.store_tier] if always else min(block_s, fetch[node.store_tier])
+                tier = store_tiers.get(node.block_hash) if fetch else None
+                if tier is not None:  # the store holds it: getting it back costs a fetch
+                    block_s = fetch[tier] if always else min(block_s, fetch[tier])
                 total += node_hits * block_s
             cumulative.append(total)
             read.append(node)

@@ -15,8 +15,9 @@ lookups, and a block's hash is computed only the first time its tokens are seen.
 Plain CPU code on caller-given times, so the live router and the simulator share it.
 
 With the cluster's KV store (docs/router.md §7) a block may also be held by the store, in
-one of its tiers, apart from its worker holders: the store's events set `store_tier`, and a
-block neither a worker nor the store holds is forgotten.
+one of its tiers, apart from its worker holders: the store's events fill `store_tiers` (block
+name -> tier, off the nodes, so a cluster without a store pays nothing per node), and a block
+neither a worker nor the store holds is forgotten.
 """
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ import xxhash
 _hash = xxhash.xxh3_64_intdigest
 NEVER = math.inf
 EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
-NOT_STORED = -1  # BlockNode.store_tier of a block the KV store does not hold
 
 
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
     __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
-                 "hit_epoch", "hits_now", "hits_before", "store_tier")
+                 "hit_epoch", "hits_now", "hits_before")
 
     def __init__(self, block_hash: int):
         self.block_hash = block_hash
@@ -50,7 +50,6 @@ class BlockNode:
         self.hit_epoch = 0  # the half-window of the last hit; hits in it and in the one before
         self.hits_now = 0
         self.hits_before = 0
-        self.store_tier = NOT_STORED  # the KV store's tier holding it (0 = DRAM, 1 = SSD)
 
 
 class PrefixIndex:
@@ -75,7 +74,7 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
-        self.store_blocks = 0  # blocks the KV store holds
+        self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -152,14 +151,19 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    @staticmethod
-    def store_run(path: list[BlockNode], start: int) -> list[int]:
+    @property
+    def store_blocks(self) -> int:
+        """How many blocks the KV store holds."""
+        return len(self.store_tiers)
+
+    def store_run(self, path: list[BlockNode], start: int) -> list[int]:
         """How many blocks of each store tier the store holds from `path[start]` on, up to
         the first block it lacks: [DRAM blocks, SSD blocks, ...], [] if it lacks path[start]."""
         counts: list[int] = []
+        tiers = self.store_tiers
         for depth in range(start, len(path)):
-            tier = path[depth].store_tier
-            if tier < 0:
+            tier = tiers.get(path[depth].block_hash)
+            if tier is None:
                 break
             while len(counts) <= tier:
                 counts.append(0)
@@ -208,7 +212,7 @@ class PrefixIndex:
                     credited.discard(block_hash)
                 if lru is not None:
                     lru.pop(block_hash, None)
-                if not node.holders and node.store_tier < 0:
+                if not node.holders and block_hash not in self.store_tiers:
                     self._forget(node)
 
     def drop_worker(self, worker_id: str) -> None:
@@ -220,40 +224,34 @@ class PrefixIndex:
         for node in (self.lru.pop(worker_id, None) or {}).values():
             if node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
-            if not node.holders and node.store_tier < 0:
+            if not node.holders and node.block_hash not in self.store_tiers:
                 self._forget(node)
 
     def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
         """The KV store holds these blocks now, block_hashes[i] in tier tiers[i] (a stored
         or a moved event: a move of a block not known here is as good as a store)."""
         nodes = self.nodes
+        store_tiers = self.store_tiers
         for block_hash, tier in zip(block_hashes, tiers):
-            node = nodes.get(block_hash)
-            if node is None:
-                node = nodes[block_hash] = BlockNode(block_hash)
-            if node.store_tier < 0:
-                self.store_blocks += 1
-            node.store_tier = tier
+            if block_hash not in nodes:
+                nodes[block_hash] = BlockNode(block_hash)
+            store_tiers[block_hash] = tier
 
     def store_evicted(self, block_hashes: list[int]) -> None:
         """The KV store no longer holds these blocks."""
         for block_hash in block_hashes:
-            node = self.nodes.get(block_hash)
-            if node is not None and node.store_tier >= 0:
-                node.store_tier = NOT_STORED
-                self.store_blocks -= 1
+            if self.store_tiers.pop(block_hash, None) is not None:
+                node = self.nodes[block_hash]  # a stored block always has its node
                 if not node.holders:
                     self._forget(node)
 
     def drop_store(self) -> None:
         """Forget every block the store held (it restarted as a new instance)."""
-        if not self.store_blocks:
-            return
-        for node in [node for node in self.nodes.values() if node.store_tier >= 0]:
-            node.store_tier = NOT_STORED
+        stored, self.store_tiers = self.store_tiers, {}
+        for block_hash in stored:
+            node = self.nodes[block_hash]
             if not node.holders:
                 self._forget(node)
-        self.store_blocks = 0
 
     def record_hits(self, path: list[BlockNode], worker_id: str, now: float) -> None:
         """A request placed on `worker_id` reuses these blocks (a prefix of a path it
