@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,6 +55,7 @@ class CostModel:
     name: str
     prefill: LatencyFit
     decode: LatencyFit
+    kv_bytes_per_token: int = 0  # the model's KV cache per token (all layers, K and V); 0: not known
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Time to prefill `new_tokens` on top of `cached_tokens` of reused context."""
@@ -71,7 +72,11 @@ class CostModel:
         return self.decode(max(batch_size, 1), mean_context)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "prefill": asdict(self.prefill), "decode": asdict(self.decode)}
+        data: dict[str, object] = {"name": self.name, "prefill": asdict(self.prefill),
+                                   "decode": asdict(self.decode)}
+        if self.kv_bytes_per_token:
+            data["kv_bytes_per_token"] = self.kv_bytes_per_token
+        return data
 
     @classmethod
     def from_json(cls, data: object, source: str = "profile") -> CostModel:
@@ -82,7 +87,10 @@ class CostModel:
         name = data.get("name", "")
         if not isinstance(name, str):
             raise ProfileError(f"{source}: name must be a string")
-        return cls(name, _fit(data, "prefill", source), _fit(data, "decode", source))
+        kv_bytes = data.get("kv_bytes_per_token", 0)
+        if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 0:
+            raise ProfileError(f"{source}: kv_bytes_per_token must be an integer >= 0, got {kv_bytes!r}")
+        return cls(name, _fit(data, "prefill", source), _fit(data, "decode", source), kv_bytes)
 
 
 def _fit(data: dict, phase: str, source: str) -> LatencyFit:
@@ -102,6 +110,50 @@ def _fit(data: dict, phase: str, source: str) -> LatencyFit:
     if values["a"] + values["b"] <= 0:
         raise ProfileError(f"{source}: {phase} predicts zero time (a and b are both 0)")
     return LatencyFit(**values)
+
+
+@dataclass(frozen=True)
+class TierLink:
+    """How a KV store tier's blocks reach an engine: bytes per second, plus a fixed latency per fetch."""
+
+    bandwidth_bytes_s: float
+    latency_s: float
+
+
+# Conservative: a same-host DRAM copy through shared memory runs at several GB/s, a read of
+# the SSD tier's slot files at about one; a fetch also pays a control round trip and a lease.
+DRAM_LINK = TierLink(bandwidth_bytes_s=5e9, latency_s=1e-3)
+SSD_LINK = TierLink(bandwidth_bytes_s=1e9, latency_s=2e-3)
+# Used when the profile does not say how large a token's KV is: Llama-3-8B's in bf16
+# (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes), larger than the small models'
+# so a fetch is priced slow rather than fast.
+DEFAULT_KV_BYTES_PER_TOKEN = 131072
+
+
+@dataclass(frozen=True)
+class StorePricing:
+    """What fetching blocks from the cluster's KV store costs (docs/router.md §7): per tier
+    (0 = DRAM, 1 = SSD), blocks x bytes_per_block / bandwidth + latency."""
+
+    bytes_per_block: int
+    tiers: tuple[TierLink, ...] = (DRAM_LINK, SSD_LINK)
+    always_fetch: bool = False  # engines fetch even where recomputing is quicker (kvstore_fetch = always)
+
+    @classmethod
+    def for_model(cls, cost: CostModel, block_size: int, tiers: tuple[TierLink, ...] = (DRAM_LINK, SSD_LINK),
+                  always_fetch: bool = False) -> StorePricing:
+        """The pricing for blocks of `block_size` tokens of the profile's model."""
+        per_token = cost.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
+        return cls(per_token * block_size, tiers, always_fetch)
+
+    def fetch_s(self, blocks_per_tier: Sequence[int]) -> float:
+        """Seconds to fetch blocks_per_tier[t] blocks from each tier t (0: nothing to fetch)."""
+        seconds = 0.0
+        for tier, blocks in enumerate(blocks_per_tier):
+            if blocks:
+                link = self.tiers[tier]
+                seconds += blocks * self.bytes_per_block / link.bandwidth_bytes_s + link.latency_s
+        return seconds
 
 
 # Fitted to the embedded tiny model in bfloat16 on one core of the 2-core development

@@ -15,6 +15,10 @@ removed events for a worker's least recently used blocks when it stores more tha
 requests beyond --in-flight. Each policy gets a fresh ClusterState and first places
 --warmup requests (more while the index holds fewer than --min-index-blocks blocks), so
 its cache contents are its own placements'; then --decisions decisions are timed.
+With --store the cluster state prices the KV store (docs/router.md §7) and a simulated store
+takes every block a worker evicts into its DRAM tier (stored events), up to --store-blocks,
+dropping its oldest (evicted events); the store's events, like the workers', are applied
+outside the timed span.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --policies e2 --decisions 10000
@@ -34,7 +38,7 @@ from itertools import islice
 import numpy as np
 from tqdm import tqdm
 
-from common.cost_model import CostModel, load_cost_model
+from common.cost_model import CostModel, StorePricing, load_cost_model
 from common.hashing import chain_hashes, root_hash
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Request
@@ -73,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default="", help="JSON cost profile ('' = the built-in one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policy names")
+    parser.add_argument("--store", action="store_true",
+                        help="price the KV store; a simulated store keeps the blocks workers evict")
+    parser.add_argument("--store-blocks", type=int, default=1_000_000, help="blocks the simulated store holds")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
     args.policies = [name.strip() for name in args.policies.split(",") if name.strip()]
@@ -155,6 +162,8 @@ class Workers:
         self.beats = 0
         self.removed = 0
         self.random = random.Random(args.seed)
+        self.store: OrderedDict[int, None] | None = OrderedDict() if args.store else None
+        self.store_blocks = args.store_blocks
 
     def prefilled(self, request: Request, worker_id: str, hashes: list[int], now: float) -> None:
         lru = self.lru[worker_id]
@@ -167,6 +176,20 @@ class Workers:
             victims = [lru.popitem(last=False)[0] for _ in range(excess)]
             self.cluster.kv_removed(worker_id, victims)
             self.removed += excess
+            if self.store is not None:
+                self._write_back(victims)
+
+    def _write_back(self, victims: list[int]) -> None:
+        """The store keeps what the worker evicted, dropping its oldest blocks when full."""
+        store = self.store
+        assert store is not None
+        new = [block_hash for block_hash in victims if block_hash not in store]
+        for block_hash in new:
+            store[block_hash] = None
+        self.cluster.store_stored(new, [0] * len(new))
+        excess = len(store) - self.store_blocks
+        if excess > 0:
+            self.cluster.store_evicted([store.popitem(last=False)[0] for _ in range(excess)])
 
     def heartbeats(self, now: float) -> None:
         """Every heartbeat due by `now`, the workers taking turns."""
@@ -203,7 +226,8 @@ class Bench:
     def __init__(self, name: str, workload: Workload, cost: CostModel, args: argparse.Namespace):
         self.workload = workload
         self.rate = args.rate
-        self.cluster = ClusterState(BLOCK_SIZE, cost)
+        store = StorePricing.for_model(cost, BLOCK_SIZE) if args.store else None
+        self.cluster = ClusterState(BLOCK_SIZE, cost, store=store)
         for n in range(args.workers):
             self.cluster.add_worker(f"worker-{n:03d}", args.kv_blocks)
         self.policy = make_policy(name)
@@ -275,6 +299,7 @@ def summarize(timings: Timings, bench: Bench, index_start: int) -> dict:
         "index_blocks_start": index_start,
         "index_blocks": len(bench.cluster.index),
         "removed_blocks": bench.workers.removed,
+        "store_blocks": bench.cluster.index.store_blocks,
     }
 
 
@@ -282,8 +307,9 @@ def summarize(timings: Timings, bench: Bench, index_start: int) -> dict:
 
 
 def print_table(args: argparse.Namespace, result: dict[str, dict], elapsed_s: float) -> None:
+    store = f" store_blocks={args.store_blocks}" if args.store else ""
     print(f"workers={args.workers} prompt_tokens={args.prompt_tokens} families={args.families} "
-          f"kv_blocks={args.kv_blocks} in_flight={args.in_flight} rate={args.rate:g}/s "
+          f"kv_blocks={args.kv_blocks}{store} in_flight={args.in_flight} rate={args.rate:g}/s "
           f"warmup>={args.warmup} decisions={args.decisions} seed={args.seed} ({elapsed_s:.1f} s)")
     print(f"{'policy':<12}{'decisions/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'matched':>9}"
           f"{'hit':>7}{'best':>7}{'refused':>9}{'index start':>13}{'index end':>11}{'removed':>10}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.cost_model import CostModel
+from common.cost_model import CostModel, StorePricing
 from services.router.index import BlockNode, PrefixIndex
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
@@ -122,9 +122,11 @@ class WorkerState:
 
 class ClusterState:
     def __init__(self, block_size: int, cost: CostModel, window_s: float = 180.0,
-                 index_ttl_s: float | None = None):
+                 index_ttl_s: float | None = None, store: StorePricing | None = None):
+        """`store`: how fetching from the cluster's KV store is priced; None without a store."""
         self.block_size = block_size
         self.cost = cost
+        self.store = store
         self.window_s = window_s
         self.index = PrefixIndex(block_size, window_s, index_ttl_s)
         self.workers: dict[str, WorkerState] = {}
@@ -141,6 +143,9 @@ class ClusterState:
         self.sample_epoch: int | None = None
         fit = cost.prefill  # recompute_s(block_size, depth × block_size), as base + slope × depth
         self.block_recompute = (fit.b * block_size, (fit.c + fit.d * block_size) * block_size)
+        # Per store tier, the seconds one block adds to a fetch (the latency is the fetch's, not the block's).
+        self.block_fetch = tuple(store.bytes_per_block / link.bandwidth_bytes_s for link in store.tiers) \
+            if store is not None else ()
 
     @property
     def approximate(self) -> bool:
@@ -184,6 +189,13 @@ class ClusterState:
         if worker_id in self.workers and not self.approximate:
             self.index.removed(worker_id, block_hashes)
 
+    def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
+        """The KV store holds these blocks now (stored, or moved to `tiers`)."""
+        self.index.store_stored(block_hashes, tiers)
+
+    def store_evicted(self, block_hashes: list[int]) -> None:
+        self.index.store_evicted(block_hashes)
+
     # ---- requests ----------------------------------------------------------------------
 
     def prepare(self, request_id: str, root_hash: int, token_ids: np.ndarray, max_tokens: int,
@@ -199,8 +211,8 @@ class ClusterState:
     def place(self, request: Request, worker_id: str, now: float) -> Placement:
         """Record that `request` goes to `worker_id`."""
         worker = self.workers[worker_id]
-        cached = request.cached_tokens(worker_id)
-        prefill_s = self.cost.prefill_s(request.num_tokens - cached, cached)
+        held = request.matched.get(worker_id, 0)
+        prefill_s = self.held_prefill_s(request, held)
         start = max(now, worker.prefill_free_at)
         worker.prefill_free_at = start + prefill_s
         placement = Placement(request.request_id, worker_id, now, prefill_s, self.expected_output(request),
@@ -215,7 +227,6 @@ class ClusterState:
         worker.blocks_since_report += request.blocks_needed(worker_id)
         self.free_blocks[worker_id] = worker.free_blocks
         self.placements[request.request_id] = placement
-        held = request.matched.get(worker_id, 0)
         self.index.record_hits(request.path[:held], worker_id, now)
         if self.approximate:
             self.index.placed(worker_id, request.root_hash, request.block_keys, request.path, now)
@@ -287,14 +298,14 @@ class ClusterState:
         the prompt needs more blocks than the worker has free."""
         loads = self.loads(now)
         num_tokens = request.num_tokens
-        cold_prefill_s = self.cost.prefill_s(num_tokens)
+        cold_prefill_s = self.held_prefill_s(request, 0)
         costs = {worker_id: load + cold_prefill_s for worker_id, load in loads.items()}
         prefill_by_held: dict[int, float] = {}
         for worker_id, held in request.matched.items():
             if worker_id in costs:
                 prefill_s = prefill_by_held.get(held)
                 if prefill_s is None:
-                    prefill_s = prefill_by_held[held] = self.prefill_s(request, worker_id)
+                    prefill_s = prefill_by_held[held] = self.held_prefill_s(request, held)
                 costs[worker_id] = loads[worker_id] + prefill_s
         blocks = -(-num_tokens // self.block_size)
         for worker_id in [w for w, free in self.free_blocks.items() if free < blocks]:
@@ -316,8 +327,40 @@ class ClusterState:
 
     def prefill_s(self, request: Request, worker_id: str) -> float:
         """P: the time to prefill what the worker does not hold of the prompt."""
-        cached = request.cached_tokens(worker_id)
-        return self.cost.prefill_s(request.num_tokens - cached, cached)
+        return self.held_prefill_s(request, request.matched.get(worker_id, 0))
+
+    def held_prefill_s(self, request: Request, held: int) -> float:
+        """The time to prefill the prompt on a worker holding its first `held` blocks.
+
+        With the KV store, the blocks it holds after those are priced as the cheaper of
+        fetching them (StorePricing.fetch_s) and computing them (docs/router.md §7): the
+        store is as close to every worker, so it lowers every worker's time alike."""
+        num_tokens = request.num_tokens
+        cached = max(0, min(held * self.block_size, num_tokens - 1))
+        compute_s = self.cost.prefill_s(num_tokens - cached, cached)
+        if self.store is None or not self.index.store_tiers:
+            return compute_s
+        run = self.index.store_run(request.path, held)
+        if not run:
+            return compute_s
+        fetched = max(0, min((held + sum(run)) * self.block_size, num_tokens - 1))
+        if fetched <= cached:
+            return compute_s
+        fetch_s = self.store.fetch_s(run) + self.cost.prefill_s(num_tokens - fetched, fetched)
+        return fetch_s if self.store.always_fetch else min(compute_s, fetch_s)
+
+    def store_share(self, request: Request) -> float:
+        """The share of the prompt's cold prefill time that its best holder saves over a
+        worker that holds none of it but fetches what the store holds (1 - the ratio of
+        their times). With no store, or a store without the prompt's first block: the
+        share of the prompt's tokens the best holder holds."""
+        token_share = request.best_cached_tokens / max(request.num_tokens, 1)
+        path = request.path
+        if self.store is None or not path or path[0].block_hash not in self.index.store_tiers:
+            return token_share
+        cold_s = self.cost.prefill_s(request.num_tokens)
+        saved_s = self.held_prefill_s(request, 0) - self.held_prefill_s(request, request.best_blocks)
+        return max(0.0, saved_s) / cold_s if cold_s > 0 else token_share
 
     def queue_s(self, worker_id: str, now: float) -> float:
         """How long a new prefill would wait behind those placed there already."""
@@ -333,6 +376,8 @@ class ClusterState:
         """M: recompute seconds that placing the request would cause, weighted by how often
         the evicted blocks were hit in the window (LRU blocks go first, as in the engine).
 
+        A block the KV store holds costs the cheaper of its recompute and its fetch
+        (docs/router.md §7); store events alone do not renew a kept sample.
         Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is kept per
         worker until its LRU changes or the hit window moves on, except on workers that
         hold part of the prompt: the request pins those blocks, so they are skipped."""
@@ -371,6 +416,9 @@ class ClusterState:
         read: list[BlockNode] = []
         total = 0.0
         base, slope = self.block_recompute
+        fetch = self.block_fetch
+        always = self.store is not None and self.store.always_fetch
+        store_tiers = self.index.store_tiers
         hits = self.index.hits
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
@@ -379,7 +427,11 @@ class ClusterState:
                 continue
             node_hits = hits(node, now)
             if node_hits:
-                total += node_hits * (base + slope * max(node.depth, 0))
+                block_s = base + slope * max(node.depth, 0)
+                tier = store_tiers.get(node.block_hash) if fetch else None
+                if tier is not None:  # the store holds it: getting it back costs a fetch
+                    block_s = fetch[tier] if always else min(block_s, fetch[tier])
+                total += node_hits * block_s
             cumulative.append(total)
             read.append(node)
         return cumulative, frozenset(read)

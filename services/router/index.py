@@ -13,6 +13,11 @@ holds, so it costs O(matched blocks), never O(tokens × workers). Each node also
 its children keyed by their token bytes: a prefix seen before is walked by dictionary
 lookups, and a block's hash is computed only the first time its tokens are seen.
 Plain CPU code on caller-given times, so the live router and the simulator share it.
+
+With the cluster's KV store (docs/router.md §7) a block may also be held by the store, in
+one of its tiers, apart from its worker holders: the store's events fill `store_tiers` (block
+name -> tier, off the nodes, so a cluster without a store pays nothing per node), and a block
+neither a worker nor the store holds is forgotten.
 """
 from __future__ import annotations
 
@@ -69,6 +74,7 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
+        self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -145,6 +151,25 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    @property
+    def store_blocks(self) -> int:
+        """How many blocks the KV store holds."""
+        return len(self.store_tiers)
+
+    def store_run(self, path: list[BlockNode], start: int) -> list[int]:
+        """How many blocks of each store tier the store holds from `path[start]` on, up to
+        the first block it lacks: [DRAM blocks, SSD blocks, ...], [] if it lacks path[start]."""
+        counts: list[int] = []
+        tiers = self.store_tiers
+        for depth in range(start, len(path)):
+            tier = tiers.get(path[depth].block_hash)
+            if tier is None:
+                break
+            while len(counts) <= tier:
+                counts.append(0)
+            counts[tier] += 1
+        return counts
+
     # ---- writing ---------------------------------------------------------------------
 
     def stored(self, worker_id: str, block_hashes: Iterable[int], now: float) -> None:
@@ -187,7 +212,7 @@ class PrefixIndex:
                     credited.discard(block_hash)
                 if lru is not None:
                     lru.pop(block_hash, None)
-                if not node.holders:
+                if not node.holders and block_hash not in self.store_tiers:
                     self._forget(node)
 
     def drop_worker(self, worker_id: str) -> None:
@@ -199,6 +224,32 @@ class PrefixIndex:
         for node in (self.lru.pop(worker_id, None) or {}).values():
             if node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
+            if not node.holders and node.block_hash not in self.store_tiers:
+                self._forget(node)
+
+    def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
+        """The KV store holds these blocks now, block_hashes[i] in tier tiers[i] (a stored
+        or a moved event: a move of a block not known here is as good as a store)."""
+        nodes = self.nodes
+        store_tiers = self.store_tiers
+        for block_hash, tier in zip(block_hashes, tiers):
+            if block_hash not in nodes:
+                nodes[block_hash] = BlockNode(block_hash)
+            store_tiers[block_hash] = tier
+
+    def store_evicted(self, block_hashes: list[int]) -> None:
+        """The KV store no longer holds these blocks."""
+        for block_hash in block_hashes:
+            if self.store_tiers.pop(block_hash, None) is not None:
+                node = self.nodes[block_hash]  # a stored block always has its node
+                if not node.holders:
+                    self._forget(node)
+
+    def drop_store(self) -> None:
+        """Forget every block the store held (it restarted as a new instance)."""
+        stored, self.store_tiers = self.store_tiers, {}
+        for block_hash in stored:
+            node = self.nodes[block_hash]
             if not node.holders:
                 self._forget(node)
 

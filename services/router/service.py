@@ -27,7 +27,7 @@ import zmq
 from msgspec.structs import replace
 
 from common.config import ClusterConfig
-from common.cost_model import load_cost_model
+from common.cost_model import StorePricing, load_cost_model
 from common.hashing import root_hash
 from common.logs import get_logger
 from common.metrics import Registry
@@ -48,6 +48,7 @@ from common.protocol import (
     ProtocolError,
     Status,
     StatusRequest,
+    StoreEvents,
     Welcome,
     WorkerStatus,
     decode,
@@ -61,6 +62,7 @@ from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
+MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
 # What each role may send the router; with CURVE off no role is proven and all may.
 ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents), "prefill": (Hello, Heartbeat, KvEvents, KvReady),
                  "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate), "tokenizer": (Generate, Abort, StatusRequest)}
@@ -97,6 +99,13 @@ class RouterMetrics:
         self.workers = registry.gauge("baton_router_workers", "Healthy workers")
         self.index_blocks = registry.gauge("baton_router_index_blocks", "Blocks in the cluster prefix index")
         self.bad_messages = registry.counter("baton_router_bad_messages_total", "Malformed messages")
+        self.store_events = registry.counter("baton_router_store_events_total",
+                                             "KV store block events applied to the prefix index",
+                                             labels=("kind",))
+        self.store_bad = registry.counter("baton_router_store_bad_messages_total",
+                                          "Malformed or unexpected messages on the KV store's events socket")
+        self.store_blocks = registry.gauge("baton_router_store_blocks",
+                                           "Blocks the KV store holds, as far as the router knows")
 
 
 class RouterService:
@@ -105,10 +114,15 @@ class RouterService:
         self.policy = make_policy(config.policy)
         ttl = config.index_ttl_s if config.index_mode == "approximate" else None
         cost = load_cost_model(config.profile)
+        # The engines fetch from the store as kvstore_fetch says; with "never" it saves no prefill.
+        store = StorePricing.for_model(cost, config.block_size, always_fetch=config.kvstore_fetch == "always") \
+            if config.kvstore and config.kvstore_fetch != "never" else None
         # The engines that prefill (co-located workers and the prefill pool), which the policy
         # places on, and the decode pool, which pairing picks from (docs/router.md §6).
-        self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl)
-        self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl)
+        self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl, store)
+        self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl, store)
+        self.store_tiers = len(store.tiers) if store else 0
+        self.store_id = ""  # the store instance whose events the index holds
         self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off
         self.prefill_pool: set[str] = set()  # the prefill workers among self.cluster's
         self.admission = AdmissionControl(
@@ -130,6 +144,7 @@ class RouterService:
         # One subscriber per role: a CURVE client pins one server key.
         self.events = {role: self.security.subscriber(role) for role in ENGINE_ROLES}
         self.subscribed: set[str] = set()
+        self.store_events = self._subscribe_store() if store is not None else None
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
         # message type -> handler(identity, message of that type, payloads)
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
@@ -143,6 +158,8 @@ class RouterService:
         poller.register(self.socket, zmq.POLLIN)
         for events in self.events.values():
             poller.register(events, zmq.POLLIN)
+        if self.store_events is not None:
+            poller.register(self.store_events, zmq.POLLIN)
         log.info("ready", role="router", address=self.config.router, policy=self.policy.name,
                  metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
         print(f"baton router ready on {self.config.router}", flush=True)
@@ -154,6 +171,8 @@ class RouterService:
                 for events in self.events.values():
                     if events in ready:
                         self._drain(events, self._on_event)
+                if self.store_events is not None and self.store_events in ready:
+                    self._drain(self.store_events, self._on_store_event)
                 self._drop_silent_workers()
         finally:
             self.close()
@@ -226,6 +245,53 @@ class RouterService:
             pool = self._pool_of(message.worker_id)
             pool.kv_removed(message.worker_id, message.removed)
             pool.kv_stored(message.worker_id, message.stored, time.monotonic())
+        self.metrics.index_blocks.set(len(self.cluster.index) + len(self.decode_pool.index))
+
+    # ---- the KV store's events (docs/router.md §7) ------------------------------------
+
+    def _subscribe_store(self) -> zmq.Socket:
+        """A SUB socket on the store's events publisher (it may start after the router:
+        ZeroMQ connects when it appears)."""
+        socket = self.security.subscriber("kvstore")
+        connect(socket, self.config.kvstore_events_address)
+        return socket
+
+    def _on_store_event(self, frames: list[zmq.Frame]) -> None:
+        """Apply one message from the store's publisher; anything else is counted and
+        logged, and the router goes on."""
+        try:
+            message, _ = decode([frame.bytes for frame in frames])
+        except ProtocolError as error:
+            self._bad_store_message(str(error))
+            return
+        if not isinstance(message, StoreEvents):
+            self._bad_store_message(f"expected StoreEvents, got {type(message).__name__}")
+            return
+        problem = store_events_problem(message, self.store_tiers)
+        if problem:
+            self._bad_store_message(problem)
+            return
+        self._apply_store_events(message)
+
+    def _bad_store_message(self, why: str) -> None:
+        self.metrics.store_bad.inc()
+        log.warning("bad_store_event", error=why)
+
+    def _apply_store_events(self, message: StoreEvents) -> None:
+        if message.store_id != self.store_id:
+            if self.store_id:  # a new store instance: what the old one held is not known to be there
+                log.warning("store_changed", old=self.store_id, new=message.store_id)
+            for pool in (self.cluster, self.decode_pool):
+                pool.index.drop_store()
+            self.store_id = message.store_id
+        for pool in (self.cluster, self.decode_pool):
+            pool.store_evicted(message.evicted)
+            pool.store_stored(message.moved, message.moved_tiers)
+            pool.store_stored(message.stored, message.stored_tiers)
+        self.metrics.store_events.inc(len(message.stored), kind="stored")
+        self.metrics.store_events.inc(len(message.moved), kind="moved")
+        self.metrics.store_events.inc(len(message.evicted), kind="evicted")
+        self.metrics.store_blocks.set(self.cluster.index.store_blocks)
         self.metrics.index_blocks.set(len(self.cluster.index) + len(self.decode_pool.index))
 
     def _pool_of(self, worker_id: str) -> ClusterState:
@@ -526,6 +592,23 @@ class RouterService:
         self._reply(identity, Status(policy=self.policy.name, workers=workers,
                                      requests_routed=self.requests_routed,
                                      kv_events_received=self.kv_events_received))
+
+
+def store_events_problem(message: StoreEvents, num_tiers: int) -> str:
+    """What is wrong with a StoreEvents message ("" if nothing): a tier list whose length
+    differs from its keys', a tier this router does not price, a key that is no block name."""
+    if not message.store_id or len(message.store_id) > 256:
+        return "store_id must be 1 to 256 characters"
+    for keys, tiers, name in ((message.stored, message.stored_tiers, "stored"),
+                              (message.moved, message.moved_tiers, "moved")):
+        if len(keys) != len(tiers):
+            return f"{name} has {len(keys)} keys but {name}_tiers {len(tiers)} tiers"
+        if tiers and (min(tiers) < 0 or max(tiers) >= num_tiers):
+            return f"{name}_tiers: tiers are 0..{num_tiers - 1}, got {min(tiers)}..{max(tiers)}"
+    for keys, name in ((message.stored, "stored"), (message.moved, "moved"), (message.evicted, "evicted")):
+        if keys and (min(keys) < 0 or max(keys) > MAX_BLOCK_HASH):
+            return f"{name}: a block hash is a 64-bit unsigned integer"
+    return ""
 
 
 # (model fingerprint, tokenizer fingerprint, adapter id, KV dtype, block size)

@@ -47,3 +47,12 @@ def test_progress_is_drawn_on_a_terminal_and_json_stays_the_last_stdout_line():
     assert done.returncode == 0, drawn.decode(errors="replace")
     assert b"bench_router: 100%" in drawn and b"2/2" in drawn
     assert set(json.loads(done.stdout.strip().splitlines()[-1])) == {"round_robin", "e2"}
+
+
+def test_with_the_store_its_blocks_are_counted_and_priced(capsys):
+    assert load_script().main(TINY + ["--policies", "e2,cache_aware", "--store", "--store-blocks", "300",
+                                      "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for row in result.values():
+        assert row["decisions"] == 200
+        assert 0 < row["store_blocks"] <= 300  # evicted blocks written back, the oldest dropped

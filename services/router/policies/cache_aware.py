@@ -3,6 +3,10 @@
 Load is requests in flight. When the cluster is imbalanced (max − min > balance_abs and
 max > min × balance_rel) the least loaded worker wins; otherwise the best prefix match
 wins if it covers more than cache_threshold of the prompt; otherwise the least loaded.
+With the KV store holding the prompt's prefix, "covers" is priced: the share of the cold
+prefill time the best holder saves over a worker that fetches from the store
+(ClusterState.store_share, docs/router.md §7), so a prefix every worker can fetch cheaply
+no longer ties the request to its holder.
 """
 from __future__ import annotations
 
@@ -33,7 +37,6 @@ class CacheAware(StatelessFeedback):
         most, least = max(loads.values()), min(loads.values())
         if most - least > self.config.balance_abs and most > least * self.config.balance_rel:
             return by_load
-        match_ratio = request.best_cached_tokens / max(request.num_tokens, 1)
-        if match_ratio > self.config.cache_threshold:
+        if cluster.store_share(request) > self.config.cache_threshold:
             return ranked(cluster, lambda w: (-request.matched.get(w, 0), loads[w]))
         return by_load
