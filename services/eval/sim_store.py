@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from common.cost_model import CostModel
-from services.kvstore.dram import TierError
+from services.kvstore.dram import SlotAllocator
 from services.kvstore.index import IndexConfig, KVIndex, KVStoreError, ReadLease
 
 NAMESPACE = "sim"
@@ -79,9 +79,8 @@ class CountingTier:
     """A tier of `capacity` slots that tracks which are taken and stores no bytes."""
 
     def __init__(self, name: str, capacity: int, block_bytes: int):
-        self._name, self._capacity, self._block_bytes = name, capacity, block_bytes
-        self._free = list(range(capacity - 1, -1, -1))
-        self._taken: set[int] = set()
+        self._name, self._block_bytes = name, block_bytes
+        self.slots = SlotAllocator(name, capacity)
 
     @property
     def name(self) -> str:
@@ -89,28 +88,21 @@ class CountingTier:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self.slots.capacity
 
     @property
     def used(self) -> int:
-        return len(self._taken)
+        return self.slots.used
 
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
 
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._taken.add(slot)
-        return slot
+        return self.slots.alloc()
 
     def free(self, slot: int) -> None:
-        if slot not in self._taken:
-            raise TierError(f"{self._name} slot {slot} is not allocated")
-        self._taken.remove(slot)
-        self._free.append(slot)
+        self.slots.free(slot)
 
     def read(self, slot: int, nbytes: int) -> memoryview:
         return memoryview(b"")
@@ -119,8 +111,7 @@ class CountingTier:
         return None
 
     def check_integrity(self, owned: Set[int]) -> None:
-        if set(owned) != self._taken:
-            raise TierError(f"{self._name}: the index owns slots the tier does not have taken, or the reverse")
+        self.slots.check_integrity(owned)
 
 
 def _no_checksum(_data: memoryview) -> int:

@@ -62,6 +62,49 @@ class Tier(Protocol):
         ...
 
 
+class SlotAllocator:
+    """Which of a tier's `capacity` slots are taken: a free list and the taken set, with
+    the checks every tier makes of them."""
+
+    def __init__(self, name: str, capacity: int):
+        self.name = name
+        self.capacity = capacity
+        self.free_slots: deque[int] = deque(range(capacity))
+        self.taken: set[int] = set()
+
+    @property
+    def used(self) -> int:
+        return len(self.taken)
+
+    def alloc(self) -> int | None:
+        if not self.free_slots:
+            return None
+        slot = self.free_slots.popleft()
+        self.taken.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.check(slot)
+        self.taken.remove(slot)
+        self.free_slots.append(slot)
+
+    def check(self, slot: int) -> None:
+        """TierError unless `slot` is taken."""
+        if slot not in self.taken:
+            raise TierError(f"{self.name}: slot {slot} is not allocated")
+
+    def check_integrity(self, owned: Set[int]) -> None:
+        """TierError unless exactly the slots in `owned` are taken and the rest are free."""
+        free = set(self.free_slots)
+        if len(free) != len(self.free_slots):
+            raise TierError(f"{self.name}: a slot is in the free list twice")
+        if free & self.taken or len(free) + len(self.taken) != self.capacity:
+            raise TierError(f"{self.name}: free list and allocation disagree")
+        if self.taken != set(owned):
+            raise TierError(f"{self.name}: allocated slots {sorted(self.taken ^ set(owned))[:10]} "
+                            "disagree with the blocks the index places here")
+
+
 class DramTier:
     """One preallocated numpy pool, `capacity × block_bytes` bytes, and a free list.
 
@@ -75,8 +118,7 @@ class DramTier:
         self._name = name
         self._block_bytes = block_bytes
         self.pool = np.zeros((capacity, block_bytes), dtype=np.uint8)
-        self.free_slots: deque[int] = deque(range(capacity))
-        self._allocated = np.zeros(capacity, dtype=bool)
+        self.slots = SlotAllocator(name, capacity)
 
     @property
     def name(self) -> str:
@@ -88,27 +130,21 @@ class DramTier:
 
     @property
     def used(self) -> int:
-        return self.capacity - len(self.free_slots)
+        return self.slots.used
 
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
 
     def alloc(self) -> int | None:
-        if not self.free_slots:
-            return None
-        slot = self.free_slots.popleft()
-        self._allocated[slot] = True
-        return slot
+        return self.slots.alloc()
 
     def free(self, slot: int) -> None:
-        self._check_allocated(slot)
-        self._allocated[slot] = False
-        self.free_slots.append(slot)
+        self.slots.free(slot)
 
     def view(self, slot: int) -> np.ndarray:
         """The whole slot as a writable uint8 array sharing the pool's memory."""
-        self._check_allocated(slot)
+        self.slots.check(slot)
         return self.pool[slot]
 
     def read(self, slot: int, nbytes: int) -> memoryview:
@@ -123,16 +159,4 @@ class DramTier:
         self.view(slot)[:source.size] = source
 
     def check_integrity(self, owned: Set[int]) -> None:
-        free = set(self.free_slots)
-        if len(free) != len(self.free_slots):
-            raise TierError(f"{self._name}: a slot is in the free list twice")
-        allocated = {int(s) for s in np.flatnonzero(self._allocated)}
-        if free & allocated or len(free) + len(allocated) != self.capacity:
-            raise TierError(f"{self._name}: free list and allocation marks disagree")
-        if allocated != set(owned):
-            raise TierError(f"{self._name}: allocated slots {sorted(allocated ^ set(owned))[:10]} "
-                            "disagree with the blocks the index places here")
-
-    def _check_allocated(self, slot: int) -> None:
-        if not (0 <= slot < self.capacity and self._allocated[slot]):
-            raise TierError(f"{self._name}: slot {slot} is not allocated")
+        self.slots.check_integrity(owned)

@@ -10,7 +10,6 @@ import fcntl
 import os
 import struct
 import time
-from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from services.kvstore.dram import DramTier, TierError
+from services.kvstore.dram import DramTier, SlotAllocator, TierError
 from services.kvstore.index import BlockKey, KVIndex, Namespace
 from services.kvstore.ssd import HEADER_BYTES, DamagedRecord, SsdTier, SsdTierConfig, SyncPolicy
 
@@ -68,8 +67,7 @@ class ShmDramTier(DramTier):
             self.close()
             raise
         self.pool = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(capacity, block_bytes))
-        self.free_slots = deque(range(capacity))
-        self._allocated = np.zeros(capacity, dtype=bool)
+        self.slots = SlotAllocator(self._name, capacity)
 
     def close(self) -> None:
         """Unlink the file; mappings engines still hold stay valid until they drop them."""
@@ -129,8 +127,7 @@ class SsdIndexTier:
             raise ValueError(f"SSD slots of {ssd.config.slot_bytes} bytes cannot hold {block_bytes}-byte blocks")
         self.ssd = ssd
         self._block_bytes = block_bytes
-        self._free = list(range(ssd.config.num_slots - 1, -1, -1))
-        self._allocated: set[int] = set()
+        self.slots = SlotAllocator(self.name, ssd.config.num_slots)
         self._real: dict[int, int] = {}  # virtual slot -> the SsdTier slot of its record
         self._labels: dict[int, tuple[bytes, int, int | None]] = {}
         self.damaged_reads = 0
@@ -141,27 +138,21 @@ class SsdIndexTier:
 
     @property
     def used(self) -> int:
-        return len(self._allocated)
+        return self.slots.used
 
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
 
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._allocated.add(slot)
-        return slot
+        return self.slots.alloc()
 
     def free(self, slot: int) -> None:
-        self._check(slot)
-        self._allocated.discard(slot)
+        self.slots.free(slot)
         label = self._labels.pop(slot, None)
         real = self._real.pop(slot, None)
         if real is not None and label is not None and self.ssd.slot_of(label[0], label[1]) == real:
             self.ssd.free(real)
-        self._free.append(slot)
 
     def label(self, slot: int, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> None:
         if not isinstance(ns, bytes):
@@ -193,11 +184,7 @@ class SsdIndexTier:
         return memoryview(payload)[PARENT_BYTES: PARENT_BYTES + nbytes]
 
     def check_integrity(self, owned: Set[int]) -> None:
-        if self._allocated != set(owned):
-            raise TierError(f"ssd: allocated slots {sorted(self._allocated ^ set(owned))[:10]} "
-                            "disagree with the blocks the index places here")
-        if len(self._free) + len(self._allocated) != self.capacity:
-            raise TierError("ssd: free list and allocation disagree")
+        self.slots.check_integrity(owned)
 
     def adopt(self, real: int, ns: bytes, key: int, parent: int | None) -> int:
         """A virtual slot for a record the rebuild found in real slot `real`."""
@@ -208,8 +195,7 @@ class SsdIndexTier:
         return slot
 
     def _check(self, slot: int) -> None:
-        if slot not in self._allocated:
-            raise TierError(f"ssd: slot {slot} is not allocated")
+        self.slots.check(slot)
 
 
 def rebuild(index: KVIndex, tier_number: int, tier: SsdIndexTier) -> Recovered:
