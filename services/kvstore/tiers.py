@@ -56,6 +56,7 @@ class ShmDramTier(DramTier):
         self._name = "dram"
         self._block_bytes = block_bytes
         self.swept = sweep_stale_pools(directory)
+        _require_room(directory, capacity * block_bytes)
         self.path = directory / f"{SHM_PREFIX}{instance_id}"
         # Held open and flocked for the store's life: a later store that can take the lock
         # knows this one died (even by SIGKILL) and removes the file.
@@ -75,6 +76,16 @@ class ShmDramTier(DramTier):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _require_room(directory: Path, pool_bytes: int) -> None:
+    """The pool file is sparse, so a /dev/shm without room for it would show only later, as
+    SIGBUS in whichever process writes a slot past the room: refuse now, naming the setting."""
+    stat = os.statvfs(directory)
+    room = stat.f_bavail * stat.f_frsize
+    if room < pool_bytes:
+        raise ValueError(f"kvstore_dram_gb: the DRAM tier needs {pool_bytes / 1e9:.2f} GB in {directory}, which has "
+                         f"{room / 1e9:.2f} GB free (a container's /dev/shm is 64 MB unless it sets shm_size)")
 
 
 def sweep_stale_pools(directory: Path) -> int:

@@ -131,3 +131,14 @@ def test_the_store_keeps_its_ssd_tier_in_a_volume_and_the_engines_reach_it():
     port = config.kvstore_control.rsplit(":", 1)[1]
     for role in ENGINE_ROLES:
         assert flag(services[role], "--kvstore-address") == f"tcp://router:{port}"
+
+
+def test_the_kv_store_has_room_in_shared_memory_for_its_dram_tier():
+    """Docker gives a container 64 MB of /dev/shm; a DRAM tier larger than its room dies
+    with SIGBUS once the writes pass it."""
+    import tomllib
+
+    store = compose()["services"]["kvstore"]
+    room_mb = float(store["shm_size"].removesuffix("mb"))
+    dram_gb = tomllib.loads((REPO / "deploy" / "cluster.toml").read_text())["kvstore"]["kvstore_dram_gb"]
+    assert room_mb * 1e6 > dram_gb * 1e9

@@ -64,6 +64,14 @@ def test_the_pool_is_a_private_file_gone_on_close(tmp_path):
     assert not pool.path.exists()
 
 
+def test_a_pool_larger_than_the_room_in_its_directory_is_refused_naming_the_setting(tmp_path):
+    stat_ = os.statvfs(tmp_path)
+    room = stat_.f_bavail * stat_.f_frsize
+    with pytest.raises(ValueError, match="kvstore_dram_gb"):
+        ShmDramTier(room // BB + 1, BB, "too-big", tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
 def test_a_dead_stores_pool_is_swept_and_a_live_ones_is_not(tmp_path):
     live = ShmDramTier(1, BB, "live", tmp_path)
     (tmp_path / "baton-kvstore-dead").write_bytes(b"\0" * BB)  # nobody holds its lock
