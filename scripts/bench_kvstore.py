@@ -353,16 +353,16 @@ def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path)
     ttft: dict[str, dict[int, float]] = {name: {} for name in runs}
     cached: dict[str, dict[int, int]] = {name: {} for name in runs}
     try:
-        for length, seed in ((short, 5), (long, 6)):
-            prompt, filler_a, filler_b = random_prompts(model_dir, [length, long, long], seed)
-            for served in runs.values():  # computed once, then pushed out of the worker's pool
+        short_prompt, long_prompt, filler_a, filler_b = random_prompts(model_dir, [short, long, long, long], 5)
+        prompts = {short: short_prompt, long: long_prompt}
+        for served in runs.values():  # both computed once, then pushed out of the worker's pool
+            for prompt in (short_prompt, long_prompt, filler_a, filler_b):
                 served.generate(prompt)
-                served.generate(filler_a)
-                served.generate(filler_b)
-            for name in ("dram", "ssd"):
-                runs[name].wait_written(3 * (length // 16))
+        for name in ("dram", "ssd"):  # every block but filler_b's is written back
+            runs[name].wait_written(short // 16 + 2 * (long // 16))
+        for length in (short, long):
             for name, served in runs.items():
-                result = served.generate(prompt)
+                result = served.generate(prompts[length])
                 ttft[name][length], cached[name][length] = result.ttft_s, result.num_cached_tokens
         time.sleep(2.0)  # worker metrics follow its load reports
         tiers = {name: {tier: runs[name].metric("baton_worker_kvstore_fetched_blocks_total", tier=tier)
