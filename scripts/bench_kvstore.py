@@ -343,7 +343,8 @@ def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path)
     layout = KVLayout.for_model(model, 16, "bfloat16")
     pool_gb = (long // 16 + 24) * layout.bytes_per_block / 1e9  # one long prompt and a little more
     common = ["--max-model-len", str(min(long + 64, model.context_limit)), "--kv-cache-gb", f"{pool_gb:.6f}",
-              "--kvstore-fetch", "always", "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024"]
+              "--kvstore-fetch", "always", "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024",
+              "--first-token-timeout-s", "1800", "--request-timeout-s", "3600"]  # long prefills on a busy machine
     prompt_gb = (long // 16) * layout.bytes_per_block / 1e9
     runs = {"recompute": Served("recompute", model_dir, common, kvstore=False),
             "dram": Served("dram", model_dir, [*common, "--kvstore-dram-gb", f"{4 * prompt_gb:.6f}"], kvstore=True),
@@ -364,6 +365,9 @@ def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path)
             for name, served in runs.items():
                 result = served.generate(prompts[length])
                 ttft[name][length], cached[name][length] = result.ttft_s, result.num_cached_tokens
+            if cached["recompute"][length]:
+                raise RuntimeError(f"the {length}-token prompt was still in the worker's own cache "
+                                   f"({cached['recompute'][length]} tokens): the comparison would be void")
         time.sleep(2.0)  # worker metrics follow its load reports
         tiers = {name: {tier: runs[name].metric("baton_worker_kvstore_fetched_blocks_total", tier=tier)
                         for tier in ("dram", "ssd")} for name in ("dram", "ssd")}
