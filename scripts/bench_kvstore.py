@@ -344,7 +344,8 @@ def fetch_vs_recompute(args: argparse.Namespace, model_dir: Path, scratch: Path)
     pool_gb = (long // 16 + 24) * layout.bytes_per_block / 1e9  # one long prompt and a little more
     common = ["--max-model-len", str(min(long + 64, model.context_limit)), "--kv-cache-gb", f"{pool_gb:.6f}",
               "--kvstore-fetch", "always", "--kvstore-timeout-s", "60", "--kvstore-writeback-queue-blocks", "1024",
-              "--first-token-timeout-s", "1800", "--request-timeout-s", "3600"]  # long prefills on a busy machine
+              "--first-token-timeout-s", "1800", "--request-timeout-s", "3600",  # long prefills on a busy machine
+              "--worker-stall-timeout-s", "900"]  # one 2,048-token step of `small` can outlast the 30 s default
     prompt_gb = (long // 16) * layout.bytes_per_block / 1e9
     runs = {"recompute": Served("recompute", model_dir, common, kvstore=False),
             "dram": Served("dram", model_dir, [*common, "--kvstore-dram-gb", f"{4 * prompt_gb:.6f}"], kvstore=True),
