@@ -13,11 +13,11 @@ tenant quotas are not modelled).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from common.cost_model import CostModel
-from services.kvstore.dram import SlotAllocator
+from services.kvstore.dram import SlottedTier
 from services.kvstore.index import IndexConfig, KVIndex, KVStoreError, ReadLease
 
 NAMESPACE = "sim"
@@ -75,43 +75,14 @@ class StoreModel:
         return total
 
 
-class CountingTier:
+class CountingTier(SlottedTier):
     """A tier of `capacity` slots that tracks which are taken and stores no bytes."""
-
-    def __init__(self, name: str, capacity: int, block_bytes: int):
-        self._name, self._block_bytes = name, block_bytes
-        self.slots = SlotAllocator(name, capacity)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def capacity(self) -> int:
-        return self.slots.capacity
-
-    @property
-    def used(self) -> int:
-        return self.slots.used
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    def alloc(self) -> int | None:
-        return self.slots.alloc()
-
-    def free(self, slot: int) -> None:
-        self.slots.free(slot)
 
     def read(self, slot: int, nbytes: int) -> memoryview:
         return memoryview(b"")
 
     def write(self, slot: int, data: memoryview | bytes) -> None:
         return None
-
-    def check_integrity(self, owned: Set[int]) -> None:
-        self.slots.check_integrity(owned)
 
 
 def _no_checksum(_data: memoryview) -> int:

@@ -105,19 +105,15 @@ class SlotAllocator:
                             "disagree with the blocks the index places here")
 
 
-class DramTier:
-    """One preallocated numpy pool, `capacity × block_bytes` bytes, and a free list.
+class SlottedTier:
+    """What every tier of fixed-size slots shares: its name and sizes, and the slots'
+    bookkeeping (SlotAllocator). Subclasses add where the bytes live."""
 
-    `view(slot)` is a writable slice of the pool: a writer fills it between the index's
-    start_put and commit, and the same-host fast path copies straight out of it.
-    """
-
-    def __init__(self, capacity: int, block_bytes: int, name: str = "dram"):
+    def __init__(self, name: str, capacity: int, block_bytes: int):
         if capacity <= 0 or block_bytes <= 0:
             raise ValueError(f"capacity and block_bytes must be positive, got {capacity}, {block_bytes}")
         self._name = name
         self._block_bytes = block_bytes
-        self.pool = np.zeros((capacity, block_bytes), dtype=np.uint8)
         self.slots = SlotAllocator(name, capacity)
 
     @property
@@ -126,7 +122,7 @@ class DramTier:
 
     @property
     def capacity(self) -> int:
-        return int(self.pool.shape[0])
+        return self.slots.capacity
 
     @property
     def used(self) -> int:
@@ -141,6 +137,21 @@ class DramTier:
 
     def free(self, slot: int) -> None:
         self.slots.free(slot)
+
+    def check_integrity(self, owned: Set[int]) -> None:
+        self.slots.check_integrity(owned)
+
+
+class DramTier(SlottedTier):
+    """One preallocated numpy pool, `capacity × block_bytes` bytes, and a free list.
+
+    `view(slot)` is a writable slice of the pool: a writer fills it between the index's
+    start_put and commit, and the same-host fast path copies straight out of it.
+    """
+
+    def __init__(self, capacity: int, block_bytes: int, name: str = "dram"):
+        super().__init__(name, capacity, block_bytes)
+        self.pool = np.zeros((capacity, block_bytes), dtype=np.uint8)
 
     def view(self, slot: int) -> np.ndarray:
         """The whole slot as a writable uint8 array sharing the pool's memory."""
@@ -157,6 +168,3 @@ class DramTier:
         if source.size > self._block_bytes:
             raise TierError(f"{source.size} bytes do not fit a {self._block_bytes}-byte slot")
         self.view(slot)[:source.size] = source
-
-    def check_integrity(self, owned: Set[int]) -> None:
-        self.slots.check_integrity(owned)

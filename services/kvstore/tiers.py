@@ -10,14 +10,13 @@ import fcntl
 import os
 import struct
 import time
-from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
 import numpy as np
 
-from services.kvstore.dram import DramTier, SlotAllocator, TierError
+from services.kvstore.dram import DramTier, SlottedTier, TierError
 from services.kvstore.index import BlockKey, KVIndex, Namespace
 from services.kvstore.ssd import HEADER_BYTES, DamagedRecord, SsdTier, SsdTierConfig, SyncPolicy
 
@@ -50,11 +49,8 @@ class ShmDramTier(DramTier):
     engines open the same file and copy straight in and out of leased or reserved slots."""
 
     def __init__(self, capacity: int, block_bytes: int, instance_id: str, directory: Path = SHM_DIR):
-        if capacity <= 0 or block_bytes <= 0:
-            raise ValueError(f"capacity and block_bytes must be positive, got {capacity}, {block_bytes}")
-        # DramTier's own constructor would allocate a private pool: set its fields here instead.
-        self._name = "dram"
-        self._block_bytes = block_bytes
+        # DramTier's own constructor would allocate a private pool: only the slots' part here.
+        SlottedTier.__init__(self, "dram", capacity, block_bytes)
         self.swept = sweep_stale_pools(directory)
         _require_room(directory, capacity * block_bytes)
         self.path = directory / f"{SHM_PREFIX}{instance_id}"
@@ -68,7 +64,6 @@ class ShmDramTier(DramTier):
             self.close()
             raise
         self.pool = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(capacity, block_bytes))
-        self.slots = SlotAllocator(self._name, capacity)
 
     def close(self) -> None:
         """Unlink the file; mappings engines still hold stay valid until they drop them."""
@@ -126,40 +121,22 @@ def ssd_config(directory: Path, ssd_gb: float, block_bytes: int) -> SsdTierConfi
     return SsdTierConfig(directory, slot_bytes, num_slots, sync=SyncPolicy.BATCHED)
 
 
-class SsdIndexTier:
+class SsdIndexTier(SlottedTier):
     """The SSD tier behind the index's Tier protocol. The SsdTier picks its own slot on
     each write, so the index's slots here are virtual, mapped to the record's real slot.
     Each record's payload is the parent prefix, then the block's value."""
 
-    name = "ssd"
-
     def __init__(self, ssd: SsdTier, block_bytes: int):
         if ssd.config.max_payload < PARENT_BYTES + block_bytes:
             raise ValueError(f"SSD slots of {ssd.config.slot_bytes} bytes cannot hold {block_bytes}-byte blocks")
+        super().__init__("ssd", ssd.config.num_slots, block_bytes)
         self.ssd = ssd
-        self._block_bytes = block_bytes
-        self.slots = SlotAllocator(self.name, ssd.config.num_slots)
         self._real: dict[int, int] = {}  # virtual slot -> the SsdTier slot of its record
         self._labels: dict[int, tuple[bytes, int, int | None]] = {}
         self.damaged_reads = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.ssd.config.num_slots
-
-    @property
-    def used(self) -> int:
-        return self.slots.used
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    def alloc(self) -> int | None:
-        return self.slots.alloc()
-
     def free(self, slot: int) -> None:
-        self.slots.free(slot)
+        super().free(slot)
         label = self._labels.pop(slot, None)
         real = self._real.pop(slot, None)
         if real is not None and label is not None and self.ssd.slot_of(label[0], label[1]) == real:
@@ -193,9 +170,6 @@ class SsdIndexTier:
             del self._real[slot]
             raise DamagedBlock(str(error)) from None
         return memoryview(payload)[PARENT_BYTES: PARENT_BYTES + nbytes]
-
-    def check_integrity(self, owned: Set[int]) -> None:
-        self.slots.check_integrity(owned)
 
     def adopt(self, real: int, ns: bytes, key: int, parent: int | None) -> int:
         """A virtual slot for a record the rebuild found in real slot `real`."""
