@@ -30,9 +30,10 @@ from common.engine.kv_layout import KVLayout
 from common.kv_transfer import HandshakeRefused, KvTransport
 from common.protocol import MAX_STORE_KEYS, ProtocolError, StoreReply, StoreRequest, decode
 from common.sockets import MAX_MESSAGE_BYTES, Security, send
+from kernels.kv_copy import BlockCopier
+from kernels.native import load_native_ops
 
 MAX_INLINE_BYTES = MAX_MESSAGE_BYTES // 2  # raw bytes one request or reply carries at most
-CHUNK_BYTES = 1 << 20  # blocks copied and checked per step: about what one core's cache holds
 
 
 class StoreUnavailable(ConnectionError):
@@ -51,9 +52,10 @@ class StoreClient:
     """One engine's connection to the store; see the module docstring."""
 
     def __init__(self, config: ClusterConfig, security: Security, client_id: str, layout: KVLayout,
-                 shared_memory: bool = True, transport: KvTransport | None = None):
+                 shared_memory: bool = True, transport: KvTransport | None = None, native_copies: bool | None = None):
         """`transport`: the engine's KvTransport over the pool `fetch` fills (a CPU pool);
-        used when the store's shared memory cannot be mapped."""
+        used when the store's shared memory cannot be mapped. `native_copies`: copy and
+        checksum blocks with Baton's C++ kernel (default: where it loads), else numpy."""
         if transport is not None and (transport.geometry.block_major
                                       or transport.geometry.bytes_per_block != layout.bytes_per_block):
             raise ValueError("the transport must serve a plane-major pool of this layout's blocks")
@@ -73,8 +75,8 @@ class StoreClient:
         self._kv_peer = ""  # the store KV address we have a handshake with, and the instance it was
         self._kv_instance = ""
         self._shm: np.ndarray | None = None
-        self._chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
-        self._scratch = np.empty((self._chunk_blocks, self.block_bytes), dtype=np.uint8)
+        self._copier = BlockCopier(self.num_planes, self.block_bytes,
+                                   load_native_ops() if native_copies is None else native_copies)
         self._ids = itertools.count(1)
         self._socket: zmq.Socket = self._connect()
 
@@ -105,8 +107,8 @@ class StoreClient:
         """Copy the longest stored prefix of `keys` into the engine pool's blocks
         `dst_block_ids` (block i of keys into dst_block_ids[i]); how many leading blocks
         landed. `dst_pool` is the flat uint8 pool, plane-major (docs/kvstore.md §5); with a
-        transport, the pool it serves. A pulled block whose CRC32C does not match lands all
-        the same but is not counted: blocks past the returned count hold nothing usable."""
+        transport, the pool it serves. A block whose CRC32C does not match may land all the
+        same but is not counted: blocks past the returned count hold nothing usable."""
         if len(dst_block_ids) < len(keys):
             raise ValueError(f"{len(keys)} keys but {len(dst_block_ids)} destination blocks")
         pool3 = self._pool3(dst_pool)
@@ -174,9 +176,7 @@ class StoreClient:
     # ---- copies
 
     def _pool3(self, pool: np.ndarray) -> np.ndarray:
-        if pool.dtype != np.uint8 or pool.ndim != 1 or pool.size % self.block_bytes:
-            raise ValueError(f"the engine pool must be flat uint8, a multiple of {self.block_bytes} bytes")
-        return pool.reshape(self.num_planes, pool.size // self.block_bytes, self.block_bytes // self.num_planes)
+        return self._copier.pool_view(pool)
 
     def _copy_out(self, reply: StoreReply, frames: list[np.ndarray], pool3: np.ndarray,
                   dst_block_ids: Sequence[int]) -> int:
@@ -214,16 +214,14 @@ class StoreClient:
             if pulled:
                 self._pull(reply, [reply.slots[i] for i in pulled], [dst_block_ids[i] for i in pulled])
             frame_iter = iter(frames)
+            pulled_checksums = iter(self._copier.pool_checksums(pool3, [dst_block_ids[i] for i in pulled]))
             for i in range(count):
                 if reply.slots[i] < 0:
                     value = next(frame_iter)
                     if not self._matches(value, reply.checksums[i]):
                         return i
                     pool3[:, dst_block_ids[i], :] = value.reshape(self.num_planes, -1)
-                    continue
-                landed = self._scratch[0].reshape(self.num_planes, -1)
-                np.copyto(landed, pool3[:, dst_block_ids[i], :])  # contiguous, for the CRC
-                if not self._matches(self._scratch[0], reply.checksums[i]):
+                elif not self._counts(next(pulled_checksums), reply.checksums[i]):
                     return i
             return count
         finally:
@@ -282,15 +280,14 @@ class StoreClient:
 
     def _land(self, slots: Sequence[int], checksums: Sequence[int], frames: list[np.ndarray], pool3: np.ndarray,
               dst_block_ids: Sequence[int]) -> int:
-        """Place blocks in the pool in cache-sized chunks: copy a chunk of slots into private
-        scratch memory, check each block's CRC32C there (while it is in the cache), then
-        place the leading blocks that match. The bytes checked are the bytes placed, so a
-        slot rewritten under an expired lease, or by a writer past its ticket, never reaches
-        the engine (docs/kvstore.md §4), and every byte crosses memory once each way."""
+        """Place a get's blocks in the pool: inline frames (private memory already) checked,
+        then placed; shared-memory slots copied in runs, each block checksummed as it lands,
+        so a slot rewritten under an expired lease, or by a writer past its ticket, is never
+        counted (docs/kvstore.md §4). The number of leading blocks that match."""
         frame_iter = iter(frames)
         count, i = len(slots), 0
         while i < count:
-            if slots[i] < 0:  # an inline block: its frame is private memory already
+            if slots[i] < 0:
                 value = next(frame_iter)
                 if not self._matches(value, checksums[i]):
                     return i
@@ -298,39 +295,21 @@ class StoreClient:
                 i += 1
                 continue
             end = i + 1
-            while end < count and end - i < self._chunk_blocks and slots[end] >= 0:
+            while end < count and slots[end] >= 0:
                 end += 1
-            placed = self._land_chunk(slots[i:end], checksums[i:end], pool3, dst_block_ids[i:end])
-            if placed < end - i:
-                return i + placed
+            assert self._shm is not None
+            landed = self._copier.slots_to_pool(self._shm, slots[i:end], pool3, dst_block_ids[i:end])
+            for j, checksum in enumerate(landed):
+                if not self._counts(checksum, checksums[i + j]):
+                    return i + j
             i = end
         return count
 
-    def _land_chunk(self, slots: Sequence[int], checksums: Sequence[int], pool3: np.ndarray,
-                    dst_block_ids: Sequence[int]) -> int:
-        """One chunk of shared-memory slots (slices where the ids run on, else one gather)."""
-        assert self._shm is not None
-        n = len(slots)
-        staged = self._scratch[:n]
-        if _runs_on(slots):
-            np.copyto(staged, self._shm[slots[0]:slots[0] + n])
-        else:
-            np.take(self._shm, np.asarray(slots, dtype=np.int64), axis=0, out=staged)
-        good = n
-        for j in range(n):
-            if not self._matches(staged[j], checksums[j]):
-                good = j
-                break
-        if good:
-            planes = staged[:good].reshape(good, self.num_planes, -1).transpose(1, 0, 2)
-            if _runs_on(dst_block_ids[:good]):
-                pool3[:, dst_block_ids[0]:dst_block_ids[0] + good, :] = planes
-            else:
-                pool3[:, np.asarray(dst_block_ids[:good], dtype=np.int64), :] = planes
-        return good
-
     def _matches(self, value: np.ndarray, checksum: int) -> bool:
-        if google_crc32c.value(value) == checksum:
+        return self._counts(google_crc32c.value(value), checksum)
+
+    def _counts(self, landed: int, checksum: int) -> bool:
+        if landed == checksum:
             return True
         self.checksum_failures += 1
         return False
@@ -363,20 +342,10 @@ class StoreClient:
         return taken, commit.count
 
     def _write_slots(self, slots: list[int], rows: list[int], values: np.ndarray) -> list[int]:
-        """Copy values[rows[i]] into shared-memory slot slots[i], a slice per cache-sized run,
-        each value's CRC32C taken right after its copy (its bytes still in the cache)."""
+        """Copy values[rows[i]] into shared-memory slot slots[i]; the CRC32C of each value."""
         assert self._shm is not None
-        checksums: list[int] = []
-        i = 0
-        while i < len(rows):
-            end = i + 1
-            while (end < len(rows) and end - i < self._chunk_blocks and slots[end] == slots[end - 1] + 1
-                   and rows[end] == rows[end - 1] + 1):
-                end += 1
-            self._shm[slots[i]:slots[i] + end - i] = values[rows[i]:rows[i] + end - i]
-            checksums += [google_crc32c.value(values[row]) for row in rows[i:end]]
-            i = end
-        return checksums
+        chosen = values if rows == list(range(len(values))) else values[rows]
+        return self._copier.rows_to_slots(chosen, self._shm, slots)
 
     def _step(self) -> int:
         """Keys per request: the protocol's limit, and with raw frames the message size."""
@@ -453,8 +422,3 @@ class StoreClient:
             self._shm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size // self.block_bytes, self.block_bytes))
         except (OSError, ValueError):
             self._shm = None  # another host's path, or not ours to open: the bytes travel in frames
-
-
-def _runs_on(ids: Sequence[int]) -> bool:
-    """True when the ids step by one, so a slice covers them."""
-    return all(b == a + 1 for a, b in zip(ids, ids[1:]))

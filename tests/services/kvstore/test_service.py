@@ -71,11 +71,12 @@ class Store:
                 self.process.wait(5)
         return self.process.returncode
 
-    def client(self, role: str = "worker", shared_memory: bool = True, config: ClusterConfig | None = None):
+    def client(self, role: str = "worker", shared_memory: bool = True, config: ClusterConfig | None = None,
+               native_copies: bool | None = None):
         context: zmq.Context = zmq.Context()
         config = config or self.config
         return StoreClient(config, Security(context, config, role), f"{role}-0", self.layout,
-                           shared_memory=shared_memory), context
+                           shared_memory=shared_memory, native_copies=native_copies), context
 
 
 def _toml(value: object) -> str:
@@ -149,10 +150,15 @@ def _fetch_check(client: StoreClient, namespace: int, keys: list[int], expected:
 # ---- round trips ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "frames"])
-def test_put_lookup_fetch_round_trip(stores, shared_memory):
+# Same-host copies run in Baton's C++ kernel where it loads (None) and in numpy (False).
+PATHS = pytest.mark.parametrize("shared_memory,native_copies", [(True, None), (True, False), (False, None)],
+                                ids=["same-host", "same-host-numpy", "frames"])
+
+
+@PATHS
+def test_put_lookup_fetch_round_trip(stores, shared_memory, native_copies):
     store = stores()
-    client = _client(stores, store, shared_memory=shared_memory)
+    client = _client(stores, store, shared_memory=shared_memory, native_copies=native_copies)
     keys = chain(100, 6)
     values = values_for(keys, store.layout.bytes_per_block)
     assert client.put(NS_A, keys, parents_of(NS_A, keys), values) == 6
@@ -453,8 +459,8 @@ def test_under_curve_only_engine_roles_are_served(stores, scratch):
             _client(stores, store, role=role).stats()
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "frames"])
-def test_a_block_rewritten_behind_the_stores_back_is_never_handed_over(stores, shared_memory):
+@PATHS
+def test_a_block_rewritten_behind_the_stores_back_is_never_handed_over(stores, shared_memory, native_copies):
     store = stores()
     bb = store.layout.bytes_per_block
     writer = _client(stores, store)
@@ -469,7 +475,7 @@ def test_a_block_rewritten_behind_the_stores_back_is_never_handed_over(stores, s
         _ask(socket, StoreRequest("release", 2, lease_id=lease.lease_id))
     finally:
         context.destroy(0)
-    reader = _client(stores, store, shared_memory=shared_memory)
+    reader = _client(stores, store, shared_memory=shared_memory, native_copies=native_copies)
     assert _fetch_check(reader, NS_A, keys, values, store.layout) == 2
     assert reader.checksum_failures == 1
 
