@@ -1,5 +1,5 @@
 """Block copies between the KV store's slots and an engine's plane-major pool, each block's
-CRC32C taken on the way (docs/kvstore.md §5).
+CRC32C taken on the way (docs/kvstore.md §4).
 
 A slot row is one block's K and V for every layer, its planes back to back; the pool is
 [planes, blocks, piece], so a block's planes lie a pool plane apart. Baton's C++ kernel

@@ -7,10 +7,10 @@ the same-host path (the store's DRAM pool mapped from /dev/shm), as inline frame
 bytes travel in the control messages) and, for gets, over the KV transport (the engine's
 KvTransport pulls the leased DRAM slots; puts then travel as frames), and written to and
 read from the SSD tier (SsdTier in a temporary directory, CRC32C on every record). Beside
-them, the raw references on the same bytes: a numpy memcpy, and a sequential file write
-with fsync and its read back. Every figure is the median of --repeats runs (GB/s = bytes
-/ median seconds); the runs of the different paths alternate, so that load from elsewhere
-falls on all of them alike.
+them, the raw references on the same bytes: a numpy memcpy, timed right after each put and
+fetch (dram get / memcpy is the median of those back-to-back pairs), and a sequential file
+write with fsync and its read back. Every figure is the median of --repeats runs (GB/s = bytes
+/ median seconds).
 
 Part 2, fetch against recompute (a real cluster: router, tokenizer, one worker, kvstore):
 a --prompt-tokens prompt is computed once, pushed out of the worker's own KV pool by
@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -86,12 +87,6 @@ def gbps(num_bytes: int, seconds: float) -> float:
 
 
 # ---- raw references ------------------------------------------------------------------------
-
-
-def memcpy_seconds(num_bytes: int, repeats: int) -> float:
-    source = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
-    target = np.empty_like(source)
-    return median_seconds(lambda: np.copyto(target, source), repeats)
 
 
 def file_seconds(directory: Path, num_bytes: int, repeats: int) -> tuple[float, float]:
@@ -177,15 +172,31 @@ class StoreProcess:
             self.process.wait(10)
 
 
-def store_seconds(client, values: np.ndarray, repeats: int, pool: np.ndarray | None = None) -> tuple[float, float]:
-    """(put, fetch) median seconds of values.shape[0] blocks as one chain, a fresh
-    namespace each run (so every put stores every block), each run checked and removed;
-    fetched into `pool` (the transport's) or a fresh one."""
+@dataclass
+class StoreTimes:
+    """Seconds per timed run: a put, a fetch, and a memcpy of the same bytes right after it."""
+
+    put_s: list[float] = field(default_factory=list)
+    fetch_s: list[float] = field(default_factory=list)
+    memcpy_s: list[float] = field(default_factory=list)
+
+    def fetch_vs_memcpy(self) -> float:
+        """The median over runs of memcpy time / fetch time (each pair back to back, so
+        load from elsewhere falls on both alike)."""
+        return statistics.median(m / f for m, f in zip(self.memcpy_s, self.fetch_s))
+
+
+def store_seconds(client, values: np.ndarray, repeats: int, pool: np.ndarray | None = None) -> StoreTimes:
+    """Times of values.shape[0] blocks as one chain, a fresh namespace each run (so every
+    put stores every block), each run checked and removed; fetched into `pool` (the
+    transport's) or a fresh one; after each fetch a numpy memcpy of the same bytes."""
     count = values.shape[0]
     pool = np.zeros(values.size, dtype=np.uint8) if pool is None else pool
     planes = client.num_planes
     expected = values.reshape(count, planes, -1).transpose(1, 0, 2).reshape(-1)
-    puts, fetches = [], []
+    copy_target = np.empty_like(values)
+    np.copyto(copy_target, values)  # its pages mapped before the first timed copy
+    times = StoreTimes()
     for run in range(repeats + 1):
         namespace = 1000 + run
         keys = list(range(namespace << 20, (namespace << 20) + count))
@@ -197,13 +208,17 @@ def store_seconds(client, values: np.ndarray, repeats: int, pool: np.ndarray | N
         started = time.perf_counter()
         landed = client.fetch(namespace, keys, pool, list(range(count)))
         fetch_s = time.perf_counter() - started
+        started = time.perf_counter()
+        np.copyto(copy_target, values)
+        memcpy_s = time.perf_counter() - started
         if stored != count or landed != count or not np.array_equal(pool, expected):
             raise RuntimeError(f"store run {run}: stored {stored}, landed {landed} of {count}, or bytes differ")
         client.remove(namespace, keys[:1])
         if run:  # the first run warms up
-            puts.append(put_s)
-            fetches.append(fetch_s)
-    return statistics.median(puts), statistics.median(fetches)
+            times.put_s.append(put_s)
+            times.fetch_s.append(fetch_s)
+            times.memcpy_s.append(memcpy_s)
+    return times
 
 
 def ssd_seconds(directory: Path, values: np.ndarray, repeats: int) -> tuple[float, float]:
@@ -247,18 +262,18 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="bench-kvstore-") as scratch_name:
         scratch = Path(scratch_name)
         write_s, read_s = file_seconds(scratch, num_bytes, args.repeats)
-        figures.update(memcpy_gbps=gbps(num_bytes, memcpy_seconds(num_bytes, args.repeats)),
-                       file_write_gbps=gbps(num_bytes, write_s), file_read_gbps=gbps(num_bytes, read_s))
+        figures.update(file_write_gbps=gbps(num_bytes, write_s), file_read_gbps=gbps(num_bytes, read_s))
         ssd_write_s, ssd_read_s = ssd_seconds(scratch, values, args.repeats)
         figures.update(ssd_put_gbps=gbps(num_bytes, ssd_write_s), ssd_get_gbps=gbps(num_bytes, ssd_read_s))
         store = StoreProcess(model_dir, scratch, kvstore_dram_gb=3 * num_bytes / 1e9)
+        memcpy_s: list[float] = []
         try:
             for name, shared_memory in (("dram", True), ("frames", False), ("transport", False)):
                 pool = np.zeros(values.size, dtype=np.uint8)
                 transport = store.transport(layout, pool) if name == "transport" else None
                 client = store.client(layout, shared_memory, transport)
                 try:
-                    put_s, fetch_s = store_seconds(client, values, args.repeats, pool)
+                    times = store_seconds(client, values, args.repeats, pool)
                     if client.same_host != shared_memory or client.pulls != (transport is not None):
                         raise RuntimeError(f"{name}: the client's same_host is {client.same_host}, "
                                            f"pulls {client.pulls}")
@@ -267,11 +282,14 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
                     if transport is not None:
                         transport.close()
                 if name != "transport":  # its puts are the frames' puts
-                    figures[f"{name}_put_gbps"] = gbps(num_bytes, put_s)
-                figures[f"{name}_get_gbps"] = gbps(num_bytes, fetch_s)
+                    figures[f"{name}_put_gbps"] = gbps(num_bytes, statistics.median(times.put_s))
+                figures[f"{name}_get_gbps"] = gbps(num_bytes, statistics.median(times.fetch_s))
+                memcpy_s += times.memcpy_s
+                if name == "dram":
+                    figures["dram_get_vs_memcpy"] = times.fetch_vs_memcpy()
         finally:
             store.stop()
-    figures["dram_get_vs_memcpy"] = figures["dram_get_gbps"] / figures["memcpy_gbps"]  # type: ignore[operator]
+    figures["memcpy_gbps"] = gbps(num_bytes, statistics.median(memcpy_s))
     figures["ssd_get_vs_file_read"] = figures["ssd_get_gbps"] / figures["file_read_gbps"]  # type: ignore[operator]
     return figures
 

@@ -1,7 +1,7 @@
 // Block copies between the KV store's slots (one block's K and V for every layer, plane-major,
 // contiguous) and an engine's plane-major pool ([planes, blocks, piece]: a block's planes lie
 // one pool plane apart), each block's CRC32C taken over the bytes as they are copied
-// (docs/kvstore.md §5). numpy needs two passes for this (copy into private memory, then a
+// (docs/kvstore.md §4). numpy needs two passes for this (copy into private memory, then a
 // checksum over it, then the strided copy); here it is one, so a fetch runs near memcpy speed.
 // Blocks go four side by side where SSE4.2 is there: each CRC32C instruction waits on the one
 // before it in the same chain, and four independent chains keep the unit busy.
