@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
-from services.router.index import BlockNode, PrefixIndex
+from services.router.index import BlockNode, Credit, PrefixIndex
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
@@ -73,7 +73,7 @@ class Placement:
     num_tokens: int
     prefix_key: int | None
     predicted_ttft_s: float
-    credited: list[int] = field(default_factory=list)  # blocks the index holds on credit for it
+    credited: Credit | None = None  # what the index holds on credit for it (events mode)
 
 
 class EvictionSample:
@@ -254,7 +254,8 @@ class ClusterState:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return None
-        self.index.settle(placement.worker_id, placement.credited)
+        if placement.credited is not None:
+            self.index.settle(placement.credited)
         worker = self.workers.get(placement.worker_id)
         if worker is not None and worker.in_flight.pop(request_id, None) is not None:
             worker.expected_output_sum -= placement.expected_output

@@ -4,7 +4,10 @@ Blocks are named by the chained hash of docs/kv-identity.md §1. Workers report 
 and evict (KV events); in approximate mode the router instead records what it placed,
 and each entry expires after a TTL. With events, a placed prompt's blocks are held on
 credit until its events arrive (`expect`, `settle`): a long prefill takes seconds, and
-the requests that share its prompt and arrive meanwhile must find it. For each block the
+the requests that share its prompt and arrive meanwhile must find it. A credit is named
+block by block only when something could see it (docs/router.md §2), so placing a
+request costs O(1) here and the naming is paid by the event or the request that reads
+it. For each block the
 index keeps its holders, the time each holder last used it, and its hits over a sliding
 window.
 
@@ -52,6 +55,25 @@ class BlockNode:
         self.hits_before = 0
 
 
+class Credit:
+    """Blocks a placement holds on credit: the prompt's full-block `keys` after the first
+    `held`, which its `worker_id` already holds; `path` is the prompt's known prefix when
+    it was placed. `blocks` is None until the credit is named, then the names credited
+    (the blocks the worker lacked)."""
+
+    __slots__ = ("worker_id", "root_hash", "keys", "path", "held", "now", "blocks")
+
+    def __init__(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+                 held: int, now: float):
+        self.worker_id = worker_id
+        self.root_hash = root_hash
+        self.keys = keys
+        self.path = path
+        self.held = held
+        self.now = now
+        self.blocks: list[int] | None = None
+
+
 class PrefixIndex:
     def __init__(self, block_size: int, window_s: float = 180.0, ttl_s: float | None = None):
         """`ttl_s` None: entries live until a removed event (events mode); otherwise
@@ -74,6 +96,11 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
+        # Credits placed but not yet named, in placement order, with the (root, first block
+        # key) pairs of their prompts and their workers: what may read them (see expect).
+        self.unnamed: list[Credit] = []
+        self.unnamed_heads: set[tuple[int, bytes]] = set()
+        self.unnamed_workers: set[str] = set()
         self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
@@ -88,6 +115,8 @@ class PrefixIndex:
 
     def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names."""
+        if keys and (root_hash, keys[0]) in self.unnamed_heads:
+            self.name_credits()
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
@@ -143,12 +172,15 @@ class PrefixIndex:
 
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
+        self._name_credits_of(worker_id)
         return iter(self.lru.get(worker_id, {}).values())
 
     def num_blocks(self, worker_id: str) -> int:
+        self._name_credits_of(worker_id)
         return len(self.lru.get(worker_id, ()))
 
     def __len__(self) -> int:
+        self.name_credits()
         return len(self.nodes)
 
     @property
@@ -174,6 +206,7 @@ class PrefixIndex:
 
     def stored(self, worker_id: str, block_hashes: Iterable[int], now: float) -> None:
         """A worker holds these blocks now (a KV event, or a placement in approximate mode)."""
+        self.name_credits()
         expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
         lru = self.lru.setdefault(worker_id, OrderedDict())
         bit = self._worker_bit(worker_id)
@@ -200,6 +233,7 @@ class PrefixIndex:
         self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + moved
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        self.name_credits()
         lru = self.lru.get(worker_id)
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
@@ -217,6 +251,7 @@ class PrefixIndex:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything a worker held (it left or restarted with an empty cache)."""
+        self.name_credits()
         bit = self._worker_bit(worker_id)
         self.lru_clock.pop(worker_id, None)
         self.last_touch.pop(worker_id, None)
@@ -230,6 +265,7 @@ class PrefixIndex:
     def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
         """The KV store holds these blocks now, block_hashes[i] in tier tiers[i] (a stored
         or a moved event: a move of a block not known here is as good as a store)."""
+        self.name_credits()
         nodes = self.nodes
         store_tiers = self.store_tiers
         for block_hash, tier in zip(block_hashes, tiers):
@@ -239,6 +275,7 @@ class PrefixIndex:
 
     def store_evicted(self, block_hashes: list[int]) -> None:
         """The KV store no longer holds these blocks."""
+        self.name_credits()
         for block_hash in block_hashes:
             if self.store_tiers.pop(block_hash, None) is not None:
                 node = self.nodes[block_hash]  # a stored block always has its node
@@ -247,6 +284,7 @@ class PrefixIndex:
 
     def drop_store(self) -> None:
         """Forget every block the store held (it restarted as a new instance)."""
+        self.name_credits()
         stored, self.store_tiers = self.store_tiers, {}
         for block_hash in stored:
             node = self.nodes[block_hash]
@@ -265,6 +303,7 @@ class PrefixIndex:
         self._touched(worker_id)
         if not path:
             return
+        self._name_credits_of(worker_id)
         epoch = int(now / self.half_window_s)
         if epoch != self.pending_epoch:
             self.flush_hits()
@@ -308,25 +347,69 @@ class PrefixIndex:
         self.stored(worker_id, [node.block_hash for node in nodes], now)
 
     def expect(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
-               held: int, now: float) -> list[int]:
+               held: int, now: float) -> Credit:
         """Events mode: the prompt whose block `keys` these are (`path` its already-known
         prefix, of which the worker holds the first `held` blocks) was just placed on
         `worker_id`. Count the worker as holding every full block of it until KV events
-        confirm them (a stored event) or deny them (removed). Returns the blocks credited;
-        pass them to `settle` when the request ends."""
-        credit = [node.block_hash for node in path[held:] if worker_id not in node.holders]
-        credit += [node.block_hash for node in self._name_rest(root_hash, keys, path)]
-        if credit:
-            self.stored(worker_id, credit, now)
-            self.unconfirmed.setdefault(worker_id, set()).update(credit)
+        confirm them (a stored event) or deny them (removed). Returns the credit; pass it
+        to `settle` when the request ends.
+
+        The credit is named (its blocks hashed, made nodes and held) only when something
+        could see it, in placement order: before any event or store event, before a walk
+        of a prompt with the same first block (a prompt without it shares none of its
+        blocks), and before a read or a reorder of the worker's LRU. So every read sees
+        what naming it here would have shown, and a placement costs O(1)."""
+        credit = Credit(worker_id, root_hash, keys, path, held, now)
+        if held < len(keys):  # else the worker holds every block (matched = the prompt)
+            self.unnamed.append(credit)
+            self.unnamed_heads.add((root_hash, keys[0]))
+            self.unnamed_workers.add(worker_id)
+            self._touched(worker_id)
+        else:
+            credit.blocks = []
         return credit
 
-    def settle(self, worker_id: str, credited: list[int]) -> None:
-        """The request `expect` credited these blocks for has ended: forget the ones no
+    def settle(self, credit: Credit) -> None:
+        """The request `expect` made this credit for has ended: forget the blocks no
         event confirmed (the worker refused it, failed, or never stored them)."""
-        pending = self.unconfirmed.get(worker_id)
-        if pending and credited:
-            self.removed(worker_id, [block_hash for block_hash in credited if block_hash in pending])
+        self.name_credits()
+        pending = self.unconfirmed.get(credit.worker_id)
+        if pending and credit.blocks:
+            self.removed(credit.worker_id, [block_hash for block_hash in credit.blocks if block_hash in pending])
+
+    def credited(self, credit: Credit) -> list[int]:
+        """The blocks the credit holds for its worker (those it lacked when placed)."""
+        self.name_credits()
+        assert credit.blocks is not None  # named above, or made with none
+        return credit.blocks
+
+    def name_credits(self) -> None:
+        """Name every credit placed and not yet named, oldest first."""
+        if not self.unnamed:
+            return
+        unnamed, self.unnamed = self.unnamed, []
+        self.unnamed_heads.clear()
+        self.unnamed_workers.clear()
+        for credit in unnamed:
+            self._name(credit)
+
+    def _name_credits_of(self, worker_id: str) -> None:
+        if worker_id in self.unnamed_workers:
+            self.name_credits()
+
+    def _name(self, credit: Credit) -> None:
+        """What the credit holds: the known blocks the worker lacked and the rest of the
+        prompt. O(blocks after `held`)."""
+        worker_id, path = credit.worker_id, credit.path
+        blocks = [node.block_hash for node in path[credit.held:] if worker_id not in node.holders]
+        blocks += [node.block_hash for node in self._name_rest(credit.root_hash, credit.keys, path)]
+        credit.blocks = blocks
+        if blocks:
+            touched = worker_id in self.changed
+            self.stored(worker_id, blocks, credit.now)
+            if not touched:  # expect marked it; a sample read since must stay valid
+                self.changed.discard(worker_id)
+            self.unconfirmed.setdefault(worker_id, set()).update(blocks)
 
     def _name_rest(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""

@@ -306,7 +306,8 @@ def test_only_the_blocks_the_worker_lacks_are_credited():
     prompt = tokens(1, 6 * BLOCK)
     hashes = cache(cluster, "a", prompt[:2 * BLOCK])
     placement = cluster.place(cluster.prepare("r", ROOT, prompt, 8, 0.0), "a", 0.0)
-    assert placement.credited == chain_hashes(ROOT, prompt, BLOCK)[2:]
+    assert placement.credited is not None
+    assert cluster.index.credited(placement.credited) == chain_hashes(ROOT, prompt, BLOCK)[2:]
     cluster.finish("r")
     assert cluster.prepare("next", ROOT, prompt, 8, 1.0).matched == {"a": 2}
     assert [node.block_hash for node in cluster.index.lru_blocks("a")] == hashes
@@ -327,7 +328,7 @@ def test_a_removed_event_cuts_a_credit_and_a_later_store_confirms_the_block():
 def test_approximate_mode_credits_nothing():
     cluster = cluster_of("a", index_ttl_s=30.0)
     placement = cluster.place(cluster.prepare("r", ROOT, tokens(1, 4 * BLOCK), 8, 0.0), "a", 0.0)
-    assert placement.credited == []
+    assert placement.credited is None
 
 
 # ---- approximate mode ---------------------------------------------------------------------

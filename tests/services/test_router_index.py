@@ -313,13 +313,13 @@ def test_expect_credits_the_blocks_a_worker_lacks_and_settle_drops_the_unconfirm
     index.stored("B", names[:2], 0.0)
     keys = as_bytes(prompt)
     credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 2, 0.0)
-    assert credited == names[2:]
+    assert index.credited(credited) == names[2:]
     assert index.match(index.walk(ROOT, keys)) == {"A": 6, "B": 2}
     index.stored("A", names[2:4], 1.0)  # confirmed
-    index.settle("A", credited)
+    index.settle(credited)
     assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
     assert len(index) == 4
-    index.settle("A", credited)  # twice is harmless
+    index.settle(credited)  # twice is harmless
     assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
 
 
@@ -330,8 +330,8 @@ def test_a_dropped_worker_leaves_no_credit_behind():
     index.drop_worker("A")
     assert len(index) == 0
     assert index.unconfirmed == {}
-    index.stored("A", credited, 1.0)  # the worker came back and stored them for real
-    index.settle("A", credited)  # its old request's end must not drop them
+    index.stored("A", index.credited(credited), 1.0)  # the worker came back and stored them for real
+    index.settle(credited)  # its old request's end must not drop them
     assert index.match(index.walk(ROOT, keys)) == {"A": 3}
 
 
