@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
-from services.router.index import BlockNode, Credit, PrefixIndex
+from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
@@ -30,7 +30,7 @@ class Request:
 
     request_id: str
     root_hash: int
-    block_keys: list[bytes]  # each full block's token ids as little-endian uint32 bytes
+    block_keys: BlockKeys  # each full block's token ids as little-endian uint32 bytes
     num_tokens: int
     max_tokens: int
     slo_class: str = ""

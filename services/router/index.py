@@ -34,13 +34,38 @@ import xxhash
 _hash = xxhash.xxh3_64_intdigest
 NEVER = math.inf
 EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
+SEGMENT_BLOCKS = 32  # a walk compares this many blocks at once where it went before
+
+
+class BlockKeys:
+    """A prompt's full blocks as token bytes (little-endian uint32 ids), the keys a walk
+    follows: key i is block i's bytes and span(i, j) those of blocks i to j - 1, each
+    copied out of the prompt's buffer when asked for, so a walk makes only what it reads."""
+
+    __slots__ = ("data", "block_bytes", "count")
+
+    def __init__(self, data: memoryview, block_bytes: int):
+        self.data = data  # of format "B"
+        self.block_bytes = block_bytes
+        self.count = len(data) // block_bytes
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> bytes:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        return self.span(i, i + 1)
+
+    def span(self, start: int, stop: int) -> bytes:
+        return bytes(self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes])
 
 
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
     __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
-                 "hit_epoch", "hits_now", "hits_before")
+                 "hit_epoch", "hits_now", "hits_before", "head", "ahead")
 
     def __init__(self, block_hash: int):
         self.block_hash = block_hash
@@ -53,6 +78,12 @@ class BlockNode:
         self.hit_epoch = 0  # the half-window of the last hit; hits in it and in the one before
         self.hits_now = 0
         self.hits_before = 0
+        # Segments: a node whose depth + 1 is a multiple of SEGMENT_BLOCKS (or a root) is a
+        # segment head. `ahead` is the last walk's next SEGMENT_BLOCKS blocks below it (their
+        # keys' bytes and nodes), dropped when one of those nodes is forgotten; `head` is the
+        # head of this node's segment.
+        self.head: BlockNode | None = None
+        self.ahead: tuple[bytes, list[BlockNode]] | None = None
 
 
 class Credit:
@@ -63,7 +94,7 @@ class Credit:
 
     __slots__ = ("worker_id", "root_hash", "keys", "path", "held", "now", "blocks")
 
-    def __init__(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+    def __init__(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
                  held: int, now: float):
         self.worker_id = worker_id
         self.root_hash = root_hash
@@ -105,35 +136,53 @@ class PrefixIndex:
 
     # ---- reading ---------------------------------------------------------------------
 
-    def block_keys(self, prompt: bytes | np.ndarray) -> list[bytes]:
-        """Each full block's token bytes (little-endian uint32 ids), the keys a walk
-        follows: one C call over the buffer, no copy of it and no slice per block."""
+    def block_keys(self, prompt: bytes | np.ndarray) -> BlockKeys:
+        """The prompt's full blocks' keys (a prompt given as little-endian uint32 ids)."""
         # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python 3.12+ only.
-        buffer = memoryview(prompt)  # type: ignore[arg-type]
-        count = buffer.nbytes // self.block_bytes
-        return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=count).tolist()
+        return BlockKeys(memoryview(prompt).cast("B"), self.block_bytes)  # type: ignore[arg-type]
 
-    def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
-        """Nodes of the prompt's longest prefix of full blocks that the index names."""
-        if keys and (root_hash, keys[0]) in self.unnamed_heads:
+    def walk(self, root_hash: int, keys: BlockKeys) -> list[BlockNode]:
+        """Nodes of the prompt's longest prefix of full blocks that the index names.
+
+        Segment by segment: where the last walk through a segment head went on through
+        the same SEGMENT_BLOCKS keys, one comparison of their bytes takes all of them;
+        elsewhere block by block, each a lookup of its key among the node's children (or,
+        for a child not linked yet, of its hash among all nodes)."""
+        if keys.count and (root_hash, keys[0]) in self.unnamed_heads:
             self.name_credits()
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        append = path.append
-        nodes = self.nodes
-        for key in keys:
-            children = node.children
-            child = children.get(key) if children is not None else None
-            if child is None:
-                child = nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
-                if child is None:
-                    break
-                self._link(node, key, child, len(path))
-            append(child)
-            node = child
+        block_bytes, count = keys.block_bytes, keys.count
+        segment_bytes = SEGMENT_BLOCKS * block_bytes
+        while len(path) < count:
+            span = keys.span(len(path), len(path) + SEGMENT_BLOCKS)
+            ahead = node.ahead
+            if ahead is not None and ahead[0] == span:
+                path += ahead[1]
+                node = ahead[1][-1]
+                continue
+            head, first = node, len(path)
+            for offset in range(0, len(span), block_bytes):
+                node = self._step(node, span[offset:offset + block_bytes], len(path))
+                if node is None:
+                    return path
+                path.append(node)
+            if len(span) < segment_bytes:
+                break
+            head.ahead = (span, path[first:])
         return path
+
+    def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
+        """The child of `node` whose key this is (linking it if only its hash is known)."""
+        children = node.children
+        child = children.get(key) if children is not None else None
+        if child is None:
+            child = self.nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
+            if child is not None:
+                self._link(node, key, child, depth)
+        return child
 
     def match(self, path: list[BlockNode]) -> dict[str, int]:
         """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
@@ -339,14 +388,14 @@ class PrefixIndex:
                 node = node.parent
         self.pending_hits.clear()
 
-    def placed(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+    def placed(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
                now: float) -> None:
         """Approximate mode: predict that `worker_id` now holds every full block of the
         prompt whose block `keys` these are (`path` is its already-known prefix)."""
         nodes = path + self._name_rest(root_hash, keys, path)
         self.stored(worker_id, [node.block_hash for node in nodes], now)
 
-    def expect(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+    def expect(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
                held: int, now: float) -> Credit:
         """Events mode: the prompt whose block `keys` these are (`path` its already-known
         prefix, of which the worker holds the first `held` blocks) was just placed on
@@ -411,7 +460,7 @@ class PrefixIndex:
                 self.changed.discard(worker_id)
             self.unconfirmed.setdefault(worker_id, set()).update(blocks)
 
-    def _name_rest(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
+    def _name_rest(self, root_hash: int, keys: BlockKeys, path: list[BlockNode]) -> list[BlockNode]:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
         rest = []
@@ -457,10 +506,13 @@ class PrefixIndex:
             parent.children = {}
         parent.children[key] = child
         child.parent, child.key, child.depth = parent, key, depth
+        child.head = parent if depth % SEGMENT_BLOCKS == 0 else parent.head
 
     def _forget(self, node: BlockNode) -> None:
         del self.nodes[node.block_hash]
         parent = node.parent
         if parent is not None and parent.children and parent.children.get(node.key) is node:
             del parent.children[node.key]
-        node.parent = None
+        if node.head is not None:
+            node.head.ahead = None
+        node.parent = node.head = node.ahead = None

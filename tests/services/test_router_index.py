@@ -2,7 +2,7 @@
 import numpy as np
 
 from common.hashing import chain_hashes, root_hash
-from services.router.index import PrefixIndex
+from services.router.index import SEGMENT_BLOCKS, PrefixIndex
 
 BLOCK = 4
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -32,7 +32,7 @@ def match(index: PrefixIndex, token_ids, now: float = 0.0, root: int = ROOT) -> 
 def test_walk_on_an_empty_index_finds_nothing():
     index = PrefixIndex(BLOCK)
     assert index.walk(ROOT, as_bytes(tokens(1, 40))) == []
-    assert index.walk(ROOT, []) == []
+    assert index.walk(ROOT, index.block_keys(b"")) == []
     assert len(index) == 0
     assert match(index, tokens(1, 40)) == {}
 
@@ -390,3 +390,18 @@ def test_walk_stops_at_the_first_unknown_block_without_hashing_the_rest(monkeypa
     calls.clear()
     assert len(index.walk(ROOT, as_bytes(prompt, 16))) == 4
     assert len(calls) == 1  # known blocks come from the children links now
+
+
+def test_a_walk_that_goes_a_known_segment_at_once_stops_where_a_block_was_forgotten():
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, (2 * SEGMENT_BLOCKS + 3) * BLOCK)
+    names = hashes(prompt)
+    index.stored("A", names, 0.0)
+    keys = as_bytes(prompt)
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names  # a first walk
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names  # segments at once
+    index.removed("A", [names[SEGMENT_BLOCKS + 5]])
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names[:SEGMENT_BLOCKS + 5]
+    index.stored("A", [names[SEGMENT_BLOCKS + 5]], 1.0)
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names
+    assert index.match(index.walk(ROOT, keys)) == {"A": len(names)}
