@@ -27,14 +27,32 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Set
+from itertools import groupby
+from operator import attrgetter
 
 import numpy as np
 import xxhash
 
 _hash = xxhash.xxh3_64_intdigest
+_signature = attrgetter("signature")
 NEVER = math.inf
 EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
 SEGMENT_BLOCKS = 32  # a walk compares this many blocks at once where it went before
+
+
+def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
+    """How many leading blocks of `block_bytes` bytes `a` and `b` share (a binary search,
+    each probe one comparison in C)."""
+    if a == b:
+        return len(a) // block_bytes
+    low, high = 0, min(len(a), len(b)) // block_bytes
+    while low < high:  # the first `low` blocks are shared, those after `high` are not
+        mid = (low + high + 1) // 2
+        if a[:mid * block_bytes] == b[:mid * block_bytes]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class BlockKeys:
@@ -65,7 +83,7 @@ class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
     __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
-                 "hit_epoch", "hits_now", "hits_before", "head", "ahead")
+                 "hit_epoch", "hits_now", "hits_before", "lead", "ahead")
 
     def __init__(self, block_hash: int):
         self.block_hash = block_hash
@@ -79,11 +97,12 @@ class BlockNode:
         self.hits_now = 0
         self.hits_before = 0
         # Segments: a node whose depth + 1 is a multiple of SEGMENT_BLOCKS (or a root) is a
-        # segment head. `ahead` is the last walk's next SEGMENT_BLOCKS blocks below it (their
-        # keys' bytes and nodes), dropped when one of those nodes is forgotten; `head` is the
-        # head of this node's segment.
-        self.head: BlockNode | None = None
-        self.ahead: tuple[bytes, list[BlockNode]] | None = None
+        # segment head. `ahead` keeps, per first block below it, the longest run of up to
+        # SEGMENT_BLOCKS blocks from there that a walk went (their keys' bytes and nodes),
+        # dropped when one of those nodes is forgotten; `lead` is the first block of this
+        # node's segment (its parent the head).
+        self.lead: BlockNode | None = None
+        self.ahead: dict[bytes, tuple[bytes, list[BlockNode]]] | None = None
 
 
 class Credit:
@@ -144,9 +163,9 @@ class PrefixIndex:
     def walk(self, root_hash: int, keys: BlockKeys) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names.
 
-        Segment by segment: where the last walk through a segment head went on through
-        the same SEGMENT_BLOCKS keys, one comparison of their bytes takes all of them;
-        elsewhere block by block, each a lookup of its key among the node's children (or,
+        Segment by segment: the blocks a segment shares with the run a walk went below
+        its head are taken at once (a few comparisons of their bytes); the rest block
+        by block, each a lookup of its key among the node's children (or,
         for a child not linked yet, of its hash among all nodes)."""
         if keys.count and (root_hash, keys[0]) in self.unnamed_heads:
             self.name_credits()
@@ -154,24 +173,31 @@ class PrefixIndex:
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        block_bytes, count = keys.block_bytes, keys.count
-        segment_bytes = SEGMENT_BLOCKS * block_bytes
-        while len(path) < count:
-            span = keys.span(len(path), len(path) + SEGMENT_BLOCKS)
-            ahead = node.ahead
-            if ahead is not None and ahead[0] == span:
-                path += ahead[1]
-                node = ahead[1][-1]
-                continue
-            head, first = node, len(path)
-            for offset in range(0, len(span), block_bytes):
-                node = self._step(node, span[offset:offset + block_bytes], len(path))
-                if node is None:
-                    return path
-                path.append(node)
-            if len(span) < segment_bytes:
+        block_bytes = keys.block_bytes
+        while len(path) < keys.count:
+            head, first = node, len(path)  # a segment head
+            span = keys.span(first, first + SEGMENT_BLOCKS)
+            ahead = head.ahead.get(span[:block_bytes]) if head.ahead is not None else None
+            same = _common_blocks(span, ahead[0], block_bytes) if ahead is not None else 0
+            if same:
+                assert ahead is not None
+                path += ahead[1][:same]
+                node = path[-1]
+                if same == SEGMENT_BLOCKS:
+                    continue
+            for offset in range(same * block_bytes, len(span), block_bytes):
+                child = self._step(node, span[offset:offset + block_bytes], len(path))
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            walked = len(path) - first
+            if walked and (ahead is None or walked > len(ahead[1])):
+                if head.ahead is None:
+                    head.ahead = {}
+                head.ahead[span[:block_bytes]] = (span[:walked * block_bytes], path[first:])
+            if walked < SEGMENT_BLOCKS:
                 break
-            head.ahead = (span, path[first:])
         return path
 
     def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
@@ -188,26 +214,26 @@ class PrefixIndex:
         """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
 
         Holder sets are compared only where a node's signature differs from its parent's,
-        so a match costs O(blocks) cheap steps however many workers share the prefix
+        so a match costs O(blocks) steps in C (grouping by signature) however many workers share the prefix
         (holder sets rarely change along a chain). Call expire() first in approximate mode.
         """
         if not path:
             return {}
         matched: dict[str, int] = {}
-        alive: Set[str] = path[0].holders.keys()
-        signature = path[0].signature
-        for depth in range(1, len(path)):
-            node = path[depth]
-            if node.signature == signature:
-                continue
-            still = alive & node.holders.keys()
+        runs = groupby(path, _signature)  # runs of one signature: a holder set each
+        _, run = next(runs)
+        alive: Set[str] = next(run).holders.keys()
+        depth = 1 + len(list(run))
+        for _, run in runs:
+            still = alive & next(run).holders.keys()
             for worker_id in alive - still:
                 matched[worker_id] = depth
             if not still:
                 return matched
-            alive, signature = still, node.signature
+            alive = still
+            depth += 1 + len(list(run))
         for worker_id in alive:
-            matched[worker_id] = len(path)
+            matched[worker_id] = depth
         return matched
 
     def hits(self, node: BlockNode, now: float) -> int:
@@ -506,13 +532,18 @@ class PrefixIndex:
             parent.children = {}
         parent.children[key] = child
         child.parent, child.key, child.depth = parent, key, depth
-        child.head = parent if depth % SEGMENT_BLOCKS == 0 else parent.head
+        child.lead = child if depth % SEGMENT_BLOCKS == 0 else parent.lead
 
     def _forget(self, node: BlockNode) -> None:
         del self.nodes[node.block_hash]
         parent = node.parent
         if parent is not None and parent.children and parent.children.get(node.key) is node:
             del parent.children[node.key]
-        if node.head is not None:
-            node.head.ahead = None
-        node.parent = node.head = node.ahead = None
+        lead = node.lead
+        head = lead.parent if lead is not None else None
+        if head is not None and head.ahead:
+            run = head.ahead.get(lead.key)  # type: ignore[union-attr]  # head set: lead is not None
+            if run is not None and node.depth - lead.depth < len(run[1]) \
+                    and run[1][node.depth - lead.depth] is node:  # type: ignore[union-attr]
+                del head.ahead[lead.key]  # type: ignore[union-attr]
+        node.parent = node.lead = node.ahead = None
