@@ -27,14 +27,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Set
-from itertools import groupby
-from operator import attrgetter
 
 import numpy as np
 import xxhash
 
 _hash = xxhash.xxh3_64_intdigest
-_signature = attrgetter("signature")
 NEVER = math.inf
 EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
 SEGMENT_BLOCKS = 32  # a walk compares this many blocks at once where it went before
@@ -43,8 +40,6 @@ SEGMENT_BLOCKS = 32  # a walk compares this many blocks at once where it went be
 def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
     """How many leading blocks of `block_bytes` bytes `a` and `b` share (a binary search,
     each probe one comparison in C)."""
-    if a == b:
-        return len(a) // block_bytes
     low, high = 0, min(len(a), len(b)) // block_bytes
     while low < high:  # the first `low` blocks are shared, those after `high` are not
         mid = (low + high + 1) // 2
@@ -178,13 +173,15 @@ class PrefixIndex:
             head, first = node, len(path)  # a segment head
             span = keys.span(first, first + SEGMENT_BLOCKS)
             ahead = head.ahead.get(span[:block_bytes]) if head.ahead is not None else None
-            same = _common_blocks(span, ahead[0], block_bytes) if ahead is not None else 0
-            if same:
-                assert ahead is not None
-                path += ahead[1][:same]
-                node = path[-1]
-                if same == SEGMENT_BLOCKS:
-                    continue
+            same = 0
+            if ahead is not None:
+                run_bytes, run = ahead
+                same = len(run) if span.startswith(run_bytes) else _common_blocks(span, run_bytes, block_bytes)
+                if same:
+                    path += run if same == len(run) else run[:same]
+                    node = path[-1]
+                    if same == SEGMENT_BLOCKS:
+                        continue
             for offset in range(same * block_bytes, len(span), block_bytes):
                 child = self._step(node, span[offset:offset + block_bytes], len(path))
                 if child is None:
@@ -214,24 +211,24 @@ class PrefixIndex:
         """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
 
         Holder sets are compared only where a node's signature differs from its parent's,
-        so a match costs O(blocks) steps in C (grouping by signature) however many workers share the prefix
+        so a match costs O(blocks) cheap steps however many workers share the prefix
         (holder sets rarely change along a chain). Call expire() first in approximate mode.
         """
         if not path:
             return {}
         matched: dict[str, int] = {}
-        runs = groupby(path, _signature)  # runs of one signature: a holder set each
-        _, run = next(runs)
-        alive: Set[str] = next(run).holders.keys()
-        depth = 1 + len(list(run))
-        for _, run in runs:
-            still = alive & next(run).holders.keys()
-            for worker_id in alive - still:
-                matched[worker_id] = depth
-            if not still:
-                return matched
-            alive = still
-            depth += 1 + len(list(run))
+        alive: Set[str] = path[0].holders.keys()
+        signature = path[0].signature
+        depth = 0
+        for node in path:
+            if node.signature != signature:
+                still = alive & node.holders.keys()
+                for worker_id in alive - still:
+                    matched[worker_id] = depth
+                if not still:
+                    return matched
+                alive, signature = still, node.signature
+            depth += 1
         for worker_id in alive:
             matched[worker_id] = depth
         return matched
