@@ -536,11 +536,17 @@ class PrefixIndex:
         parent = node.parent
         if parent is not None and parent.children and parent.children.get(node.key) is node:
             del parent.children[node.key]
+        self._drop_run(node)
+        node.parent = node.lead = node.ahead = None
+
+    @staticmethod
+    def _drop_run(node: BlockNode) -> None:
+        """Drop the memoized run that `node` is in, if any (see BlockNode.ahead)."""
         lead = node.lead
         head = lead.parent if lead is not None else None
-        if head is not None and head.ahead:
-            run = head.ahead.get(lead.key)  # type: ignore[union-attr]  # head set: lead is not None
-            if run is not None and node.depth - lead.depth < len(run[1]) \
-                    and run[1][node.depth - lead.depth] is node:  # type: ignore[union-attr]
-                del head.ahead[lead.key]  # type: ignore[union-attr]
-        node.parent = node.lead = node.ahead = None
+        if lead is None or head is None or not head.ahead:
+            return
+        run = head.ahead.get(lead.key)
+        at = node.depth - lead.depth
+        if run is not None and at < len(run[1]) and run[1][at] is node:
+            del head.ahead[lead.key]
