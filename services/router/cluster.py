@@ -200,7 +200,10 @@ class ClusterState:
 
     def prepare(self, request_id: str, root_hash: int, token_ids: np.ndarray, max_tokens: int,
                 now: float, slo_class: str = "") -> Request:
-        """Match the prompt against the index once; policies and admission read the result."""
+        """Match the prompt against the index once; policies and admission read the result.
+        The request (and the credit of its placement, until named) reads the prompt's
+        blocks from `token_ids` itself when it is a little-endian uint32 array, so the
+        caller must not write to it afterwards."""
         if self.approximate:
             self.index.expire(now)
         keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4"))
