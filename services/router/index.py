@@ -14,7 +14,9 @@ window.
 Matching a prompt walks its blocks from the root and stops at the first block no worker
 holds, so it costs O(matched blocks), never O(tokens × workers). Each node also keeps
 its children keyed by their token bytes: a prefix seen before is walked by dictionary
-lookups, and a block's hash is computed only the first time its tokens are seen.
+lookups, and a block's hash is computed only the first time its tokens are seen; every
+SEGMENT_BLOCKS-th node also keeps the runs walks went below it, so a known prefix is
+mostly taken a run of blocks at a time (docs/router.md §2).
 Plain CPU code on caller-given times, so the live router and the simulator share it.
 
 With the cluster's KV store (docs/router.md §7) a block may also be held by the store, in
