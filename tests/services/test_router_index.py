@@ -405,3 +405,17 @@ def test_a_walk_that_goes_a_known_segment_at_once_stops_where_a_block_was_forgot
     index.stored("A", [names[SEGMENT_BLOCKS + 5]], 1.0)
     assert [node.block_hash for node in index.walk(ROOT, keys)] == names
     assert index.match(index.walk(ROOT, keys)) == {"A": len(names)}
+
+
+def test_a_credit_is_named_only_when_something_could_see_it():
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, 4 * BLOCK)
+    keys = as_bytes(prompt)
+    credit = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0, 0.0)
+    assert index.walk(ROOT, as_bytes(tokens(2, 4 * BLOCK))) == []  # another first block
+    assert credit.blocks is None and index.nodes == {}
+    assert index.match(index.walk(ROOT, keys)) == {"A": 4}  # the same first block: named first
+    assert credit.blocks == hashes(prompt)
+    later = index.expect("B", ROOT, keys, index.walk(ROOT, keys), 0, 1.0)
+    assert [node.block_hash for node in index.lru_blocks("B")] == hashes(prompt)  # B's LRU read
+    assert later.blocks == hashes(prompt)
