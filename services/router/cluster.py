@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
-from services.router.index import BlockNode, PrefixIndex
+from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
@@ -30,7 +30,7 @@ class Request:
 
     request_id: str
     root_hash: int
-    block_keys: list[bytes]  # each full block's token ids as little-endian uint32 bytes
+    block_keys: BlockKeys  # each full block's token ids as little-endian uint32 bytes
     num_tokens: int
     max_tokens: int
     slo_class: str = ""
@@ -73,7 +73,7 @@ class Placement:
     num_tokens: int
     prefix_key: int | None
     predicted_ttft_s: float
-    credited: list[int] = field(default_factory=list)  # blocks the index holds on credit for it
+    credited: Credit | None = None  # what the index holds on credit for it (events mode)
 
 
 class EvictionSample:
@@ -200,7 +200,10 @@ class ClusterState:
 
     def prepare(self, request_id: str, root_hash: int, token_ids: np.ndarray, max_tokens: int,
                 now: float, slo_class: str = "") -> Request:
-        """Match the prompt against the index once; policies and admission read the result."""
+        """Match the prompt against the index once; policies and admission read the result.
+        The request (and the credit of its placement, until named) reads the prompt's
+        blocks from `token_ids` itself when it is a little-endian uint32 array, so the
+        caller must not write to it afterwards."""
         if self.approximate:
             self.index.expire(now)
         keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4"))
@@ -254,7 +257,8 @@ class ClusterState:
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return None
-        self.index.settle(placement.worker_id, placement.credited)
+        if placement.credited is not None:
+            self.index.settle(placement.credited)
         worker = self.workers.get(placement.worker_id)
         if worker is not None and worker.in_flight.pop(request_id, None) is not None:
             worker.expected_output_sum -= placement.expected_output

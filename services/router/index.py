@@ -4,14 +4,19 @@ Blocks are named by the chained hash of docs/kv-identity.md §1. Workers report 
 and evict (KV events); in approximate mode the router instead records what it placed,
 and each entry expires after a TTL. With events, a placed prompt's blocks are held on
 credit until its events arrive (`expect`, `settle`): a long prefill takes seconds, and
-the requests that share its prompt and arrive meanwhile must find it. For each block the
+the requests that share its prompt and arrive meanwhile must find it. A credit is named
+block by block only when something could see it (docs/router.md §2), so placing a
+request costs O(1) here and the naming is paid by the event or the request that reads
+it. For each block the
 index keeps its holders, the time each holder last used it, and its hits over a sliding
 window.
 
 Matching a prompt walks its blocks from the root and stops at the first block no worker
 holds, so it costs O(matched blocks), never O(tokens × workers). Each node also keeps
 its children keyed by their token bytes: a prefix seen before is walked by dictionary
-lookups, and a block's hash is computed only the first time its tokens are seen.
+lookups, and a block's hash is computed only the first time its tokens are seen; every
+SEGMENT_BLOCKS-th node also keeps the runs walks went below it, so a known prefix is
+mostly taken a run of blocks at a time (docs/router.md §2).
 Plain CPU code on caller-given times, so the live router and the simulator share it.
 
 With the cluster's KV store (docs/router.md §7) a block may also be held by the store, in
@@ -31,13 +36,51 @@ import xxhash
 _hash = xxhash.xxh3_64_intdigest
 NEVER = math.inf
 EXACT_LRU_BLOCKS = 256  # a worker's LRU up to this size is reordered on every hit
+SEGMENT_BLOCKS = 32  # a walk compares this many blocks at once where it went before
+
+
+def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
+    """How many leading blocks of `block_bytes` bytes `a` and `b` share (a binary search,
+    each probe one comparison in C)."""
+    low, high = 0, min(len(a), len(b)) // block_bytes
+    while low < high:  # the first `low` blocks are shared, those after `high` are not
+        mid = (low + high + 1) // 2
+        if a[:mid * block_bytes] == b[:mid * block_bytes]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+class BlockKeys:
+    """A prompt's full blocks as token bytes (little-endian uint32 ids), the keys a walk
+    follows: key i is block i's bytes and span(i, j) those of blocks i to j - 1, each
+    copied out of the prompt's buffer when asked for, so a walk makes only what it reads."""
+
+    __slots__ = ("data", "block_bytes", "count")
+
+    def __init__(self, data: memoryview, block_bytes: int):
+        self.data = data  # of format "B"
+        self.block_bytes = block_bytes
+        self.count = len(data) // block_bytes
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> bytes:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        return self.span(i, i + 1)
+
+    def span(self, start: int, stop: int) -> bytes:
+        return bytes(self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes])
 
 
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
     __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
-                 "hit_epoch", "hits_now", "hits_before")
+                 "hit_epoch", "hits_now", "hits_before", "lead", "ahead")
 
     def __init__(self, block_hash: int):
         self.block_hash = block_hash
@@ -50,6 +93,32 @@ class BlockNode:
         self.hit_epoch = 0  # the half-window of the last hit; hits in it and in the one before
         self.hits_now = 0
         self.hits_before = 0
+        # Segments: a node whose depth + 1 is a multiple of SEGMENT_BLOCKS (or a root) is a
+        # segment head. `ahead` keeps, per first block below it, the longest run of up to
+        # SEGMENT_BLOCKS blocks from there that a walk went (their keys' bytes and nodes),
+        # dropped when one of those nodes is forgotten; `lead` is the first block of this
+        # node's segment (its parent the head).
+        self.lead: BlockNode | None = None
+        self.ahead: dict[bytes, tuple[bytes, list[BlockNode]]] | None = None
+
+
+class Credit:
+    """Blocks a placement holds on credit: the prompt's full-block `keys` after the first
+    `held`, which its `worker_id` already holds; `path` is the prompt's known prefix when
+    it was placed. `blocks` is None until the credit is named, then the names credited
+    (the blocks the worker lacked)."""
+
+    __slots__ = ("worker_id", "root_hash", "keys", "path", "held", "now", "blocks")
+
+    def __init__(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
+                 held: int, now: float):
+        self.worker_id = worker_id
+        self.root_hash = root_hash
+        self.keys = keys
+        self.path = path
+        self.held = held
+        self.now = now
+        self.blocks: list[int] | None = None
 
 
 class PrefixIndex:
@@ -74,37 +143,71 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
+        # Credits placed but not yet named, in placement order, with the (root, first block
+        # key) pairs of their prompts and their workers: what may read them (see expect).
+        self.unnamed: list[Credit] = []
+        self.unnamed_heads: set[tuple[int, bytes]] = set()
+        self.unnamed_workers: set[str] = set()
         self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
 
-    def block_keys(self, prompt: bytes | np.ndarray) -> list[bytes]:
-        """Each full block's token bytes (little-endian uint32 ids), the keys a walk
-        follows: one C call over the buffer, no copy of it and no slice per block."""
+    def block_keys(self, prompt: bytes | np.ndarray) -> BlockKeys:
+        """The prompt's full blocks' keys (a prompt given as little-endian uint32 ids)."""
         # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python 3.12+ only.
-        buffer = memoryview(prompt)  # type: ignore[arg-type]
-        count = buffer.nbytes // self.block_bytes
-        return np.frombuffer(buffer, dtype=f"V{self.block_bytes}", count=count).tolist()
+        return BlockKeys(memoryview(prompt).cast("B"), self.block_bytes)  # type: ignore[arg-type]
 
-    def walk(self, root_hash: int, keys: list[bytes]) -> list[BlockNode]:
-        """Nodes of the prompt's longest prefix of full blocks that the index names."""
+    def walk(self, root_hash: int, keys: BlockKeys) -> list[BlockNode]:
+        """Nodes of the prompt's longest prefix of full blocks that the index names.
+
+        Segment by segment: the blocks a segment shares with the run a walk went below
+        its head are taken at once (a few comparisons of their bytes); the rest block
+        by block, each a lookup of its key among the node's children (or,
+        for a child not linked yet, of its hash among all nodes)."""
+        if keys.count and (root_hash, keys[0]) in self.unnamed_heads:
+            self.name_credits()
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        append = path.append
-        nodes = self.nodes
-        for key in keys:
-            children = node.children
-            child = children.get(key) if children is not None else None
-            if child is None:
-                child = nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
+        block_bytes = keys.block_bytes
+        while len(path) < keys.count:
+            head, first = node, len(path)  # a segment head
+            span = keys.span(first, first + SEGMENT_BLOCKS)
+            ahead = head.ahead.get(span[:block_bytes]) if head.ahead is not None else None
+            same = 0
+            if ahead is not None:
+                run_bytes, run = ahead
+                same = len(run) if span.startswith(run_bytes) else _common_blocks(span, run_bytes, block_bytes)
+                if same:
+                    path += run if same == len(run) else run[:same]
+                    node = path[-1]
+                    if same == SEGMENT_BLOCKS:
+                        continue
+            for offset in range(same * block_bytes, len(span), block_bytes):
+                child = self._step(node, span[offset:offset + block_bytes], len(path))
                 if child is None:
                     break
-                self._link(node, key, child, len(path))
-            append(child)
-            node = child
+                path.append(child)
+                node = child
+            walked = len(path) - first
+            if walked and (ahead is None or walked > len(ahead[1])):
+                if head.ahead is None:
+                    head.ahead = {}
+                head.ahead[span[:block_bytes]] = (span[:walked * block_bytes], path[first:])
+            if walked < SEGMENT_BLOCKS:
+                break
         return path
+
+    def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
+        """The child of `node` whose key this is (linking it if only its hash is known)."""
+        children = node.children
+        child = children.get(key) if children is not None else None
+        if child is None:
+            child = self.nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
+            if child is not None:
+                self._link(node, key, child, depth)
+        return child
 
     def match(self, path: list[BlockNode]) -> dict[str, int]:
         """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
@@ -118,18 +221,18 @@ class PrefixIndex:
         matched: dict[str, int] = {}
         alive: Set[str] = path[0].holders.keys()
         signature = path[0].signature
-        for depth in range(1, len(path)):
-            node = path[depth]
-            if node.signature == signature:
-                continue
-            still = alive & node.holders.keys()
-            for worker_id in alive - still:
-                matched[worker_id] = depth
-            if not still:
-                return matched
-            alive, signature = still, node.signature
+        depth = 0
+        for node in path:
+            if node.signature != signature:
+                still = alive & node.holders.keys()
+                for worker_id in alive - still:
+                    matched[worker_id] = depth
+                if not still:
+                    return matched
+                alive, signature = still, node.signature
+            depth += 1
         for worker_id in alive:
-            matched[worker_id] = len(path)
+            matched[worker_id] = depth
         return matched
 
     def hits(self, node: BlockNode, now: float) -> int:
@@ -143,12 +246,15 @@ class PrefixIndex:
 
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
+        self._name_credits_of(worker_id)
         return iter(self.lru.get(worker_id, {}).values())
 
     def num_blocks(self, worker_id: str) -> int:
+        self._name_credits_of(worker_id)
         return len(self.lru.get(worker_id, ()))
 
     def __len__(self) -> int:
+        self.name_credits()
         return len(self.nodes)
 
     @property
@@ -174,6 +280,7 @@ class PrefixIndex:
 
     def stored(self, worker_id: str, block_hashes: Iterable[int], now: float) -> None:
         """A worker holds these blocks now (a KV event, or a placement in approximate mode)."""
+        self.name_credits()
         expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
         lru = self.lru.setdefault(worker_id, OrderedDict())
         bit = self._worker_bit(worker_id)
@@ -200,6 +307,7 @@ class PrefixIndex:
         self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + moved
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        self.name_credits()
         lru = self.lru.get(worker_id)
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
@@ -217,6 +325,7 @@ class PrefixIndex:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything a worker held (it left or restarted with an empty cache)."""
+        self.name_credits()
         bit = self._worker_bit(worker_id)
         self.lru_clock.pop(worker_id, None)
         self.last_touch.pop(worker_id, None)
@@ -230,6 +339,7 @@ class PrefixIndex:
     def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
         """The KV store holds these blocks now, block_hashes[i] in tier tiers[i] (a stored
         or a moved event: a move of a block not known here is as good as a store)."""
+        self.name_credits()
         nodes = self.nodes
         store_tiers = self.store_tiers
         for block_hash, tier in zip(block_hashes, tiers):
@@ -239,6 +349,7 @@ class PrefixIndex:
 
     def store_evicted(self, block_hashes: list[int]) -> None:
         """The KV store no longer holds these blocks."""
+        self.name_credits()
         for block_hash in block_hashes:
             if self.store_tiers.pop(block_hash, None) is not None:
                 node = self.nodes[block_hash]  # a stored block always has its node
@@ -247,6 +358,7 @@ class PrefixIndex:
 
     def drop_store(self) -> None:
         """Forget every block the store held (it restarted as a new instance)."""
+        self.name_credits()
         stored, self.store_tiers = self.store_tiers, {}
         for block_hash in stored:
             node = self.nodes[block_hash]
@@ -265,6 +377,7 @@ class PrefixIndex:
         self._touched(worker_id)
         if not path:
             return
+        self._name_credits_of(worker_id)
         epoch = int(now / self.half_window_s)
         if epoch != self.pending_epoch:
             self.flush_hits()
@@ -300,35 +413,79 @@ class PrefixIndex:
                 node = node.parent
         self.pending_hits.clear()
 
-    def placed(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
+    def placed(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
                now: float) -> None:
         """Approximate mode: predict that `worker_id` now holds every full block of the
         prompt whose block `keys` these are (`path` is its already-known prefix)."""
         nodes = path + self._name_rest(root_hash, keys, path)
         self.stored(worker_id, [node.block_hash for node in nodes], now)
 
-    def expect(self, worker_id: str, root_hash: int, keys: list[bytes], path: list[BlockNode],
-               held: int, now: float) -> list[int]:
+    def expect(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],
+               held: int, now: float) -> Credit:
         """Events mode: the prompt whose block `keys` these are (`path` its already-known
         prefix, of which the worker holds the first `held` blocks) was just placed on
         `worker_id`. Count the worker as holding every full block of it until KV events
-        confirm them (a stored event) or deny them (removed). Returns the blocks credited;
-        pass them to `settle` when the request ends."""
-        credit = [node.block_hash for node in path[held:] if worker_id not in node.holders]
-        credit += [node.block_hash for node in self._name_rest(root_hash, keys, path)]
-        if credit:
-            self.stored(worker_id, credit, now)
-            self.unconfirmed.setdefault(worker_id, set()).update(credit)
+        confirm them (a stored event) or deny them (removed). Returns the credit; pass it
+        to `settle` when the request ends.
+
+        The credit is named (its blocks hashed, made nodes and held) only when something
+        could see it, in placement order: before any event or store event, before a walk
+        of a prompt with the same first block (a prompt without it shares none of its
+        blocks), and before a read or a reorder of the worker's LRU. So every read sees
+        what naming it here would have shown, and a placement costs O(1)."""
+        credit = Credit(worker_id, root_hash, keys, path, held, now)
+        if held < len(keys):  # else the worker holds every block (matched = the prompt)
+            self.unnamed.append(credit)
+            self.unnamed_heads.add((root_hash, keys[0]))
+            self.unnamed_workers.add(worker_id)
+            self._touched(worker_id)
+        else:
+            credit.blocks = []
         return credit
 
-    def settle(self, worker_id: str, credited: list[int]) -> None:
-        """The request `expect` credited these blocks for has ended: forget the ones no
+    def settle(self, credit: Credit) -> None:
+        """The request `expect` made this credit for has ended: forget the blocks no
         event confirmed (the worker refused it, failed, or never stored them)."""
-        pending = self.unconfirmed.get(worker_id)
-        if pending and credited:
-            self.removed(worker_id, [block_hash for block_hash in credited if block_hash in pending])
+        self.name_credits()
+        pending = self.unconfirmed.get(credit.worker_id)
+        if pending and credit.blocks:
+            self.removed(credit.worker_id, [block_hash for block_hash in credit.blocks if block_hash in pending])
 
-    def _name_rest(self, root_hash: int, keys: list[bytes], path: list[BlockNode]) -> list[BlockNode]:
+    def credited(self, credit: Credit) -> list[int]:
+        """The blocks the credit holds for its worker (those it lacked when placed)."""
+        self.name_credits()
+        assert credit.blocks is not None  # named above, or made with none
+        return credit.blocks
+
+    def name_credits(self) -> None:
+        """Name every credit placed and not yet named, oldest first."""
+        if not self.unnamed:
+            return
+        unnamed, self.unnamed = self.unnamed, []
+        self.unnamed_heads.clear()
+        self.unnamed_workers.clear()
+        for credit in unnamed:
+            self._name(credit)
+
+    def _name_credits_of(self, worker_id: str) -> None:
+        if worker_id in self.unnamed_workers:
+            self.name_credits()
+
+    def _name(self, credit: Credit) -> None:
+        """What the credit holds: the known blocks the worker lacked and the rest of the
+        prompt. O(blocks after `held`)."""
+        worker_id, path = credit.worker_id, credit.path
+        blocks = [node.block_hash for node in path[credit.held:] if worker_id not in node.holders]
+        blocks += [node.block_hash for node in self._name_rest(credit.root_hash, credit.keys, path)]
+        credit.blocks = blocks
+        if blocks:
+            touched = worker_id in self.changed
+            self.stored(worker_id, blocks, credit.now)
+            if not touched:  # expect marked it; a sample read since must stay valid
+                self.changed.discard(worker_id)
+            self.unconfirmed.setdefault(worker_id, set()).update(blocks)
+
+    def _name_rest(self, root_hash: int, keys: BlockKeys, path: list[BlockNode]) -> list[BlockNode]:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
         rest = []
@@ -374,10 +531,24 @@ class PrefixIndex:
             parent.children = {}
         parent.children[key] = child
         child.parent, child.key, child.depth = parent, key, depth
+        child.lead = child if depth % SEGMENT_BLOCKS == 0 else parent.lead
 
     def _forget(self, node: BlockNode) -> None:
         del self.nodes[node.block_hash]
         parent = node.parent
         if parent is not None and parent.children and parent.children.get(node.key) is node:
             del parent.children[node.key]
-        node.parent = None
+        self._drop_run(node)
+        node.parent = node.lead = node.ahead = None
+
+    @staticmethod
+    def _drop_run(node: BlockNode) -> None:
+        """Drop the memoized run that `node` is in, if any (see BlockNode.ahead)."""
+        lead = node.lead
+        head = lead.parent if lead is not None else None
+        if lead is None or head is None or not head.ahead:
+            return
+        run = head.ahead.get(lead.key)
+        at = node.depth - lead.depth
+        if run is not None and at < len(run[1]) and run[1][at] is node:
+            del head.ahead[lead.key]

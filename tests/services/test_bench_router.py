@@ -15,6 +15,10 @@ from tests.terminal import run_with_stderr_on_terminal
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_router.py"
 TINY = ["--workers", "4", "--prompt-tokens", "512", "--families", "4", "--warmup", "50",
         "--decisions", "200", "--min-index-blocks", "100", "--kv-blocks", "200", "--in-flight", "4"]
+# The decisions of each policy at TINY sizes as commit f2ba184 made them (bench_router's
+# decisions_digest): a change of speed must not change where a request goes.
+DIGESTS = {"round_robin": "36ac9c595ea38605", "least_load": "7f442be0904bda2f", "lpm": "c9e115a9111a909d",
+           "cache_aware": "d13d4c7a98789923", "dynamo": "144c36358debec3a", "e2": "c9e115a9111a909d"}
 
 
 def load_script():
@@ -34,7 +38,10 @@ def test_every_policy_reports_a_rate_and_ordered_percentiles(capsys):
         assert 0 < row["p50_ms"] <= row["p99_ms"]
         assert row["decisions"] == 200
         assert row["index_blocks_start"] >= 100
+        assert row["finished"] > 0 and row["events_ms"] > 0
+        assert row["unconfirmed_blocks"] == 0  # each placement's stored events confirmed its credit
     assert any(row["removed_blocks"] for row in result.values())  # the caches overflowed
+    assert {name: row["decisions_digest"] for name, row in result.items()} == DIGESTS
 
 
 def test_progress_is_drawn_on_a_terminal_and_json_stays_the_last_stdout_line():
@@ -53,6 +60,7 @@ def test_with_the_store_its_blocks_are_counted_and_priced(capsys):
     assert load_script().main(TINY + ["--policies", "e2,cache_aware", "--store", "--store-blocks", "300",
                                       "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for row in result.values():
+    for name, row in result.items():
         assert row["decisions"] == 200
         assert 0 < row["store_blocks"] <= 300  # evicted blocks written back, the oldest dropped
+        assert row["decisions_digest"] == DIGESTS[name]  # as f2ba184 placed them with the store

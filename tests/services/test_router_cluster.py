@@ -306,7 +306,8 @@ def test_only_the_blocks_the_worker_lacks_are_credited():
     prompt = tokens(1, 6 * BLOCK)
     hashes = cache(cluster, "a", prompt[:2 * BLOCK])
     placement = cluster.place(cluster.prepare("r", ROOT, prompt, 8, 0.0), "a", 0.0)
-    assert placement.credited == chain_hashes(ROOT, prompt, BLOCK)[2:]
+    assert placement.credited is not None
+    assert cluster.index.credited(placement.credited) == chain_hashes(ROOT, prompt, BLOCK)[2:]
     cluster.finish("r")
     assert cluster.prepare("next", ROOT, prompt, 8, 1.0).matched == {"a": 2}
     assert [node.block_hash for node in cluster.index.lru_blocks("a")] == hashes
@@ -327,7 +328,65 @@ def test_a_removed_event_cuts_a_credit_and_a_later_store_confirms_the_block():
 def test_approximate_mode_credits_nothing():
     cluster = cluster_of("a", index_ttl_s=30.0)
     placement = cluster.place(cluster.prepare("r", ROOT, tokens(1, 4 * BLOCK), 8, 0.0), "a", 0.0)
-    assert placement.credited == []
+    assert placement.credited is None
+
+
+class CountingDict(dict):
+    """The index's nodes, counting each lookup, store and deletion: its work per block."""
+
+    def __init__(self, items: dict):
+        super().__init__(items)
+        self.touched = 0
+
+    def get(self, key, default=None):
+        self.touched += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.touched += 1
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        self.touched += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.touched += 1
+        super().__delitem__(key)
+
+    def __contains__(self, key):
+        self.touched += 1
+        return super().__contains__(key)
+
+
+def credit_work(new_blocks: int, others: int) -> tuple[int, int]:
+    """Node operations of placing, on a worker that holds its first 8 blocks, a prompt
+    whose next `new_blocks` no worker holds, and then of naming and settling its credit;
+    beside `others` requests of 16 blocks each placed on another worker, whose blocks are
+    indexed and on credit, never confirmed."""
+    cluster = cluster_of("a", "b")
+    for n in range(others):
+        cluster.place(cluster.prepare(f"o{n}", ROOT, tokens(100 + n, 16 * BLOCK), 8, 0.0), "b", 0.0)
+    shared = tokens(1, 8 * BLOCK)
+    cache(cluster, "a", shared)  # an event: names the others' credits
+    assert sum(map(len, cluster.index.unconfirmed.values())) == 16 * others
+    request = cluster.prepare("r", ROOT, np.concatenate([shared, tokens(2, new_blocks * BLOCK)]), 8, 1.0)
+    nodes = cluster.index.nodes = CountingDict(cluster.index.nodes)
+    cluster.place(request, "a", 1.0)
+    placing = nodes.touched
+    cluster.kv_stored("b", [], 1.5)  # any event names the credit
+    cluster.finish("r")  # unconfirmed: settling forgets its blocks
+    return placing, nodes.touched - placing
+
+
+def test_a_credit_costs_work_in_its_new_blocks_not_in_the_index_or_the_other_credits():
+    assert credit_work(10, 0)[0] == credit_work(40, 50)[0] == 0  # placing names nothing
+    work = {blocks: credit_work(blocks, 0)[1] for blocks in (10, 20, 40)}
+    assert credit_work(10, 50)[1] == work[10]
+    assert credit_work(40, 50)[1] == work[40]
+    per_block = (work[20] - work[10]) / 10
+    assert 0 < per_block <= 6
+    assert work[40] - work[20] == 20 * per_block  # linear in the new blocks
 
 
 # ---- approximate mode ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 import numpy as np
 
 from common.hashing import chain_hashes, root_hash
-from services.router.index import PrefixIndex
+from services.router.index import SEGMENT_BLOCKS, PrefixIndex
 
 BLOCK = 4
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -32,7 +32,7 @@ def match(index: PrefixIndex, token_ids, now: float = 0.0, root: int = ROOT) -> 
 def test_walk_on_an_empty_index_finds_nothing():
     index = PrefixIndex(BLOCK)
     assert index.walk(ROOT, as_bytes(tokens(1, 40))) == []
-    assert index.walk(ROOT, []) == []
+    assert index.walk(ROOT, index.block_keys(b"")) == []
     assert len(index) == 0
     assert match(index, tokens(1, 40)) == {}
 
@@ -313,13 +313,13 @@ def test_expect_credits_the_blocks_a_worker_lacks_and_settle_drops_the_unconfirm
     index.stored("B", names[:2], 0.0)
     keys = as_bytes(prompt)
     credited = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 2, 0.0)
-    assert credited == names[2:]
+    assert index.credited(credited) == names[2:]
     assert index.match(index.walk(ROOT, keys)) == {"A": 6, "B": 2}
     index.stored("A", names[2:4], 1.0)  # confirmed
-    index.settle("A", credited)
+    index.settle(credited)
     assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
     assert len(index) == 4
-    index.settle("A", credited)  # twice is harmless
+    index.settle(credited)  # twice is harmless
     assert index.match(index.walk(ROOT, keys)) == {"A": 4, "B": 2}
 
 
@@ -330,8 +330,8 @@ def test_a_dropped_worker_leaves_no_credit_behind():
     index.drop_worker("A")
     assert len(index) == 0
     assert index.unconfirmed == {}
-    index.stored("A", credited, 1.0)  # the worker came back and stored them for real
-    index.settle("A", credited)  # its old request's end must not drop them
+    index.stored("A", index.credited(credited), 1.0)  # the worker came back and stored them for real
+    index.settle(credited)  # its old request's end must not drop them
     assert index.match(index.walk(ROOT, keys)) == {"A": 3}
 
 
@@ -390,3 +390,32 @@ def test_walk_stops_at_the_first_unknown_block_without_hashing_the_rest(monkeypa
     calls.clear()
     assert len(index.walk(ROOT, as_bytes(prompt, 16))) == 4
     assert len(calls) == 1  # known blocks come from the children links now
+
+
+def test_a_walk_that_goes_a_known_segment_at_once_stops_where_a_block_was_forgotten():
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, (2 * SEGMENT_BLOCKS + 3) * BLOCK)
+    names = hashes(prompt)
+    index.stored("A", names, 0.0)
+    keys = as_bytes(prompt)
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names  # a first walk
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names  # segments at once
+    index.removed("A", [names[SEGMENT_BLOCKS + 5]])
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names[:SEGMENT_BLOCKS + 5]
+    index.stored("A", [names[SEGMENT_BLOCKS + 5]], 1.0)
+    assert [node.block_hash for node in index.walk(ROOT, keys)] == names
+    assert index.match(index.walk(ROOT, keys)) == {"A": len(names)}
+
+
+def test_a_credit_is_named_only_when_something_could_see_it():
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, 4 * BLOCK)
+    keys = as_bytes(prompt)
+    credit = index.expect("A", ROOT, keys, index.walk(ROOT, keys), 0, 0.0)
+    assert index.walk(ROOT, as_bytes(tokens(2, 4 * BLOCK))) == []  # another first block
+    assert credit.blocks is None and index.nodes == {}
+    assert index.match(index.walk(ROOT, keys)) == {"A": 4}  # the same first block: named first
+    assert credit.blocks == hashes(prompt)
+    later = index.expect("B", ROOT, keys, index.walk(ROOT, keys), 0, 1.0)
+    assert [node.block_hash for node in index.lru_blocks("B")] == hashes(prompt)  # B's LRU read
+    assert later.blocks == hashes(prompt)
