@@ -65,9 +65,9 @@ from typing import Literal, TypeAlias
 from common.cost_model import CostModel
 from common.engine.block_manager import BlockManager, EvictedBlock
 from common.engine.queue_policy import make_queue_policy
-from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from common.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler, SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
-from common.hashing import root_hash
+from common.hashing import chain_hashes, root_hash
 from common.sampling_params import SamplingParams
 from services.eval.disagg import (
     DEFAULT_LINK,
@@ -248,6 +248,15 @@ class SimWorker:
             marginal += cost.decode.marginal(decode_batch, decode_context / decode_batch)
         return fixed + marginal
 
+    def decode_step_times(self, plan: SchedulePlan) -> Callable[[int], float]:
+        """step_time(plan, offset) as a function of the offset, for a plan of decodes only
+        (a quiet run's): the same sums, without walking the batch per step."""
+        decode = self.config.cost.decode
+        batch = len(plan.chunks)
+        context = sum(chunk.start for chunk in plan.chunks)
+        fixed = max(0.0, decode.a)
+        return lambda offset: fixed + decode.marginal(batch, (context + batch * offset) / batch)
+
 
 class Simulator:
     def __init__(self, config: SimConfig):
@@ -343,12 +352,14 @@ class Simulator:
         self.records[request.request_id] = record
         record.ideal_s = self._ideal_s(request)
         root = self._root_hash(request.tenant)
+        # Hashed from the array: encoding the prompt's list again would cost as much as hashing it.
         seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
                        token_ids=request.token_ids.tolist(),
                        params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
                        arrival_index=0, root_hash=root, block_size=self.config.block_size,
                        eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
-                       arrival_time=self.now)
+                       arrival_time=self.now,
+                       block_hashes=chain_hashes(root, request.token_ids, self.config.block_size))
         self.sequences[request.request_id] = (seq, request)
         decode = self._pair_decode(request, root) if self.decode_cluster is not None else None
         if decode is not None and self._prefills_locally(self.workers[decode[1]], seq):
@@ -576,9 +587,11 @@ class Simulator:
         # first (arrivals were queued first), and might join it.
         if self.config.fuse_quiet_steps and end < next_arrival:
             quiet = self._quiet_steps(worker, plan)
-            while steps <= quiet and end < next_arrival:
-                end += worker.step_time(plan, steps)
-                steps += 1
+            if quiet:
+                step_s = worker.decode_step_times(plan)
+                while steps <= quiet and end < next_arrival:
+                    end += step_s(steps)
+                    steps += 1
         self.steps += steps
         self._at(end, ("step_done", worker, plan, steps))
 
@@ -607,11 +620,9 @@ class Simulator:
     def _step_done(self, worker: SimWorker, plan: SchedulePlan, steps: int) -> int:
         """Apply a finished step (the last of `steps`, the others quiet); returns how
         many requests it completed."""
-        for _ in range(steps - 1):
+        if steps > 1:
             for chunk in plan.chunks:
-                chunk.seq.num_computed = chunk.start + 1
-                self._sample(worker, chunk.seq)
-                chunk.start += 1
+                _advance_quietly(chunk, steps - 1)
         worker.scheduler.complete(plan)
         completed = 0
         for chunk in plan.chunks:
@@ -623,7 +634,7 @@ class Simulator:
         return completed
 
     def _sample(self, worker: SimWorker, seq: Sequence) -> bool:
-        """Append a stand-in token; True when the request is done."""
+        """Append a stand-in token (_stand_in); True when the request is done."""
         record = self.records[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = self.now
@@ -635,7 +646,7 @@ class Simulator:
             record.num_cached_tokens = seq.num_cached_tokens
             if self.store is not None:
                 self._count_store_hits(seq, record)
-        seq.append_token(1 + (seq.num_tokens * 7919 + seq.arrival_index) % STAND_IN_VOCAB)
+        seq.append_token(_stand_in(seq.num_tokens, seq.arrival_index))
         if seq.check_stop(seq.token_ids[-1]) is None:
             return False
         if seq.request_id in self.handoffs:
@@ -652,6 +663,23 @@ class Simulator:
         worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens))
         del self.sequences[seq.request_id]
         return True
+
+
+def _stand_in(position: int, arrival_index: int) -> int:
+    """The stand-in token a sequence samples at `position` (its length before it)."""
+    return 1 + (position * 7919 + arrival_index) % STAND_IN_VOCAB
+
+
+def _advance_quietly(chunk: ScheduledChunk, steps: int) -> None:
+    """The decode chunk's sequence after `steps` quiet steps (Simulator._quiet_steps):
+    a stand-in token each, none of which can stop it or has a first token's bookkeeping,
+    so they are appended at once and the chunk then starts `steps` tokens later."""
+    seq = chunk.seq
+    first = seq.num_tokens
+    seq.token_ids.extend(_stand_in(position, seq.arrival_index) for position in range(first, first + steps))
+    seq.extend_hashes()  # what append_token does at each block boundary, all at once
+    chunk.start += steps
+    seq.num_computed = chunk.start
 
 
 @dataclass(slots=True)
