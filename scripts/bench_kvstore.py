@@ -7,9 +7,10 @@ the same-host path (the store's DRAM pool mapped from /dev/shm), as inline frame
 bytes travel in the control messages) and, for gets, over the KV transport (the engine's
 KvTransport pulls the leased DRAM slots; puts then travel as frames), and written to and
 read from the SSD tier (SsdTier in a temporary directory, CRC32C on every record). Beside
-them, the raw references on the same bytes: a numpy memcpy, timed right after each put and
-fetch (dram get / memcpy is the median of those back-to-back pairs), and a sequential file
-write with fsync and its read back. Every figure is the median of --repeats runs (GB/s = bytes
+them, the raw references on the same bytes: a numpy memcpy, timed right after each fetch
+(dram get / memcpy is the median of those back-to-back pairs), and a sequential file
+write with fsync and its read back, the read timed right after each SSD tier read (ssd get
+/ file read the median of those pairs). Every figure is the median of --repeats runs (GB/s = bytes
 / median seconds).
 
 Part 2, fetch against recompute (a real cluster: router, tokenizer, one worker, kvstore):
@@ -89,21 +90,28 @@ def gbps(num_bytes: int, seconds: float) -> float:
 # ---- raw references ------------------------------------------------------------------------
 
 
-def file_seconds(directory: Path, num_bytes: int, repeats: int) -> tuple[float, float]:
-    """(write+fsync, read) seconds of one sequential file of num_bytes."""
-    data = np.random.default_rng(1).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()
-    path = directory / "raw.bin"
+class RawFile:
+    """One sequential file of num_bytes, the SSD tier's reference: written with an fsync,
+    read back whole."""
 
-    def write() -> None:
-        with open(path, "wb", buffering=0) as handle:
-            handle.write(data)
+    def __init__(self, directory: Path, num_bytes: int):
+        self.data = np.random.default_rng(1).integers(0, 256, num_bytes, dtype=np.uint8).tobytes()
+        self.path = directory / "raw.bin"
+
+    def write(self) -> None:
+        with open(self.path, "wb", buffering=0) as handle:
+            handle.write(self.data)
             os.fsync(handle.fileno())
 
-    def read() -> None:
-        with open(path, "rb", buffering=0) as handle:
-            handle.readinto(bytearray(num_bytes))
+    def read(self) -> None:
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.readinto(bytearray(len(self.data)))
 
-    return median_seconds(write, repeats), median_seconds(read, repeats)
+
+def seconds(run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
 
 
 class StoreProcess:
@@ -221,16 +229,16 @@ def store_seconds(client, values: np.ndarray, repeats: int, pool: np.ndarray | N
     return times
 
 
-def ssd_seconds(directory: Path, values: np.ndarray, repeats: int) -> tuple[float, float]:
-    """(write+sync, read) median seconds of the SSD tier itself: one record per block, each
-    with its header and CRC32C, then a sync (durable, as the raw write's fsync); the read
-    checks every record's CRC."""
+def ssd_seconds(directory: Path, values: np.ndarray, repeats: int, raw: RawFile) -> dict[str, list[float]]:
+    """Seconds per run of the SSD tier itself, "write" (one record per block, each with its
+    header and CRC32C, then a sync: durable, as the raw write's fsync) and "read" (every
+    record's CRC checked), and of a read of the raw file right after each tier read."""
     from services.kvstore.ssd import SsdTier
     from services.kvstore.tiers import ssd_config
 
     count, block_bytes = values.shape
     config = ssd_config(directory / "ssd", 2 * count * (block_bytes + 4096) / 1e9, block_bytes)
-    writes, reads = [], []
+    times: dict[str, list[float]] = {"write": [], "read": [], "raw_read": []}
     with SsdTier(config) as tier:
         for run in range(repeats + 1):
             namespace = (run + 1).to_bytes(8, "little")
@@ -241,14 +249,16 @@ def ssd_seconds(directory: Path, values: np.ndarray, repeats: int) -> tuple[floa
             started = time.perf_counter()
             payloads = [tier.read(slot)[2] for slot in slots]
             read_s = time.perf_counter() - started
+            raw_read_s = seconds(raw.read)
             if any(payload != values[key].tobytes() for key, payload in enumerate(payloads)):
                 raise RuntimeError("an SSD record read back differs")
             for slot in slots:
                 tier.free(slot)
             if run:
-                writes.append(write_s)
-                reads.append(read_s)
-    return statistics.median(writes), statistics.median(reads)
+                times["write"].append(write_s)
+                times["read"].append(read_s)
+                times["raw_read"].append(raw_read_s)
+    return times
 
 
 def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
@@ -261,10 +271,13 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
     figures: dict[str, object] = {"bytes": num_bytes, "blocks": args.blocks, "block_bytes": layout.bytes_per_block}
     with tempfile.TemporaryDirectory(prefix="bench-kvstore-") as scratch_name:
         scratch = Path(scratch_name)
-        write_s, read_s = file_seconds(scratch, num_bytes, args.repeats)
-        figures.update(file_write_gbps=gbps(num_bytes, write_s), file_read_gbps=gbps(num_bytes, read_s))
-        ssd_write_s, ssd_read_s = ssd_seconds(scratch, values, args.repeats)
-        figures.update(ssd_put_gbps=gbps(num_bytes, ssd_write_s), ssd_get_gbps=gbps(num_bytes, ssd_read_s))
+        raw = RawFile(scratch, num_bytes)
+        figures["file_write_gbps"] = gbps(num_bytes, median_seconds(raw.write, args.repeats))
+        ssd = ssd_seconds(scratch, values, args.repeats, raw)
+        figures.update(ssd_put_gbps=gbps(num_bytes, statistics.median(ssd["write"])),
+                       ssd_get_gbps=gbps(num_bytes, statistics.median(ssd["read"])),
+                       file_read_gbps=gbps(num_bytes, statistics.median(ssd["raw_read"])),
+                       ssd_get_vs_file_read=statistics.median(f / t for f, t in zip(ssd["raw_read"], ssd["read"])))
         store = StoreProcess(model_dir, scratch, kvstore_dram_gb=3 * num_bytes / 1e9)
         memcpy_s: list[float] = []
         try:
@@ -290,7 +303,6 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
         finally:
             store.stop()
     figures["memcpy_gbps"] = gbps(num_bytes, statistics.median(memcpy_s))
-    figures["ssd_get_vs_file_read"] = figures["ssd_get_gbps"] / figures["file_read_gbps"]  # type: ignore[operator]
     return figures
 
 
