@@ -10,7 +10,7 @@ import numpy as np
 from common.cost_model import TINY_CPU, LatencyFit
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
-from services.router.policies.cost_aware import predicted_latency_s
+from services.router.policies.cost_aware import added_decode_step_s, added_latency_s
 from services.router.policies.e2 import E2
 from tests.services.test_router_policy import BLOCK, ROOT, cache, tokens
 
@@ -70,8 +70,8 @@ def test_a_high_load_ratio_with_a_short_queue_keeps_the_prefix_where_e2_moves_it
 
 
 def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
-    """Requests for one prefix arrive together: each lengthens the holder's queue by its
-    suffix, and the first whose wait there exceeds a recompute elsewhere goes elsewhere,
+    """Requests for one prefix arrive together: each lengthens the holder's queue (and
+    batch) by its suffix, and the first whose wait there exceeds a recompute elsewhere goes elsewhere,
     which makes that worker a holder at once."""
     cluster = cluster_of("a", "b", "c")
     shared = tokens(1, 2048)
@@ -81,9 +81,12 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
     for index in range(12):
         request = request_for(cluster, np.concatenate([shared, tokens(100 + index, 256)]), request_id=f"r{index}")
         worker_id = policy.choose(request, cluster, 0.0)[0]
-        saved_s = cluster.held_prefill_s(request, 0) - cluster.held_prefill_s(request, request.matched["a"])
         if len(request.matched) == 1:  # "a" the only holder: it stays only while waiting costs less
-            assert (cluster.queue_s("a", 0.0) <= saved_s) == (worker_id == "a")
+            # What the request adds on "a": its wait, and its suffix's prefill, which each
+            # sequence decoding there waits out too; elsewhere: the whole prompt's prefill.
+            batch = len(cluster.workers["a"].in_flight)
+            on_a = cluster.queue_s("a", 0.0) + (1 + batch) * cluster.prefill_s(request, "a")
+            assert (on_a <= cluster.held_prefill_s(request, 0)) == (worker_id == "a")
         cluster.place(request, worker_id, 0.0)
         chosen.append(worker_id)
     second = next(w for w in chosen if w != "a")
@@ -105,18 +108,20 @@ def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than
     assert first(cluster, prompt) == "idle"
 
 
-def test_decode_prices_the_batch_a_request_would_join():
-    """Two workers without the prompt: the one with the larger decode batch costs its
-    output × the slower step; with one output token the queue-free tie goes by id."""
+def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
+    """Two idle-queued workers without the prompt, one with 20 sequences decoding: there
+    each of them waits out the prompt's prefill and decodes slower in the larger batch."""
     cluster = cluster_of("a", "b", flat_decode=False)
     for index in range(20):
         request = request_for(cluster, tokens(500 + index, 64), request_id=f"a-{index}")
         cluster.place(request, "a", 0.0)
     queued(cluster, "a", 0.0)
-    prompt = tokens(1, 64)
-    costs = predicted_latency_s(request_for(cluster, prompt, max_tokens=64), cluster, 0.0)
-    assert costs["a"] > costs["b"]
-    assert first(cluster, prompt, max_tokens=64) == "b"
+    request = request_for(cluster, tokens(1, 64), max_tokens=64)
+    workers = cluster.workers
+    assert added_decode_step_s(request, cluster, workers["a"]) > added_decode_step_s(request, cluster, workers["b"])
+    costs = added_latency_s(request, cluster, 0.0)
+    assert costs["a"] - costs["b"] > 20 * cluster.prefill_s(request, "a")
+    assert first(cluster, tokens(1, 64), max_tokens=64) == "b"
 
 
 def test_eviction_is_priced_where_the_prompt_does_not_fit():
@@ -129,7 +134,7 @@ def test_eviction_is_priced_where_the_prompt_does_not_fit():
     cluster.report("a", 0, 0, 0, len(hot) // 16)
     cluster.report("b", 0, 0, 0, 0)
     prompt = tokens(2, 1600)  # 100 blocks: fits in b's 200 free, not in a's 13
-    costs = predicted_latency_s(request_for(cluster, prompt), cluster, 0.0)
+    costs = added_latency_s(request_for(cluster, prompt), cluster, 0.0)
     assert costs["a"] > costs["b"]
 
 
