@@ -12,7 +12,7 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
 
-ranked by ascending cost, ties by worker id. The three rules E2 states as triggers fall
+ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three rules E2 states as triggers fall
 out of this one comparison, each on seconds, not ratios:
   * overload: a holder whose queue exceeds what the prompt costs to recompute elsewhere
     loses the request; a holder with a high load ratio but a short queue keeps it;
@@ -35,7 +35,10 @@ class CostAware(StatelessFeedback):
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
         costs = added_latency_s(request, cluster, now)
-        return ranked(cluster, costs.__getitem__)
+        # Equal costs (idle workers, none holding the prompt) go to the least windowed
+        # work, E2's L: spreading new prefixes spreads what the caches must keep.
+        loads = cluster.loads(now)
+        return ranked(cluster, lambda worker_id: (costs[worker_id], loads[worker_id]))
 
 
 def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
