@@ -83,9 +83,11 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
         worker_id = policy.choose(request, cluster, 0.0)[0]
         if len(request.matched) == 1:  # "a" the only holder: it stays only while waiting costs less
             # What the request adds on "a": its wait, and its suffix's prefill, which each
-            # sequence decoding there waits out too; elsewhere: the whole prompt's prefill.
-            batch = len(cluster.workers["a"].in_flight)
-            on_a = cluster.queue_s("a", 0.0) + (1 + batch) * cluster.prefill_s(request, "a")
+            # sequence decoding there waits out too (less the step's fixed cost);
+            # elsewhere: the whole prompt's prefill.
+            suffix_s = cluster.prefill_s(request, "a")
+            slowed_s = len(cluster.workers["a"].in_flight) * (suffix_s - cluster.cost.prefill.a)
+            on_a = cluster.queue_s("a", 0.0) + suffix_s + slowed_s
             assert (on_a <= cluster.held_prefill_s(request, 0)) == (worker_id == "a")
         cluster.place(request, worker_id, 0.0)
         chosen.append(worker_id)
@@ -110,7 +112,8 @@ def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than
 
 def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
     """Two idle-queued workers without the prompt, one with 20 sequences decoding: there
-    each of them waits out the prompt's prefill and decodes slower in the larger batch."""
+    each of them waits out the prompt's prefill (less the step's fixed cost, which their
+    step pays anyway) and decodes slower in the larger batch."""
     cluster = cluster_of("a", "b", flat_decode=False)
     for index in range(20):
         request = request_for(cluster, tokens(500 + index, 64), request_id=f"a-{index}")
@@ -120,7 +123,7 @@ def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
     workers = cluster.workers
     assert added_decode_step_s(request, cluster, workers["a"]) > added_decode_step_s(request, cluster, workers["b"])
     costs = added_latency_s(request, cluster, 0.0)
-    assert costs["a"] - costs["b"] > 20 * cluster.prefill_s(request, "a")
+    assert costs["a"] - costs["b"] > 20 * (cluster.prefill_s(request, "a") - cluster.cost.prefill.a)
     assert first(cluster, tokens(1, 64), max_tokens=64) == "b"
 
 

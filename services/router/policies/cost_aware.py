@@ -5,9 +5,10 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
 (ClusterState, docs/router.md §3):
 
     cost(w) = queue_s(w)                    the prefills already placed there, ahead of it
-            + (1 + n) · P(w)                the prefill of what w lacks (store fetches
-                                            priced), which its n decoding sequences wait
-                                            out too: chunked prefill shares their steps
+            + P(w)                          the prefill of what w lacks (store fetches priced)
+            + n · (P(w) − a)                which its n sequences wait out too: chunked
+                                            prefill joins their decode step, whose fixed
+                                            cost a (the prefill fit's) is paid anyway
             + eviction_cost_s(w)            hit-weighted recompute of what it would evict
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
@@ -45,6 +46,7 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
     """Per worker id, the latency placing the request there adds, its own and that of
     the requests it slows or makes recompute, in seconds as the cost model predicts."""
     expected_output = cluster.expected_output(request)
+    step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
     blocks = -(-request.num_tokens // cluster.block_size)
     prefill_by_held: dict[int, float] = {}
     costs: dict[str, float] = {}
@@ -55,7 +57,7 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
             prefill_s = prefill_by_held[held] = cluster.held_prefill_s(request, held)
         worker = cluster.workers[worker_id]
         batch = len(worker.in_flight)
-        cost = cluster.queue_s(worker_id, now) + (1 + batch) * prefill_s \
+        cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
             + expected_output * added_decode_step_s(request, cluster, worker)
         if cluster.free_blocks[worker_id] < blocks - held:
             cost += cluster.eviction_cost_s(request, worker_id, now)
