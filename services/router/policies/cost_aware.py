@@ -13,8 +13,8 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
 
-ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three rules E2 states as triggers fall
-out of this one comparison, each on seconds, not ratios:
+ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
+rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
   * overload: a holder whose queue exceeds what the prompt costs to recompute elsewhere
     loses the request; a holder with a high load ratio but a short queue keeps it;
   * replication: a hot prefix goes to a second worker on the first request for which its
