@@ -120,8 +120,11 @@ def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
         cluster.place(request, "a", 0.0)
     queued(cluster, "a", 0.0)
     request = request_for(cluster, tokens(1, 64), max_tokens=64)
-    workers = cluster.workers
-    assert added_decode_step_s(request, cluster, workers["a"]) > added_decode_step_s(request, cluster, workers["b"])
+    decode, a = cluster.cost.decode, cluster.workers["a"]
+    joined = 21 * cluster.tpot_s(request, "a") - 20 * cluster.cost.decode_step_s(20, a.prompt_tokens_sum / 20)
+    assert abs(added_decode_step_s(decode, 20, a.prompt_tokens_sum, 64) - joined) < 1e-12
+    alone = added_decode_step_s(decode, 0, 0, 64)
+    assert abs(alone - cluster.tpot_s(request, "b")) < 1e-12 and alone < joined
     costs = added_latency_s(request, cluster, 0.0)
     assert costs["a"] - costs["b"] > 20 * (cluster.prefill_s(request, "a") - cluster.cost.prefill.a)
     assert first(cluster, tokens(1, 64), max_tokens=64) == "b"

@@ -27,7 +27,8 @@ estimate only where the prompt does not fit in the worker's free blocks.
 """
 from __future__ import annotations
 
-from services.router.cluster import ClusterState, Request, WorkerState
+from common.cost_model import LatencyFit
+from services.router.cluster import ClusterState, Request
 from services.router.policies.base import StatelessFeedback, ranked
 
 
@@ -47,6 +48,7 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
     the requests it slows or makes recompute, in seconds as the cost model predicts."""
     expected_output = cluster.expected_output(request)
     step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
+    decode = cluster.cost.decode
     blocks = -(-request.num_tokens // cluster.block_size)
     prefill_by_held: dict[int, float] = {}
     costs: dict[str, float] = {}
@@ -58,19 +60,20 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
         worker = cluster.workers[worker_id]
         batch = len(worker.in_flight)
         cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
-            + expected_output * added_decode_step_s(request, cluster, worker)
+            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens)
         if cluster.free_blocks[worker_id] < blocks - held:
             cost += cluster.eviction_cost_s(request, worker_id, now)
         costs[worker_id] = cost
     return costs
 
 
-def added_decode_step_s(request: Request, cluster: ClusterState, worker: WorkerState) -> float:
-    """What joining the worker's decode batch adds to one step summed over its sequences:
-    its own step time, plus each of the n already there slowed by the larger batch,
-    (n + 1)·T(n + 1) − n·T(n)."""
-    batch = len(worker.in_flight)
-    joined = (batch + 1) * cluster.tpot_s(request, worker.worker_id)
-    if not batch:
-        return joined
-    return joined - batch * cluster.cost.decode_step_s(batch, worker.prompt_tokens_sum / batch)
+def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: int) -> float:
+    """What a prompt of `prompt` tokens joining a decode batch of `batch` sequences with
+    `context` tokens in all adds to one step summed over the sequences: its own step time,
+    plus each sequence already there slowed by the larger batch, (n+1)·T(n+1) − n·T(n).
+
+    Written out for the fit's form T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² with ctx
+    the mean context: the router runs this per worker per decision."""
+    n = batch
+    return (decode.a + decode.b * (2 * n + 1) + decode.c * prompt + decode.d * (context + (n + 1) * prompt)
+            + decode.e * (3 * n * n + 3 * n + 1))
