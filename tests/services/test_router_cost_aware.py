@@ -71,8 +71,8 @@ def test_a_high_load_ratio_with_a_short_queue_keeps_the_prefix_where_e2_moves_it
 
 def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
     """Requests for one prefix arrive together: each lengthens the holder's queue (and
-    batch) by its suffix, and the first whose wait there exceeds a recompute elsewhere goes elsewhere,
-    which makes that worker a holder at once."""
+    batch) by its suffix, and the first whose wait there exceeds a recompute elsewhere
+    goes elsewhere, which makes that worker a holder at once."""
     cluster = cluster_of("a", "b", "c")
     shared = tokens(1, 2048)
     cache(cluster, "a", shared)
@@ -94,7 +94,7 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
     second = next(w for w in chosen if w != "a")
     spread_at = chosen.index(second)
     assert chosen[:spread_at] == ["a"] * spread_at and spread_at >= 1
-    assert request_for(cluster, shared).matched[second] == len(shared) // 16  # placed: now a holder
+    assert request_for(cluster, shared).matched[second] == len(shared) // BLOCK  # placed: now a holder
 
 
 def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than_its_recompute():
@@ -137,11 +137,14 @@ def test_eviction_is_priced_where_the_prompt_does_not_fit():
     for index in range(5):  # hits make a's blocks expensive to evict
         cluster.place(request_for(cluster, hot, request_id=f"h{index}"), "a", 0.0)
         cluster.finish(f"h{index}", 1)
-    cluster.report("a", 0, 0, 0, len(hot) // 16)
+    cluster.report("a", 0, 0, 0, len(hot) // BLOCK)
     cluster.report("b", 0, 0, 0, 0)
+    queued(cluster, "a", 0.0)
     prompt = tokens(2, 1600)  # 100 blocks: fits in b's 200 free, not in a's 13
-    costs = added_latency_s(request_for(cluster, prompt), cluster, 0.0)
-    assert costs["a"] > costs["b"]
+    request = request_for(cluster, prompt)
+    costs = added_latency_s(request, cluster, 0.0)
+    eviction_s = cluster.eviction_cost_s(request, "a", 0.0)
+    assert eviction_s > 0 and abs(costs["a"] - costs["b"] - eviction_s) < 1e-9
 
 
 def test_ties_go_to_the_least_windowed_work_then_the_smallest_id():
