@@ -29,7 +29,7 @@ from common.settings import (
 )
 
 ENV_PREFIX = "BATON_"
-ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2")
+ROUTER_POLICIES = ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2", "cost_aware")
 INDEX_MODES = ("events", "approximate")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 KV_TRANSPORTS = ("auto", "ucx", "zmq")  # common/kv_transfer's make_transport takes these

@@ -4,6 +4,7 @@ from __future__ import annotations
 from common.config import ROUTER_POLICIES
 from services.router.policies.base import PlacementPolicy
 from services.router.policies.cache_aware import CacheAware
+from services.router.policies.cost_aware import CostAware
 from services.router.policies.dynamo import Dynamo
 from services.router.policies.e2 import E2
 from services.router.policies.least_load import LeastLoad
@@ -11,7 +12,8 @@ from services.router.policies.lpm import LongestPrefixMatch
 from services.router.policies.round_robin import RoundRobin
 
 POLICIES: dict[str, type] = {policy.name: policy for policy in
-                             (RoundRobin, LeastLoad, LongestPrefixMatch, CacheAware, Dynamo, E2)}
+                             (RoundRobin, LeastLoad, LongestPrefixMatch, CacheAware, Dynamo, E2,
+                              CostAware)}
 # The config validates names against ROUTER_POLICIES (common/ cannot import this package):
 # the two lists must be one.
 if tuple(POLICIES) != ROUTER_POLICIES:

@@ -79,7 +79,7 @@ def test_admission_refuses_what_cannot_meet_its_slo_in_simulation_too():
 def test_the_simulator_is_deterministic_for_a_seed_and_runs_every_policy():
     cost = load_cost_model("a6000/mistral-7b")
     requests = poisson(make_workload("toolbench", 120, seed=3), rate=20.0, seed=3)
-    for policy in ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2"):
+    for policy in ("round_robin", "least_load", "lpm", "cache_aware", "dynamo", "e2", "cost_aware"):
         config = SimConfig(workers=4, policy=policy, cost=cost, kv_blocks=4096, max_num_batched_tokens=4096)
         first, second = simulate(requests, config), simulate(requests, config)
         assert [(r.request_id, r.first_token_s, r.finish_s, r.worker_id) for r in first.records] == \

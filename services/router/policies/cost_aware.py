@@ -1,0 +1,79 @@
+"""`cost_aware`: the worker where the request adds the least latency (docs/router.md §4.7).
+
+E2's idea (place by prefix, price load, recompute and eviction in seconds) without its
+ratio triggers. For each worker w with n sequences in flight, from the cost model
+(ClusterState, docs/router.md §3):
+
+    cost(w) = queue_s(w)                    the prefills already placed there, ahead of it
+            + P(w)                          the prefill of what w lacks (store fetches priced)
+            + n · (P(w) − a)                which its n sequences wait out too: chunked
+                                            prefill joins their decode step, whose fixed
+                                            cost a (the prefill fit's) is paid anyway
+            + eviction_cost_s(w)            hit-weighted recompute of what it would evict
+            + expected output · ΔD(w)       its decode in the batch it joins, and the
+                                            others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
+
+ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
+rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
+  * overload: a holder whose queue exceeds what the prompt costs to recompute elsewhere
+    loses the request; a holder with a high load ratio but a short queue keeps it;
+  * replication: a hot prefix goes to a second worker on the first request for which its
+    holder's wait exceeds a recompute there, and the placement makes that worker a holder
+    at once (ClusterState.place credits the blocks), so there is no ramp;
+  * a long private context stays: moving it costs its full recompute, which the holder's
+    wait must exceed first.
+Work per decision is O(workers): one prefill time per distinct held depth, an eviction
+estimate only where the prompt does not fit in the worker's free blocks.
+"""
+from __future__ import annotations
+
+from common.cost_model import LatencyFit
+from services.router.cluster import ClusterState, Request
+from services.router.policies.base import StatelessFeedback, ranked
+
+
+class CostAware(StatelessFeedback):
+    name = "cost_aware"
+
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
+        costs = added_latency_s(request, cluster, now)
+        # Equal costs (idle workers, none holding the prompt) go to the least windowed
+        # work, E2's L: spreading new prefixes spreads what the caches must keep.
+        loads = cluster.loads(now)
+        return ranked(cluster, lambda worker_id: (costs[worker_id], loads[worker_id]))
+
+
+def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
+    """Per worker id, the latency placing the request there adds, its own and that of
+    the requests it slows or makes recompute, in seconds as the cost model predicts."""
+    expected_output = cluster.expected_output(request)
+    step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
+    decode = cluster.cost.decode
+    blocks = -(-request.num_tokens // cluster.block_size)
+    prefill_by_held: dict[int, float] = {}
+    costs: dict[str, float] = {}
+    for worker_id in cluster.worker_ids:
+        held = request.matched.get(worker_id, 0)
+        prefill_s = prefill_by_held.get(held)
+        if prefill_s is None:
+            prefill_s = prefill_by_held[held] = cluster.held_prefill_s(request, held)
+        worker = cluster.workers[worker_id]
+        batch = len(worker.in_flight)
+        cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
+            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens)
+        if cluster.free_blocks[worker_id] < blocks - held:
+            cost += cluster.eviction_cost_s(request, worker_id, now)
+        costs[worker_id] = cost
+    return costs
+
+
+def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: int) -> float:
+    """What a prompt of `prompt` tokens joining a decode batch of `batch` sequences with
+    `context` tokens in all adds to one step summed over the sequences: its own step time,
+    plus each sequence already there slowed by the larger batch, (n+1)·T(n+1) − n·T(n).
+
+    Written out for the fit's form T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² with ctx
+    the mean context: the router runs this per worker per decision."""
+    n = batch
+    return (decode.a + decode.b * (2 * n + 1) + decode.c * prompt + decode.d * (context + (n + 1) * prompt)
+            + decode.e * (3 * n * n + 3 * n + 1))

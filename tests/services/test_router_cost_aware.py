@@ -1,0 +1,158 @@
+"""cost_aware on constructed cluster states, one test per rule (docs/router.md §4.7).
+
+Queues are set as the router's queue model holds them (WorkerState.prefill_free_at).
+Outside the decode test the cost model's decode step does not grow with the batch, and
+requests ask for one output token, so each test isolates the term it is about."""
+import dataclasses
+
+import numpy as np
+
+from common.cost_model import TINY_CPU, LatencyFit
+from services.router.cluster import ClusterState
+from services.router.policies import make_policy
+from services.router.policies.cost_aware import added_decode_step_s, added_latency_s
+from services.router.policies.e2 import E2
+from tests.services.test_router_policy import BLOCK, ROOT, cache, tokens
+
+FLAT_DECODE = dataclasses.replace(TINY_CPU, decode=LatencyFit(TINY_CPU.decode.a, 0.0))
+
+
+def cluster_of(*worker_ids: str, kv_blocks: int = 10_000, flat_decode: bool = True) -> ClusterState:
+    cluster = ClusterState(BLOCK, FLAT_DECODE if flat_decode else TINY_CPU)
+    for worker_id in worker_ids:
+        cluster.add_worker(worker_id, kv_blocks)
+    return cluster
+
+
+def queued(cluster: ClusterState, worker_id: str, seconds: float, now: float = 0.0) -> None:
+    """The worker's queue model: prefills placed there end `seconds` after `now`."""
+    cluster.workers[worker_id].prefill_free_at = now + seconds
+
+
+def request_for(cluster: ClusterState, prompt: np.ndarray, now: float = 0.0, request_id: str = "r",
+                max_tokens: int = 1):
+    return cluster.prepare(request_id, ROOT, prompt, max_tokens, now)
+
+
+def first(cluster: ClusterState, prompt: np.ndarray, now: float = 0.0, max_tokens: int = 1) -> str:
+    return make_policy("cost_aware").choose(request_for(cluster, prompt, now, max_tokens=max_tokens),
+                                             cluster, now)[0]
+
+
+def test_an_overloaded_holder_loses_a_prefix_another_worker_recomputes_sooner():
+    cluster = cluster_of("holder", "idle")
+    shared = tokens(1, 1024)
+    cache(cluster, "holder", shared)
+    prompt = np.concatenate([shared, tokens(2, 64)])
+    recompute_s = cluster.held_prefill_s(request_for(cluster, prompt), 0)
+    queued(cluster, "holder", 2 * recompute_s)
+    assert first(cluster, prompt) == "idle"
+    queued(cluster, "holder", recompute_s / 2)  # a queue under the recompute: the holder keeps it
+    assert first(cluster, prompt) == "holder"
+
+
+def test_a_high_load_ratio_with_a_short_queue_keeps_the_prefix_where_e2_moves_it():
+    """Ten requests for the prefix ran on the holder and ended: its windowed load is all
+    the cluster's (E2's ratio trigger fires), but nothing waits there."""
+    cluster = cluster_of("holder", "other")
+    shared = tokens(1, 2048)
+    cache(cluster, "holder", shared)
+    for index in range(10):
+        request = request_for(cluster, np.concatenate([shared, tokens(100 + index, 64)]), request_id=f"old-{index}")
+        cluster.place(request, "holder", 0.0)
+        cluster.finish(request.request_id, 1)
+    now = 60.0
+    loads = cluster.loads(now)
+    assert loads["holder"] > 0 and loads["other"] == 0 and cluster.queue_s("holder", now) == 0
+    prompt = np.concatenate([shared, tokens(3, 64)])
+    assert E2().choose(request_for(cluster, prompt, now), cluster, now)[0] == "other"
+    assert first(cluster, prompt, now) == "holder"
+
+
+def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
+    """Requests for one prefix arrive together: each lengthens the holder's queue (and
+    batch) by its suffix, and the first whose wait there exceeds a recompute elsewhere
+    goes elsewhere, which makes that worker a holder at once."""
+    cluster = cluster_of("a", "b", "c")
+    shared = tokens(1, 2048)
+    cache(cluster, "a", shared)
+    policy = make_policy("cost_aware")
+    chosen = []
+    for index in range(12):
+        request = request_for(cluster, np.concatenate([shared, tokens(100 + index, 256)]), request_id=f"r{index}")
+        worker_id = policy.choose(request, cluster, 0.0)[0]
+        if len(request.matched) == 1:  # "a" the only holder: it stays only while waiting costs less
+            # What the request adds on "a": its wait, and its suffix's prefill, which each
+            # sequence decoding there waits out too (less the step's fixed cost);
+            # elsewhere: the whole prompt's prefill.
+            suffix_s = cluster.prefill_s(request, "a")
+            slowed_s = len(cluster.workers["a"].in_flight) * (suffix_s - cluster.cost.prefill.a)
+            on_a = cluster.queue_s("a", 0.0) + suffix_s + slowed_s
+            assert (on_a <= cluster.held_prefill_s(request, 0)) == (worker_id == "a")
+        cluster.place(request, worker_id, 0.0)
+        chosen.append(worker_id)
+    second = next(w for w in chosen if w != "a")
+    spread_at = chosen.index(second)
+    assert chosen[:spread_at] == ["a"] * spread_at and spread_at >= 1
+    assert request_for(cluster, shared).matched[second] == len(shared) // BLOCK  # placed: now a holder
+
+
+def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than_its_recompute():
+    cluster = cluster_of("holder", "idle")
+    document = tokens(1, 8000)  # one stream's context: a question after it
+    cache(cluster, "holder", document)
+    prompt = np.concatenate([document, tokens(2, 32)])
+    request = request_for(cluster, prompt)
+    saved_s = cluster.held_prefill_s(request, 0) - cluster.prefill_s(request, "holder")  # the document's recompute
+    queued(cluster, "holder", 0.9 * saved_s)
+    assert first(cluster, prompt) == "holder"
+    queued(cluster, "holder", 1.1 * saved_s)  # the same comparison moves it when waiting costs more
+    assert first(cluster, prompt) == "idle"
+
+
+def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
+    """Two idle-queued workers without the prompt, one with 20 sequences decoding: there
+    each of them waits out the prompt's prefill (less the step's fixed cost, which their
+    step pays anyway) and decodes slower in the larger batch."""
+    cluster = cluster_of("a", "b", flat_decode=False)
+    for index in range(20):
+        request = request_for(cluster, tokens(500 + index, 64), request_id=f"a-{index}")
+        cluster.place(request, "a", 0.0)
+    queued(cluster, "a", 0.0)
+    request = request_for(cluster, tokens(1, 64), max_tokens=64)
+    decode, a = cluster.cost.decode, cluster.workers["a"]
+    joined = 21 * cluster.tpot_s(request, "a") - 20 * cluster.cost.decode_step_s(20, a.prompt_tokens_sum / 20)
+    assert abs(added_decode_step_s(decode, 20, a.prompt_tokens_sum, 64) - joined) < 1e-12
+    alone = added_decode_step_s(decode, 0, 0, 64)
+    assert abs(alone - cluster.tpot_s(request, "b")) < 1e-12 and alone < joined
+    costs = added_latency_s(request, cluster, 0.0)
+    assert costs["a"] - costs["b"] > 20 * (cluster.prefill_s(request, "a") - cluster.cost.prefill.a)
+    assert first(cluster, tokens(1, 64), max_tokens=64) == "b"
+
+
+def test_eviction_is_priced_where_the_prompt_does_not_fit():
+    cluster = cluster_of("a", "b", kv_blocks=200)
+    hot = tokens(1, 3000)
+    cache(cluster, "a", hot)
+    for index in range(5):  # hits make a's blocks expensive to evict
+        cluster.place(request_for(cluster, hot, request_id=f"h{index}"), "a", 0.0)
+        cluster.finish(f"h{index}", 1)
+    cluster.report("a", 0, 0, 0, len(hot) // BLOCK)
+    cluster.report("b", 0, 0, 0, 0)
+    queued(cluster, "a", 0.0)
+    prompt = tokens(2, 1600)  # 100 blocks: fits in b's 200 free, not in a's 13
+    request = request_for(cluster, prompt)
+    costs = added_latency_s(request, cluster, 0.0)
+    eviction_s = cluster.eviction_cost_s(request, "a", 0.0)
+    assert eviction_s > 0 and abs(costs["a"] - costs["b"] - eviction_s) < 1e-9
+
+
+def test_ties_go_to_the_least_windowed_work_then_the_smallest_id():
+    cluster = cluster_of("c", "a", "b", "d")
+    policy = make_policy("cost_aware")
+    assert policy.choose(request_for(cluster, tokens(1, 100)), cluster, 0.0) == ["a", "b", "c", "d"]
+    for worker_id in ("a", "b"):  # work placed there and finished: queues and batches idle again
+        request = request_for(cluster, tokens(2, 500), request_id=f"done-{worker_id}")
+        cluster.place(request, worker_id, 0.0)
+        cluster.finish(request.request_id, 1)
+    assert policy.choose(request_for(cluster, tokens(1, 100), now=10.0), cluster, 10.0)[:2] == ["c", "d"]
