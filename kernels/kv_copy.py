@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import google_crc32c
 import numpy as np
+import torch
 
 NUMPY_CHUNK_BYTES = 1 << 20  # blocks per numpy step: about what one core's cache holds
 
@@ -39,8 +40,6 @@ class BlockCopier:
                       blocks: Sequence[int]) -> list[int]:
         """rows[slots[i]] into pool block blocks[i]; the CRC32C of each block that landed."""
         if self.native:
-            import torch
-
             return torch.ops.baton.kv_slots_to_pool(torch.from_numpy(rows), _ids(slots), torch.from_numpy(pool3),
                                                     _ids(blocks)).tolist()
         checksums: list[int] = []
@@ -54,10 +53,10 @@ class BlockCopier:
     def rows_to_slots(self, values: np.ndarray, rows: np.ndarray, slots: Sequence[int]) -> list[int]:
         """values[i] (contiguous block rows) into rows[slots[i]]; the CRC32C of each."""
         if self.native:
-            import torch
-
-            writable = values if values.flags.writeable else values.copy()  # torch maps only writable arrays
-            as_pool = torch.from_numpy(writable).view(1, len(values), self.block_bytes)
+            source = np.ascontiguousarray(values)
+            if not source.flags.writeable:  # torch maps only writable arrays
+                source = source.copy()
+            as_pool = torch.from_numpy(source).view(1, len(values), self.block_bytes)
             return torch.ops.baton.kv_pool_to_slots(as_pool, _ids(range(len(values))), torch.from_numpy(rows),
                                                     _ids(slots)).tolist()
         checksums = []
@@ -69,8 +68,6 @@ class BlockCopier:
     def pool_checksums(self, pool3: np.ndarray, blocks: Sequence[int]) -> list[int]:
         """The CRC32C of each pool block (its planes in order), nothing copied."""
         if self.native:
-            import torch
-
             return torch.ops.baton.kv_pool_checksums(torch.from_numpy(pool3), _ids(blocks)).tolist()
         return self._numpy_checksums(pool3, blocks)
 
@@ -84,7 +81,5 @@ class BlockCopier:
         return checksums
 
 
-def _ids(values: Sequence[int]):
-    import torch
-
+def _ids(values: Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, dtype=np.int64))

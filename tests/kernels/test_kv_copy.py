@@ -48,10 +48,14 @@ def test_slots_land_in_their_blocks_with_their_checksums(native, geometry, count
     assert copier.pool_checksums(pool3, blocks) == checksums
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "read-only"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
-def test_rows_go_into_their_slots_with_their_checksums(native, geometry):
+def test_rows_go_into_their_slots_with_their_checksums(native, geometry, layout):
     rows, _, slots, _ = scattered(geometry, 6, 1)
-    values = np.random.default_rng(2).integers(0, 256, (6, rows.shape[1]), dtype=np.uint8)
+    values = np.random.default_rng(2).integers(0, 256, (12, rows.shape[1]), dtype=np.uint8)
+    values = values[::2] if layout == "strided" else values[:6]
+    if layout == "read-only":
+        values.setflags(write=False)
     copier = BlockCopier(geometry[0], rows.shape[1], native)
     others = [s for s in range(len(rows)) if s not in slots]
     before = rows[others].copy()
