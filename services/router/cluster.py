@@ -217,7 +217,7 @@ class ClusterState:
         held = request.matched.get(worker_id, 0)
         prefill_s = self.held_prefill_s(request, held)
         start = max(now, worker.prefill_free_at)
-        worker.prefill_free_at = start + prefill_s
+        worker.prefill_free_at = start + self._queued_prefill_s(worker, prefill_s)
         placement = Placement(request.request_id, worker_id, now, prefill_s, self.expected_output(request),
                               request.num_tokens, request.prefix_key, worker.prefill_free_at - now)
         self._expire_window(worker, now)
@@ -365,6 +365,14 @@ class ClusterState:
         cold_s = self.cost.prefill_s(request.num_tokens)
         saved_s = self.held_prefill_s(request, 0) - self.held_prefill_s(request, request.best_blocks)
         return max(0.0, saved_s) / cold_s if cold_s > 0 else token_share
+
+    def _queued_prefill_s(self, worker: WorkerState, prefill_s: float) -> float:
+        """What a prefill adds to the worker's queue. Beside sequences in flight it joins a
+        step that pays the fit's fixed cost anyway (chunked prefill batches it with their
+        decodes and the prefills queued before it), so it adds its marginal time only."""
+        if worker.in_flight and prefill_s > 0.0:
+            return max(0.0, prefill_s - self.cost.prefill.a)
+        return prefill_s
 
     def queue_s(self, worker_id: str, now: float) -> float:
         """How long a new prefill would wait behind those placed there already."""

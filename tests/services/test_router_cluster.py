@@ -104,16 +104,22 @@ def test_place_queues_the_prefill_of_the_missing_tokens():
     second = cluster.prepare("r2", ROOT, tokens(3, 300), 32, 0.0)
     expected_second = TINY_CPU.prefill_s(300, 0)
     placement = cluster.place(second, "a", 0.0)
-    assert placement.predicted_ttft_s == pytest.approx(expected_first + expected_second)
-    assert cluster.queue_s("a", 0.0) == pytest.approx(expected_first + expected_second)
+    # Behind r1 it joins steps that pay the fixed cost anyway: it queues its marginal time.
+    queued_second = expected_second - TINY_CPU.prefill.a
+    assert placement.predicted_ttft_s == pytest.approx(expected_first + queued_second)
+    assert cluster.queue_s("a", 0.0) == pytest.approx(expected_first + queued_second)
     # Time drains the queue, never below zero.
     later = expected_first / 2
-    assert cluster.queue_s("a", later) == pytest.approx(expected_first + expected_second - later)
+    assert cluster.queue_s("a", later) == pytest.approx(expected_first + queued_second - later)
     assert cluster.queue_s("a", 100.0) == 0.0
-    # A prefill placed on an idle queue starts now, not when the old one ended.
+    # A prefill placed on an idle queue starts now, not when the old one ended (r1 and r2
+    # still decode there, so it still queues its marginal time only)...
     third = cluster.prepare("r3", ROOT, tokens(4, 300), 32, 100.0)
-    assert cluster.place(third, "a", 100.0).predicted_ttft_s == pytest.approx(expected_second)
-    assert cluster.queue_s("a", 100.0) == pytest.approx(expected_second)
+    assert cluster.place(third, "a", 100.0).predicted_ttft_s == pytest.approx(queued_second)
+    assert cluster.queue_s("a", 100.0) == pytest.approx(queued_second)
+    # ...and on a worker with nothing in flight it pays the step's fixed cost too.
+    fourth = cluster.prepare("r4", ROOT, tokens(5, 300), 32, 100.0)
+    assert cluster.place(fourth, "b", 100.0).predicted_ttft_s == pytest.approx(expected_second)
 
 
 def test_load_is_windowed_prefill_plus_decode_work():

@@ -10,7 +10,7 @@ import numpy as np
 from common.cost_model import TINY_CPU, LatencyFit
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
-from services.router.policies.cost_aware import added_decode_step_s, added_latency_s
+from services.router.policies.cost_aware import RECOMPUTE_WEIGHT, added_decode_step_s, added_latency_s
 from services.router.policies.e2 import E2
 from tests.services.test_router_policy import BLOCK, ROOT, cache, tokens
 
@@ -88,7 +88,9 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
             suffix_s = cluster.prefill_s(request, "a")
             slowed_s = len(cluster.workers["a"].in_flight) * (suffix_s - cluster.cost.prefill.a)
             on_a = cluster.queue_s("a", 0.0) + suffix_s + slowed_s
-            assert (on_a <= cluster.held_prefill_s(request, 0)) == (worker_id == "a")
+            cold_s = cluster.held_prefill_s(request, 0)
+            elsewhere = cold_s + RECOMPUTE_WEIGHT * (cold_s - suffix_s)  # its own wait, the compute spent
+            assert (on_a <= elsewhere) == (worker_id == "a")
         cluster.place(request, worker_id, 0.0)
         chosen.append(worker_id)
     second = next(w for w in chosen if w != "a")
@@ -104,10 +106,13 @@ def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than
     prompt = np.concatenate([document, tokens(2, 32)])
     request = request_for(cluster, prompt)
     saved_s = cluster.held_prefill_s(request, 0) - cluster.prefill_s(request, "holder")  # the document's recompute
-    queued(cluster, "holder", 0.9 * saved_s)
+    queued(cluster, "holder", 1.4 * saved_s)  # a wait longer than the recompute: it stays...
     assert first(cluster, prompt) == "holder"
-    queued(cluster, "holder", 1.1 * saved_s)  # the same comparison moves it when waiting costs more
+    # ...until the wait exceeds the recompute and the compute it would spend, charged at
+    # RECOMPUTE_WEIGHT: capacity the requests after it would wait for
+    queued(cluster, "holder", 1.6 * saved_s)
     assert first(cluster, prompt) == "idle"
+    assert RECOMPUTE_WEIGHT == 0.5  # the 1.4 and 1.6 above bracket 1 + RECOMPUTE_WEIGHT
 
 
 def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():

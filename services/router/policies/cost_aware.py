@@ -12,6 +12,8 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + eviction_cost_s(w)            hit-weighted recompute of what it would evict
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
+            + ½ · (P(w) − min P)            the compute a recompute spends beyond the best
+                                            holder's: capacity later requests wait for
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
 rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
@@ -30,6 +32,10 @@ from __future__ import annotations
 from common.cost_model import LatencyFit
 from services.router.cluster import ClusterState, Request
 from services.router.policies.base import StatelessFeedback, ranked
+
+# Compute spent recomputing what another worker holds is capacity no later request gets
+# back; this share of it is charged as the latency they lose (docs/router.md §4.7).
+RECOMPUTE_WEIGHT = 0.5
 
 
 class CostAware(StatelessFeedback):
@@ -51,16 +57,20 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
     decode = cluster.cost.decode
     blocks = -(-request.num_tokens // cluster.block_size)
     prefill_by_held: dict[int, float] = {}
+    for worker_id in cluster.worker_ids:
+        held = request.matched.get(worker_id, 0)
+        if held not in prefill_by_held:
+            prefill_by_held[held] = cluster.held_prefill_s(request, held)
+    least_prefill_s = min(prefill_by_held.values(), default=0.0)
     costs: dict[str, float] = {}
     for worker_id in cluster.worker_ids:
         held = request.matched.get(worker_id, 0)
-        prefill_s = prefill_by_held.get(held)
-        if prefill_s is None:
-            prefill_s = prefill_by_held[held] = cluster.held_prefill_s(request, held)
+        prefill_s = prefill_by_held[held]
         worker = cluster.workers[worker_id]
         batch = len(worker.in_flight)
         cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
-            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens)
+            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
+            + RECOMPUTE_WEIGHT * (prefill_s - least_prefill_s)
         if cluster.free_blocks[worker_id] < blocks - held:
             cost += cluster.eviction_cost_s(request, worker_id, now)
         costs[worker_id] = cost
