@@ -65,7 +65,10 @@ def sim_command(grid: Grid, workload: str, seed: int, policies: Sequence[str]) -
     command = [sys.executable, "-m", "services.cli", "sim", "--sweep", f"load={','.join(grid.loads)}",
                "--workers", str(grid.workers), "--profile", grid.profile, "--seed", str(seed),
                "--policy", ",".join(policies), "--json"]
-    command += ["--trace", grid.trace] if workload == TRACE_WORKLOAD else ["--workload", workload]
+    if workload == TRACE_WORKLOAD and grid.trace is not None:
+        command += ["--trace", grid.trace]
+    else:
+        command += ["--workload", workload]
     if grid.num_requests is not None:
         command += ["--num-requests", str(grid.num_requests)]
     return command
@@ -101,7 +104,7 @@ def load_cells(grid: Grid, groups: Mapping[str, Sequence[str]], out_dir: Path) -
                         continue
                     row = by_load[load].setdefault(seed, {})
                     for policy, summary in policies.items():
-                        row[policy] = tuple(summary["overall"][stat] for stat in STATS)  # type: ignore[assignment]
+                        row[policy] = (summary["overall"][STATS[0]], summary["overall"][STATS[1]])
         cells += [Cell(workload, load, by_seed) for load, by_seed in by_load.items()]
     return cells
 
