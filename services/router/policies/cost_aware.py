@@ -12,7 +12,7 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + eviction_cost_s(w)            hit-weighted recompute of what it would evict
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
-            + ½ · (P(w) − min P)            the compute a recompute spends beyond the best
+            + 2 · (P(w) − min P)            the compute a recompute spends beyond the best
                                             holder's: capacity later requests wait for
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
@@ -34,8 +34,10 @@ from services.router.cluster import ClusterState, Request
 from services.router.policies.base import StatelessFeedback, ranked
 
 # Compute spent recomputing what another worker holds is capacity no later request gets
-# back; this share of it is charged as the latency they lose (docs/router.md §4.7).
-RECOMPUTE_WEIGHT = 0.5
+# back: charged as this many seconds of their latency per second spent. Chosen on the
+# sweep (0.5, 1 and 2 tried; 2 keeps loogle and videoqa at load 8 with their holders and
+# changes no cell below load 4 by more than 5 %): docs/router.md §4.7.
+RECOMPUTE_WEIGHT = 2.0
 
 
 class CostAware(StatelessFeedback):
