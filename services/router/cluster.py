@@ -22,6 +22,7 @@ from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
+MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
 
 
 @dataclass
@@ -365,6 +366,18 @@ class ClusterState:
         cold_s = self.cost.prefill_s(request.num_tokens)
         saved_s = self.held_prefill_s(request, 0) - self.held_prefill_s(request, request.best_blocks)
         return max(0.0, saved_s) / cold_s if cold_s > 0 else token_share
+
+    def prefill_utilization(self, now: float) -> float:
+        """The share of the workers' time that the prefills placed in the load window take
+        (their predicted seconds over the window's span, shorter while the first window
+        fills), below 1."""
+        busy_s, start = 0.0, now
+        for worker in self.workers.values():
+            busy_s += worker.window_prefill_s
+            if worker.window:
+                start = min(start, worker.window[0].placed_at)
+        span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
+        return min(MAX_UTILIZATION, busy_s / span_s)
 
     def _queued_prefill_s(self, worker: WorkerState, prefill_s: float) -> float:
         """What a prefill adds to the worker's queue. Beside sequences in flight it joins a

@@ -10,7 +10,13 @@ import numpy as np
 from common.cost_model import TINY_CPU, LatencyFit
 from services.router.cluster import ClusterState
 from services.router.policies import make_policy
-from services.router.policies.cost_aware import RECOMPUTE_WEIGHT, added_decode_step_s, added_latency_s
+from services.router.policies.cost_aware import (
+    MAX_RECOMPUTE_WEIGHT,
+    MIN_RECOMPUTE_WEIGHT,
+    added_decode_step_s,
+    added_latency_s,
+    recompute_weight,
+)
 from services.router.policies.e2 import E2
 from tests.services.test_router_policy import BLOCK, ROOT, cache, tokens
 
@@ -45,8 +51,9 @@ def test_an_overloaded_holder_loses_a_prefix_another_worker_recomputes_sooner():
     cache(cluster, "holder", shared)
     prompt = np.concatenate([shared, tokens(2, 64)])
     recompute_s = cluster.held_prefill_s(request_for(cluster, prompt), 0)
-    # A queue beyond the recompute and the charge for the compute it spends
-    queued(cluster, "holder", (1.1 + RECOMPUTE_WEIGHT) * recompute_s)
+    # A queue beyond the recompute and the charge for the compute it spends (an idle
+    # cluster: the least charge)
+    queued(cluster, "holder", (1.1 + MIN_RECOMPUTE_WEIGHT) * recompute_s)
     assert first(cluster, prompt) == "idle"
     queued(cluster, "holder", recompute_s / 2)  # a queue under the recompute: the holder keeps it
     assert first(cluster, prompt) == "holder"
@@ -90,7 +97,8 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
             slowed_s = len(cluster.workers["a"].in_flight) * (suffix_s - cluster.cost.prefill.a)
             on_a = cluster.queue_s("a", 0.0) + suffix_s + slowed_s
             cold_s = cluster.held_prefill_s(request, 0)
-            elsewhere = cold_s + RECOMPUTE_WEIGHT * (cold_s - suffix_s)  # its own wait, the compute spent
+            weight = recompute_weight(cluster.prefill_utilization(0.0))
+            elsewhere = cold_s + weight * (cold_s - suffix_s)  # its own wait, the compute spent
             assert (on_a <= elsewhere) == (worker_id == "a")
         cluster.place(request, worker_id, 0.0)
         chosen.append(worker_id)
@@ -108,9 +116,10 @@ def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than
     request = request_for(cluster, prompt)
     saved_s = cluster.held_prefill_s(request, 0) - cluster.prefill_s(request, "holder")  # the document's recompute
     # A wait longer than the recompute: it stays, until the wait exceeds the recompute and
-    # the compute it would spend, charged at RECOMPUTE_WEIGHT (capacity the requests after
-    # it would wait for).
-    bound = 1 + RECOMPUTE_WEIGHT
+    # the compute it would spend, charged at the idle cluster's weight (capacity the
+    # requests after it would wait for).
+    assert cluster.prefill_utilization(0.0) == 0.0
+    bound = 1 + MIN_RECOMPUTE_WEIGHT
     queued(cluster, "holder", 1.1 * saved_s)
     assert first(cluster, prompt) == "holder"
     queued(cluster, "holder", 0.95 * bound * saved_s)
@@ -165,3 +174,34 @@ def test_ties_go_to_the_least_windowed_work_then_the_smallest_id():
         cluster.place(request, worker_id, 0.0)
         cluster.finish(request.request_id, 1)
     assert policy.choose(request_for(cluster, tokens(1, 100), now=10.0), cluster, 10.0)[:2] == ["c", "d"]
+
+
+def test_the_recompute_charge_grows_with_utilization_within_its_bounds():
+    weights = [recompute_weight(rho) for rho in (0.0, 0.1, 0.2, 0.5, 0.6, 0.9, 0.99)]
+    assert weights[0] == MIN_RECOMPUTE_WEIGHT and weights[-1] == MAX_RECOMPUTE_WEIGHT
+    assert weights == sorted(weights) and weights[3] == 2.0  # 2ρ/(1−ρ) between the bounds
+
+
+def test_a_busy_cluster_keeps_a_prefix_on_a_holder_an_idle_one_would_move_it_from():
+    """The same holder queue, the same recompute: on an idle cluster the prompt moves to
+    the idle worker; where prefills have kept the workers busy over the window, the
+    compute the recompute spends costs the requests after it more, and it stays."""
+    def holder_or_idle(background_s: float) -> str:
+        cluster = cluster_of("holder", "idle", "other")
+        shared = tokens(1, 1024)
+        cache(cluster, "holder", shared)
+        prompt = np.concatenate([shared, tokens(2, 64)])
+        recompute_s = cluster.held_prefill_s(request_for(cluster, prompt), 0)
+        # Prefills placed on "other" at t=0 (the sequences they leave in flight there keep
+        # it from being the cheapest)
+        for index in range(int(background_s / recompute_s)):
+            other = request_for(cluster, tokens(1000 + index, 1088), now=0.0, request_id=f"bg-{index}")
+            cluster.place(other, "other", 0.0)
+        now = 20.0
+        cluster.workers["other"].prefill_free_at = 0.0
+        queued(cluster, "holder", 3 * recompute_s, now)
+        assert abs(cluster.prefill_utilization(now) - background_s / (3 * now)) < 0.05
+        return first(cluster, prompt, now)
+
+    assert holder_or_idle(0.0) == "idle"
+    assert holder_or_idle(45.0) == "holder"  # 45 s of the workers' 60: ρ 0.75, weight 4

@@ -12,8 +12,10 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + eviction_cost_s(w)            hit-weighted recompute of what it would evict
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
-            + 2 · (P(w) − min P)            the compute a recompute spends beyond the best
-                                            holder's: capacity later requests wait for
+            + k(ρ) · (P(w) − min P)         the compute a recompute spends beyond the best
+                                            holder's: capacity later requests wait for,
+                                            k = 2ρ/(1−ρ) within [0.5, 4], ρ the cluster's
+                                            prefill utilization
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
 rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
@@ -34,10 +36,12 @@ from services.router.cluster import ClusterState, Request
 from services.router.policies.base import StatelessFeedback, ranked
 
 # Compute spent recomputing what another worker holds is capacity no later request gets
-# back: charged as this many seconds of their latency per second spent. Chosen on the
-# sweep (0.5, 1 and 2 tried; 2 keeps loogle and videoqa at load 8 with their holders and
-# changes no cell below load 4 by more than 5 %): docs/router.md §4.7.
-RECOMPUTE_WEIGHT = 2.0
+# back: charged as recompute_weight(ρ) seconds of their latency per second spent, ρ the
+# cluster's prefill utilization. The form is M/M/1's (the wait grows as ρ/(1−ρ)); the
+# factor and the bounds were chosen on the sweep's seed 0 (docs/router.md §4.7).
+WEIGHT_PER_UTILIZATION = 2.0
+MIN_RECOMPUTE_WEIGHT = 0.5
+MAX_RECOMPUTE_WEIGHT = 4.0
 
 
 class CostAware(StatelessFeedback):
@@ -64,6 +68,7 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
         if held not in prefill_by_held:
             prefill_by_held[held] = cluster.held_prefill_s(request, held)
     least_prefill_s = min(prefill_by_held.values(), default=0.0)
+    weight = recompute_weight(cluster.prefill_utilization(now))
     costs: dict[str, float] = {}
     for worker_id in cluster.worker_ids:
         held = request.matched.get(worker_id, 0)
@@ -72,11 +77,18 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
         batch = len(worker.in_flight)
         cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
             + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
-            + RECOMPUTE_WEIGHT * (prefill_s - least_prefill_s)
+            + weight * (prefill_s - least_prefill_s)
         if cluster.free_blocks[worker_id] < blocks - held:
             cost += cluster.eviction_cost_s(request, worker_id, now)
         costs[worker_id] = cost
     return costs
+
+
+def recompute_weight(utilization: float) -> float:
+    """Seconds of later requests' latency per second of compute a placement spends beyond
+    the cheapest worker's, at the cluster's prefill utilization (in [0, 1))."""
+    weight = WEIGHT_PER_UTILIZATION * utilization / (1.0 - utilization)
+    return min(MAX_RECOMPUTE_WEIGHT, max(MIN_RECOMPUTE_WEIGHT, weight))
 
 
 def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: int) -> float:
