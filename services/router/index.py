@@ -55,12 +55,14 @@ def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
 class BlockKeys:
     """A prompt's full blocks as token bytes (little-endian uint32 ids), the keys a walk
     follows: key i is block i's bytes and span(i, j) those of blocks i to j - 1, each
-    copied out of the prompt's buffer when asked for, so a walk makes only what it reads."""
+    sliced out of the prompt's bytes when asked for, so a walk makes only what it reads.
+    `data` is the prompt's bytes, made once: a walk compares runs against it in place
+    (bytes.startswith at an offset), with no copy per segment."""
 
     __slots__ = ("data", "block_bytes", "count")
 
-    def __init__(self, data: memoryview, block_bytes: int):
-        self.data = data  # of format "B"
+    def __init__(self, data: bytes, block_bytes: int):
+        self.data = data
         self.block_bytes = block_bytes
         self.count = len(data) // block_bytes
 
@@ -70,10 +72,10 @@ class BlockKeys:
     def __getitem__(self, i: int) -> bytes:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        return self.span(i, i + 1)
+        return self.data[i * self.block_bytes:(i + 1) * self.block_bytes]
 
     def span(self, start: int, stop: int) -> bytes:
-        return bytes(self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes])
+        return self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes]
 
 
 class BlockNode:
@@ -154,8 +156,8 @@ class PrefixIndex:
 
     def block_keys(self, prompt: bytes | np.ndarray) -> BlockKeys:
         """The prompt's full blocks' keys (a prompt given as little-endian uint32 ids)."""
-        # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python 3.12+ only.
-        return BlockKeys(memoryview(prompt).cast("B"), self.block_bytes)  # type: ignore[arg-type]
+        data = prompt if isinstance(prompt, bytes) else prompt.tobytes()
+        return BlockKeys(data, self.block_bytes)
 
     def walk(self, root_hash: int, keys: BlockKeys) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names.
@@ -164,28 +166,35 @@ class PrefixIndex:
         its head are taken at once (a few comparisons of their bytes); the rest block
         by block, each a lookup of its key among the node's children (or,
         for a child not linked yet, of its hash among all nodes)."""
-        if keys.count and (root_hash, keys[0]) in self.unnamed_heads:
+        data, block_bytes, count = keys.data, keys.block_bytes, keys.count
+        if count and (root_hash, data[:block_bytes]) in self.unnamed_heads:
             self.name_credits()
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        block_bytes = keys.block_bytes
-        while len(path) < keys.count:
+        end, segment_bytes = count * block_bytes, SEGMENT_BLOCKS * block_bytes
+        start = 0  # the segment's first byte in `data`
+        while start < end:
             head, first = node, len(path)  # a segment head
-            span = keys.span(first, first + SEGMENT_BLOCKS)
-            ahead = head.ahead.get(span[:block_bytes]) if head.ahead is not None else None
+            stop = start + segment_bytes
+            if stop > end:
+                stop = end
+            lead_key = data[start:start + block_bytes]
+            ahead = head.ahead.get(lead_key) if head.ahead is not None else None
             same = 0
             if ahead is not None:
                 run_bytes, run = ahead
-                same = len(run) if span.startswith(run_bytes) else _common_blocks(span, run_bytes, block_bytes)
+                same = len(run) if data.startswith(run_bytes, start, stop) \
+                    else _common_blocks(data[start:stop], run_bytes, block_bytes)
                 if same:
                     path += run if same == len(run) else run[:same]
                     node = path[-1]
                     if same == SEGMENT_BLOCKS:
+                        start = stop
                         continue
-            for offset in range(same * block_bytes, len(span), block_bytes):
-                child = self._step(node, span[offset:offset + block_bytes], len(path))
+            for offset in range(start + same * block_bytes, stop, block_bytes):
+                child = self._step(node, data[offset:offset + block_bytes], len(path))
                 if child is None:
                     break
                 path.append(child)
@@ -194,9 +203,10 @@ class PrefixIndex:
             if walked and (ahead is None or walked > len(ahead[1])):
                 if head.ahead is None:
                     head.ahead = {}
-                head.ahead[span[:block_bytes]] = (span[:walked * block_bytes], path[first:])
+                head.ahead[lead_key] = (data[start:start + walked * block_bytes], path[first:])
             if walked < SEGMENT_BLOCKS:
                 break
+            start = stop
         return path
 
     def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
@@ -489,8 +499,9 @@ class PrefixIndex:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
         rest = []
-        for depth in range(len(path), len(keys)):
-            key = keys[depth]
+        data, block_bytes = keys.data, keys.block_bytes
+        for depth in range(len(path), keys.count):
+            key = data[depth * block_bytes:(depth + 1) * block_bytes]
             child = parent.children.get(key) if parent.children is not None else None
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
