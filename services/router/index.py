@@ -231,16 +231,16 @@ class PrefixIndex:
         matched: dict[str, int] = {}
         alive: Set[str] = path[0].holders.keys()
         signature = path[0].signature
-        depth = 0
-        for node in path:
+        for node in path:  # the loop does no more than compare: changes are rare
             if node.signature != signature:
+                depth = path.index(node)
                 still = alive & node.holders.keys()
                 for worker_id in alive - still:
                     matched[worker_id] = depth
                 if not still:
                     return matched
                 alive, signature = still, node.signature
-            depth += 1
+        depth = len(path)
         for worker_id in alive:
             matched[worker_id] = depth
         return matched
