@@ -123,6 +123,17 @@ class Credit:
         self.blocks: list[int] | None = None
 
 
+class Reuse:
+    """A placement's reuse of `path` (a prefix its `worker_id` holds) whose move to the
+    recent end of the worker's LRU waits, like a credit, until something could see it."""
+
+    __slots__ = ("worker_id", "path")
+
+    def __init__(self, worker_id: str, path: list[BlockNode]):
+        self.worker_id = worker_id
+        self.path = path
+
+
 class PrefixIndex:
     def __init__(self, block_size: int, window_s: float = 180.0, ttl_s: float | None = None):
         """`ttl_s` None: entries live until a removed event (events mode); otherwise
@@ -145,11 +156,12 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
-        # Credits placed but not yet named, in placement order, with the (root, first block
-        # key) pairs of their prompts and their workers: what may read them (see expect).
-        self.unnamed: list[Credit] = []
+        # Credits placed but not yet named and reuses not yet moved in their LRUs, in
+        # placement order, with the (root, first block key) pairs of the credits' prompts
+        # and the workers of both: what may read them (see expect and record_hits).
+        self.deferred: list[Credit | Reuse] = []
         self.unnamed_heads: set[tuple[int, bytes]] = set()
-        self.unnamed_workers: set[str] = set()
+        self.deferred_workers: set[str] = set()
         self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
@@ -380,20 +392,30 @@ class PrefixIndex:
         holds, as match() reports): count the hits and make them its most recently used.
 
         Both stay off the per-block path where they can: the hits wait in pending_hits
-        under the path's deepest block (repeats of a prefix merge there), and a worker
-        with more than EXACT_LRU_BLOCKS blocks that reuses the same prefix again, before
-        half its LRU has turned over, keeps the order it has: the prefix is still in the
-        recent half, away from the old end where evictions (and eviction samples) come from."""
+        under the path's deepest block (repeats of a prefix merge there); the move waits
+        with the credits (docs/router.md §8), done in placement order before anything
+        reads or reorders the worker's LRU (see expect), so every read sees the order a
+        move here would have made. A worker with more than EXACT_LRU_BLOCKS blocks that
+        reuses the same prefix again, before half its LRU has turned over, keeps the order
+        it has: the prefix is still in the recent half, away from the old end where
+        evictions (and eviction samples) come from. The index keeps `path` until then:
+        the caller must not change it."""
         self._touched(worker_id)
         if not path:
             return
-        self._name_credits_of(worker_id)
         epoch = int(now / self.half_window_s)
         if epoch != self.pending_epoch:
             self.flush_hits()
             self.pending_epoch = epoch
         tail = path[-1]
         self.pending_hits[tail] = self.pending_hits.get(tail, 0) + 1
+        self.deferred.append(Reuse(worker_id, path))
+        self.deferred_workers.add(worker_id)
+
+    def _move_to_recent(self, reuse: Reuse) -> None:
+        """The LRU move record_hits deferred."""
+        worker_id, path = reuse.worker_id, reuse.path
+        tail = path[-1]
         lru = self.lru.setdefault(worker_id, OrderedDict())
         clock = self.lru_clock.get(worker_id, 0)
         last = self.last_touch.get(worker_id)
@@ -445,9 +467,9 @@ class PrefixIndex:
         what naming it here would have shown, and a placement costs O(1)."""
         credit = Credit(worker_id, root_hash, keys, path, held, now)
         if held < len(keys):  # else the worker holds every block (matched = the prompt)
-            self.unnamed.append(credit)
+            self.deferred.append(credit)
             self.unnamed_heads.add((root_hash, keys[0]))
-            self.unnamed_workers.add(worker_id)
+            self.deferred_workers.add(worker_id)
             self._touched(worker_id)
         else:
             credit.blocks = []
@@ -468,17 +490,21 @@ class PrefixIndex:
         return credit.blocks
 
     def name_credits(self) -> None:
-        """Name every credit placed and not yet named, oldest first."""
-        if not self.unnamed:
+        """Name every credit placed and not yet named, and make every deferred LRU move,
+        oldest first."""
+        if not self.deferred:
             return
-        unnamed, self.unnamed = self.unnamed, []
+        deferred, self.deferred = self.deferred, []
         self.unnamed_heads.clear()
-        self.unnamed_workers.clear()
-        for credit in unnamed:
-            self._name(credit)
+        self.deferred_workers.clear()
+        for item in deferred:
+            if isinstance(item, Credit):
+                self._name(item)
+            else:
+                self._move_to_recent(item)
 
     def _name_credits_of(self, worker_id: str) -> None:
-        if worker_id in self.unnamed_workers:
+        if worker_id in self.deferred_workers:
             self.name_credits()
 
     def _name(self, credit: Credit) -> None:
