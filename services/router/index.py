@@ -393,7 +393,7 @@ class PrefixIndex:
 
         Both stay off the per-block path where they can: the hits wait in pending_hits
         under the path's deepest block (repeats of a prefix merge there); the move waits
-        with the credits (docs/router.md §8), done in placement order before anything
+        with the credits (docs/router.md §2), done in placement order before anything
         reads or reorders the worker's LRU (see expect), so every read sees the order a
         move here would have made. A worker with more than EXACT_LRU_BLOCKS blocks that
         reuses the same prefix again, before half its LRU has turned over, keeps the order
