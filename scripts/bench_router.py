@@ -26,6 +26,8 @@ the stored events that follow each placement. So the workers' events are timed a
 (events_ms: their mean per decision), and the results also give the requests finished, the
 blocks still on credit at the end, the index's size when timing started and ended, and a
 digest of every decision (warm-up included) that changes iff some placement does.
+Beside the wall time, each decision's thread CPU time is read (outside the wall span):
+cpu_ms and cpu_p99_ms leave out the time slices other processes take on a shared machine.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_router.py --policies e2 --decisions 10000
@@ -230,6 +232,7 @@ class Workers:
 @dataclass
 class Timings:
     ns: list[int] = field(default_factory=list)
+    cpu_ns: list[int] = field(default_factory=list)  # thread CPU time of the same spans
     matched: list[float] = field(default_factory=list)  # share of the prompt the chosen worker held
     best: list[float] = field(default_factory=list)  # share the best holder held
     refused: int = 0
@@ -274,12 +277,14 @@ class Bench:
         self.workers.heartbeats(now)
         prompt = self.workload.prompt(i)
         request_id, root, cluster = f"r{i}", self.workload.root, self.cluster
+        cpu_start = time.thread_time_ns()
         start = time.perf_counter_ns()
         request = cluster.prepare(request_id, root, prompt.tokens, MAX_TOKENS, now)
         verdict = self.admission.decide(request, self.policy.choose(request, cluster, now), cluster, now)
         if verdict.worker_id is not None:
             cluster.place(request, verdict.worker_id, now)
         timings.ns.append(time.perf_counter_ns() - start)
+        timings.cpu_ns.append(time.thread_time_ns() - cpu_start)
         self.digest.update(f"{verdict.worker_id or '-'}\n".encode())
         if verdict.worker_id is None:
             timings.refused += 1
@@ -302,12 +307,15 @@ def run_policy(name: str, workload: Workload, cost: CostModel, args: argparse.Na
 def summarize(timings: Timings, bench: Bench, index_start: int, event_ns: int) -> dict:
     ns = np.array(timings.ns, dtype=np.int64)
     p50, p99 = np.percentile(ns, [50, 99]) / 1e6
+    cpu_ns = np.array(timings.cpu_ns, dtype=np.int64)
     return {
         "decisions_per_s": float(len(ns) / (ns.sum() / 1e9)),
         "p50_ms": float(p50),
         "p99_ms": float(p99),
         "max_ms": float(ns.max() / 1e6),
         "mean_ms": float(ns.mean() / 1e6),
+        "cpu_ms": float(cpu_ns.mean() / 1e6),
+        "cpu_p99_ms": float(np.percentile(cpu_ns, 99) / 1e6),
         "events_ms": event_ns / len(ns) / 1e6,
         "decisions": len(ns),
         "warmup_decisions": bench.next - len(ns),
@@ -333,16 +341,17 @@ def print_table(args: argparse.Namespace, result: dict[str, dict], elapsed_s: fl
     print(f"workers={args.workers} prompt_tokens={args.prompt_tokens} families={args.families} "
           f"kv_blocks={args.kv_blocks}{store} in_flight={args.in_flight} rate={args.rate:g}/s "
           f"warmup>={args.warmup} decisions={args.decisions} seed={args.seed} ({elapsed_s:.1f} s)")
-    print(f"{'policy':<12}{'decisions/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'events ms':>11}"
+    print(f"{'policy':<12}{'decisions/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'cpu ms':>8}{'events ms':>11}"
           f"{'matched':>9}{'hit':>7}{'best':>7}{'refused':>9}{'index start':>13}{'index end':>11}"
           f"{'removed':>10}{'finished':>10}{'on credit':>11}")
     for name, row in result.items():
         print(f"{name:<12}{row['decisions_per_s']:>12,.0f}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}"
-              f"{row['max_ms']:>9.2f}{row['events_ms']:>11.3f}{row['matched_fraction']:>9.1%}"
+              f"{row['max_ms']:>9.2f}{row['cpu_ms']:>8.3f}{row['events_ms']:>11.3f}{row['matched_fraction']:>9.1%}"
               f"{row['hit_rate']:>7.1%}{row['best_matched_fraction']:>7.1%}{row['refused']:>9,}"
               f"{row['index_blocks_start']:>13,}{row['index_blocks']:>11,}{row['removed_blocks']:>10,}"
               f"{row['finished']:>10,}{row['unconfirmed_blocks']:>11,}")
-    print("events: mean time per decision to apply the workers' KV events (untimed above); matched: "
+    print("cpu: mean thread CPU time per decision (the same span, without other processes' time slices); "
+          "events: mean time per decision to apply the workers' KV events (untimed above); matched: "
           "mean share of the prompt the chosen worker held; hit: placements where it held any; "
           "best: share the best holder held; index: blocks in the prefix index when timing started "
           "and ended; removed: blocks evicted (removed events) over the run; finished: requests "

@@ -39,10 +39,20 @@ class Request:
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
     block_size: int = 16
     best_blocks: int = 0  # the most leading blocks any worker holds
+    path_nodes: frozenset[BlockNode] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
 
+    def pins(self, nodes: frozenset[BlockNode], held: int) -> bool:
+        """Whether any of `nodes` is among the prompt's first `held` blocks (which a worker
+        holding them keeps while the request runs). The path's nodes are gathered once per
+        request: the eviction estimate asks this of several workers' samples."""
+        if not held:
+            return False
+        if self.path_nodes is None:
+            self.path_nodes = frozenset(self.path)
+        return not nodes.isdisjoint(self.path_nodes) and not nodes.isdisjoint(self.path[:held])
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -202,9 +212,8 @@ class ClusterState:
     def prepare(self, request_id: str, root_hash: int, token_ids: np.ndarray, max_tokens: int,
                 now: float, slo_class: str = "") -> Request:
         """Match the prompt against the index once; policies and admission read the result.
-        The request (and the credit of its placement, until named) reads the prompt's
-        blocks from `token_ids` itself when it is a little-endian uint32 array, so the
-        caller must not write to it afterwards."""
+        The request keeps a copy of the prompt's bytes (its block keys), so the caller may
+        reuse `token_ids`."""
         if self.approximate:
             self.index.expire(now)
         keys = self.index.block_keys(np.ascontiguousarray(token_ids, dtype="<u4"))
@@ -389,7 +398,8 @@ class ClusterState:
 
     def queue_s(self, worker_id: str, now: float) -> float:
         """How long a new prefill would wait behind those placed there already."""
-        return max(0.0, self.workers[worker_id].prefill_free_at - now)
+        wait = self.workers[worker_id].prefill_free_at - now
+        return wait if wait > 0.0 else 0.0
 
     def tpot_s(self, request: Request, worker_id: str) -> float:
         """The decode step time of the batch this request would join."""
@@ -415,7 +425,7 @@ class ClusterState:
         sample = samples.get(worker_id)
         if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        if held and not sample.read.isdisjoint(request.path[:held]):
+        if request.pins(sample.read, held):
             sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
         return sample.cost(to_evict)
 

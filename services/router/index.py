@@ -55,12 +55,14 @@ def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
 class BlockKeys:
     """A prompt's full blocks as token bytes (little-endian uint32 ids), the keys a walk
     follows: key i is block i's bytes and span(i, j) those of blocks i to j - 1, each
-    copied out of the prompt's buffer when asked for, so a walk makes only what it reads."""
+    sliced out of the prompt's bytes when asked for, so a walk makes only what it reads.
+    `data` is the prompt's bytes, made once: a walk compares runs against it in place
+    (bytes.startswith at an offset), with no copy per segment."""
 
     __slots__ = ("data", "block_bytes", "count")
 
-    def __init__(self, data: memoryview, block_bytes: int):
-        self.data = data  # of format "B"
+    def __init__(self, data: bytes, block_bytes: int):
+        self.data = data
         self.block_bytes = block_bytes
         self.count = len(data) // block_bytes
 
@@ -70,10 +72,10 @@ class BlockKeys:
     def __getitem__(self, i: int) -> bytes:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        return self.span(i, i + 1)
+        return self.data[i * self.block_bytes:(i + 1) * self.block_bytes]
 
     def span(self, start: int, stop: int) -> bytes:
-        return bytes(self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes])
+        return self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes]
 
 
 class BlockNode:
@@ -121,6 +123,17 @@ class Credit:
         self.blocks: list[int] | None = None
 
 
+class Reuse:
+    """A placement's reuse of `path` (a prefix its `worker_id` holds) whose move to the
+    recent end of the worker's LRU waits, like a credit, until something could see it."""
+
+    __slots__ = ("worker_id", "path")
+
+    def __init__(self, worker_id: str, path: list[BlockNode]):
+        self.worker_id = worker_id
+        self.path = path
+
+
 class PrefixIndex:
     def __init__(self, block_size: int, window_s: float = 180.0, ttl_s: float | None = None):
         """`ttl_s` None: entries live until a removed event (events mode); otherwise
@@ -143,19 +156,20 @@ class PrefixIndex:
         self.lru_clock: dict[str, int] = {}  # per worker, blocks moved to its recent end so far
         self.last_touch: dict[str, tuple[BlockNode, int]] = {}  # per worker: (deepest block, clock)
         self.unconfirmed: dict[str, set[int]] = {}  # per worker, blocks held on credit (expect)
-        # Credits placed but not yet named, in placement order, with the (root, first block
-        # key) pairs of their prompts and their workers: what may read them (see expect).
-        self.unnamed: list[Credit] = []
+        # Credits placed but not yet named and reuses not yet moved in their LRUs, in
+        # placement order, with the (root, first block key) pairs of the credits' prompts
+        # and the workers of both: what may read them (see expect and record_hits).
+        self.deferred: list[Credit | Reuse] = []
         self.unnamed_heads: set[tuple[int, bytes]] = set()
-        self.unnamed_workers: set[str] = set()
+        self.deferred_workers: set[str] = set()
         self.store_tiers: dict[int, int] = {}  # block the KV store holds -> its tier (0 = DRAM, 1 = SSD)
 
     # ---- reading ---------------------------------------------------------------------
 
     def block_keys(self, prompt: bytes | np.ndarray) -> BlockKeys:
         """The prompt's full blocks' keys (a prompt given as little-endian uint32 ids)."""
-        # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python 3.12+ only.
-        return BlockKeys(memoryview(prompt).cast("B"), self.block_bytes)  # type: ignore[arg-type]
+        data = prompt if isinstance(prompt, bytes) else prompt.tobytes()
+        return BlockKeys(data, self.block_bytes)
 
     def walk(self, root_hash: int, keys: BlockKeys) -> list[BlockNode]:
         """Nodes of the prompt's longest prefix of full blocks that the index names.
@@ -164,28 +178,35 @@ class PrefixIndex:
         its head are taken at once (a few comparisons of their bytes); the rest block
         by block, each a lookup of its key among the node's children (or,
         for a child not linked yet, of its hash among all nodes)."""
-        if keys.count and (root_hash, keys[0]) in self.unnamed_heads:
+        data, block_bytes, count = keys.data, keys.block_bytes, keys.count
+        if count and (root_hash, data[:block_bytes]) in self.unnamed_heads:
             self.name_credits()
         node = self.roots.get(root_hash)
         if node is None:
             node = self.roots[root_hash] = BlockNode(root_hash)
         path: list[BlockNode] = []
-        block_bytes = keys.block_bytes
-        while len(path) < keys.count:
+        end, segment_bytes = count * block_bytes, SEGMENT_BLOCKS * block_bytes
+        start = 0  # the segment's first byte in `data`
+        while start < end:
             head, first = node, len(path)  # a segment head
-            span = keys.span(first, first + SEGMENT_BLOCKS)
-            ahead = head.ahead.get(span[:block_bytes]) if head.ahead is not None else None
+            stop = start + segment_bytes
+            if stop > end:
+                stop = end
+            lead_key = data[start:start + block_bytes]
+            ahead = head.ahead.get(lead_key) if head.ahead is not None else None
             same = 0
             if ahead is not None:
                 run_bytes, run = ahead
-                same = len(run) if span.startswith(run_bytes) else _common_blocks(span, run_bytes, block_bytes)
+                same = len(run) if data.startswith(run_bytes, start, stop) \
+                    else _common_blocks(data[start:stop], run_bytes, block_bytes)
                 if same:
                     path += run if same == len(run) else run[:same]
                     node = path[-1]
                     if same == SEGMENT_BLOCKS:
+                        start = stop
                         continue
-            for offset in range(same * block_bytes, len(span), block_bytes):
-                child = self._step(node, span[offset:offset + block_bytes], len(path))
+            for offset in range(start + same * block_bytes, stop, block_bytes):
+                child = self._step(node, data[offset:offset + block_bytes], len(path))
                 if child is None:
                     break
                 path.append(child)
@@ -194,9 +215,10 @@ class PrefixIndex:
             if walked and (ahead is None or walked > len(ahead[1])):
                 if head.ahead is None:
                     head.ahead = {}
-                head.ahead[span[:block_bytes]] = (span[:walked * block_bytes], path[first:])
+                head.ahead[lead_key] = (data[start:start + walked * block_bytes], path[first:])
             if walked < SEGMENT_BLOCKS:
                 break
+            start = stop
         return path
 
     def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
@@ -221,16 +243,16 @@ class PrefixIndex:
         matched: dict[str, int] = {}
         alive: Set[str] = path[0].holders.keys()
         signature = path[0].signature
-        depth = 0
-        for node in path:
+        for node in path:  # the loop does no more than compare: changes are rare
             if node.signature != signature:
+                depth = path.index(node)
                 still = alive & node.holders.keys()
                 for worker_id in alive - still:
                     matched[worker_id] = depth
                 if not still:
                     return matched
                 alive, signature = still, node.signature
-            depth += 1
+        depth = len(path)
         for worker_id in alive:
             matched[worker_id] = depth
         return matched
@@ -370,20 +392,30 @@ class PrefixIndex:
         holds, as match() reports): count the hits and make them its most recently used.
 
         Both stay off the per-block path where they can: the hits wait in pending_hits
-        under the path's deepest block (repeats of a prefix merge there), and a worker
-        with more than EXACT_LRU_BLOCKS blocks that reuses the same prefix again, before
-        half its LRU has turned over, keeps the order it has: the prefix is still in the
-        recent half, away from the old end where evictions (and eviction samples) come from."""
+        under the path's deepest block (repeats of a prefix merge there); the move waits
+        with the credits (docs/router.md §2), done in placement order before anything
+        reads or reorders the worker's LRU (see expect), so every read sees the order a
+        move here would have made. A worker with more than EXACT_LRU_BLOCKS blocks that
+        reuses the same prefix again, before half its LRU has turned over, keeps the order
+        it has: the prefix is still in the recent half, away from the old end where
+        evictions (and eviction samples) come from. The index keeps `path` until then:
+        the caller must not change it."""
         self._touched(worker_id)
         if not path:
             return
-        self._name_credits_of(worker_id)
         epoch = int(now / self.half_window_s)
         if epoch != self.pending_epoch:
             self.flush_hits()
             self.pending_epoch = epoch
         tail = path[-1]
         self.pending_hits[tail] = self.pending_hits.get(tail, 0) + 1
+        self.deferred.append(Reuse(worker_id, path))
+        self.deferred_workers.add(worker_id)
+
+    def _move_to_recent(self, reuse: Reuse) -> None:
+        """The LRU move record_hits deferred."""
+        worker_id, path = reuse.worker_id, reuse.path
+        tail = path[-1]
         lru = self.lru.setdefault(worker_id, OrderedDict())
         clock = self.lru_clock.get(worker_id, 0)
         last = self.last_touch.get(worker_id)
@@ -435,9 +467,9 @@ class PrefixIndex:
         what naming it here would have shown, and a placement costs O(1)."""
         credit = Credit(worker_id, root_hash, keys, path, held, now)
         if held < len(keys):  # else the worker holds every block (matched = the prompt)
-            self.unnamed.append(credit)
+            self.deferred.append(credit)
             self.unnamed_heads.add((root_hash, keys[0]))
-            self.unnamed_workers.add(worker_id)
+            self.deferred_workers.add(worker_id)
             self._touched(worker_id)
         else:
             credit.blocks = []
@@ -458,17 +490,21 @@ class PrefixIndex:
         return credit.blocks
 
     def name_credits(self) -> None:
-        """Name every credit placed and not yet named, oldest first."""
-        if not self.unnamed:
+        """Name every credit placed and not yet named, and make every deferred LRU move,
+        oldest first."""
+        if not self.deferred:
             return
-        unnamed, self.unnamed = self.unnamed, []
+        deferred, self.deferred = self.deferred, []
         self.unnamed_heads.clear()
-        self.unnamed_workers.clear()
-        for credit in unnamed:
-            self._name(credit)
+        self.deferred_workers.clear()
+        for item in deferred:
+            if isinstance(item, Credit):
+                self._name(item)
+            else:
+                self._move_to_recent(item)
 
     def _name_credits_of(self, worker_id: str) -> None:
-        if worker_id in self.unnamed_workers:
+        if worker_id in self.deferred_workers:
             self.name_credits()
 
     def _name(self, credit: Credit) -> None:
@@ -489,8 +525,9 @@ class PrefixIndex:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
         rest = []
-        for depth in range(len(path), len(keys)):
-            key = keys[depth]
+        data, block_bytes = keys.data, keys.block_bytes
+        for depth in range(len(path), keys.count):
+            key = data[depth * block_bytes:(depth + 1) * block_bytes]
             child = parent.children.get(key) if parent.children is not None else None
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)

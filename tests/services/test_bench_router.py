@@ -42,6 +42,7 @@ def test_every_policy_reports_a_rate_and_ordered_percentiles(capsys):
         assert row["decisions"] == 200
         assert row["index_blocks_start"] >= 100
         assert row["finished"] > 0 and row["events_ms"] > 0
+        assert row["cpu_ms"] > 0 and row["cpu_p99_ms"] > 0
         assert row["unconfirmed_blocks"] == 0  # each placement's stored events confirmed its credit
     assert any(row["removed_blocks"] for row in result.values())  # the caches overflowed
     assert {name: row["decisions_digest"] for name, row in result.items()} == DIGESTS

@@ -419,3 +419,27 @@ def test_a_credit_is_named_only_when_something_could_see_it():
     later = index.expect("B", ROOT, keys, index.walk(ROOT, keys), 0, 1.0)
     assert [node.block_hash for node in index.lru_blocks("B")] == hashes(prompt)  # B's LRU read
     assert later.blocks == hashes(prompt)
+
+
+def test_a_reuses_lru_move_waits_with_the_credits_and_lands_in_placement_order():
+    """record_hits moves the reused prefix only when something reads or reorders the
+    LRU, in placement order with the credits: a read sees what moving at once shows."""
+    first, second, new = tokens(1, 3 * BLOCK), tokens(2, 3 * BLOCK), tokens(3, 2 * BLOCK)
+
+    def place_three(read_each: bool) -> tuple[list[int], list[int]]:
+        """The LRU as stored before the last read, and as that read sees it."""
+        index = PrefixIndex(BLOCK)
+        index.stored("A", hashes(first) + hashes(second), 0.0)
+        for token_ids, held in ((first, 2), (new, 0), (second, 3)):
+            keys = as_bytes(token_ids)
+            path = index.walk(ROOT, keys)
+            index.record_hits(path[:held], "A", 1.0)
+            index.expect("A", ROOT, keys, path, held, 1.0)
+            if read_each:
+                index.lru_blocks("A")
+        return list(index.lru["A"]), [node.block_hash for node in index.lru_blocks("A")]
+
+    waiting, deferred = place_three(read_each=False)
+    _, at_once = place_three(read_each=True)
+    assert waiting == hashes(first) + hashes(second)  # nothing moved before the read
+    assert deferred == at_once == hashes(first)[2:] + hashes(first)[:2] + hashes(new) + hashes(second)
