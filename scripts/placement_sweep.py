@@ -139,7 +139,7 @@ def seed_mean(cell: Cell, policy: str) -> tuple[float, float]:
 def markdown(cells: Sequence[Cell], policy: str, baselines: Sequence[str], reference: str,
              tolerance: float, title: str) -> str:
     shown = [*baselines, reference, policy]
-    lines = [f"### {title}", "",
+    lines = [f"## {title}", "",
              "Mean / p99 end-to-end latency in seconds, averaged over the seeds; the ratios are the "
              f"worst seed's, {policy}'s over the best baseline's (per statistic) and over {reference}'s.", "",
              "| workload | load | " + " | ".join(shown) + " | / best baseline (mean, p99) | / "
@@ -240,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(markdown(cells, args.policy, baselines, args.reference, args.tolerance, title))
         failed += sum(not judge(cell, args.policy, baselines, args.reference, args.tolerance).passed
                       for cell in cells)
-    text = "\n".join(tables)
+    command = " ".join(["scripts/placement_sweep.py", *(argv if argv is not None else sys.argv[1:])])
+    text = "\n".join([f"# Placement sweep\n\nWritten by `{command}`; see docs/router.md §4.7.\n", *tables])
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
