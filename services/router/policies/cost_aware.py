@@ -57,34 +57,28 @@ class CostAware(StatelessFeedback):
 
 def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
     """Per worker id, the latency placing the request there adds, its own and that of
-    the requests it slows or makes recompute, in seconds as the cost model predicts.
-
-    One pass over the workers, the arithmetic written out (queue_s and
-    added_decode_step_s inline, in the same order of operations): the router runs it
-    for every worker on every decision."""
-    matched = request.matched
-    # Held 0 always: P falls with what is held, so it never lowers the least of them.
-    prefill_by_held = {held: cluster.held_prefill_s(request, held) for held in {0, *matched.values()}}
-    least_prefill_s = min(prefill_by_held.values())
-    weight = recompute_weight(cluster.prefill_utilization(now))
+    the requests it slows or makes recompute, in seconds as the cost model predicts."""
     expected_output = cluster.expected_output(request)
     step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
     decode = cluster.cost.decode
-    prompt = request.num_tokens
-    blocks = -(-prompt // cluster.block_size)
-    workers, free_blocks = cluster.workers, cluster.free_blocks
+    blocks = -(-request.num_tokens // cluster.block_size)
+    prefill_by_held: dict[int, float] = {}
+    for worker_id in cluster.worker_ids:
+        held = request.matched.get(worker_id, 0)
+        if held not in prefill_by_held:
+            prefill_by_held[held] = cluster.held_prefill_s(request, held)
+    least_prefill_s = min(prefill_by_held.values(), default=0.0)
+    weight = recompute_weight(cluster.prefill_utilization(now))
     costs: dict[str, float] = {}
     for worker_id in cluster.worker_ids:
-        held = matched.get(worker_id, 0)
+        held = request.matched.get(worker_id, 0)
         prefill_s = prefill_by_held[held]
-        worker = workers[worker_id]
-        n = len(worker.in_flight)
-        wait = worker.prefill_free_at - now
-        decode_s = (decode.a + decode.b * (2 * n + 1) + decode.c * prompt
-                    + decode.d * (worker.prompt_tokens_sum + (n + 1) * prompt) + decode.e * (3 * n * n + 3 * n + 1))
-        cost = (wait if wait > 0.0 else 0.0) + prefill_s + n * max(0.0, prefill_s - step_s) \
-            + expected_output * decode_s + weight * (prefill_s - least_prefill_s)
-        if free_blocks[worker_id] < blocks - held:
+        worker = cluster.workers[worker_id]
+        batch = len(worker.in_flight)
+        cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
+            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
+            + weight * (prefill_s - least_prefill_s)
+        if cluster.free_blocks[worker_id] < blocks - held:
             cost += cluster.eviction_cost_s(request, worker_id, now)
         costs[worker_id] = cost
     return costs
