@@ -19,8 +19,9 @@ Then it judges every cell (workload, load, seed): the policy's mean and p99 end-
 latency over the best baseline's (the lowest of the baselines, per statistic), within
 --tolerance (5 %) passing, and over the reference's (e2: the policy it must beat). It
 writes a markdown table (per workload and load: each policy's mean / p99 averaged over
-the seeds, the worst seed's ratios, pass or not) and a plot (per workload, each policy's
-mean latency over the best baseline's against load), and prints the verdict.
+the seeds, the worst seed's ratios, pass or not) and two plots (per workload, each
+policy's mean latency over the best baseline's against load; the same for the p99 in
+<plot>_p99.png), and prints the verdict.
 """
 from __future__ import annotations
 
@@ -163,8 +164,9 @@ def markdown(cells: Sequence[Cell], policy: str, baselines: Sequence[str], refer
     return "\n".join(lines)
 
 
-def plot(cells: Sequence[Cell], policies: Sequence[str], baselines: Sequence[str], path: Path) -> None:
-    """Per workload, each policy's mean latency over the best baseline's (seed means) vs load."""
+def plot(cells: Sequence[Cell], policies: Sequence[str], baselines: Sequence[str], path: Path, stat: int) -> None:
+    """Per workload, each policy's mean (stat 0) or p99 (1) latency over the best
+    baseline's (seed means) against load."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
@@ -178,9 +180,9 @@ def plot(cells: Sequence[Cell], policies: Sequence[str], baselines: Sequence[str
         axes = figure.add_subplot(rows, columns, index + 1)
         mine = [cell for cell in cells if cell.workload == workload]
         loads = [float(cell.load) for cell in mine]
-        best = [min(seed_mean(cell, name)[0] for name in baselines) for cell in mine]
+        best = [min(seed_mean(cell, name)[stat] for name in baselines) for cell in mine]
         for name in policies:
-            axes.plot(loads, [seed_mean(cell, name)[0] / b for cell, b in zip(mine, best, strict=True)],
+            axes.plot(loads, [seed_mean(cell, name)[stat] / b for cell, b in zip(mine, best, strict=True)],
                       marker="o", label=name, linewidth=2.5 if name == policies[-1] else 1.0)
         axes.set_xscale("log")
         axes.set_yscale("log")
@@ -192,7 +194,7 @@ def plot(cells: Sequence[Cell], policies: Sequence[str], baselines: Sequence[str
         axes.axhline(1.05, color="grey", linestyle=":", linewidth=1)
         axes.set_title(workload)
         axes.set_xlabel("load")
-        axes.set_ylabel("mean e2e / best baseline")
+        axes.set_ylabel(f"{('mean', 'p99')[stat]} e2e / best baseline")
         axes.grid(True, alpha=0.3)
     figure.axes[0].legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         args.markdown.write_text(text)
     if args.plot:
-        plot(all_cells, (*baselines, args.reference, args.policy), baselines, args.plot)
+        shown = (*baselines, args.reference, args.policy)
+        plot(all_cells, shown, baselines, args.plot, 0)
+        plot(all_cells, shown, baselines, args.plot.with_name(f"{args.plot.stem}_p99{args.plot.suffix}"), 1)
     print(f"{args.policy}: {len(all_cells) - failed} of {len(all_cells)} cells within "
           f"{args.tolerance:.0%} of the best baseline", file=sys.stderr)
     return 0 if failed == 0 else 1
