@@ -88,19 +88,29 @@ class BlockManager:
         The tokens are compared too, so a hash collision is a miss, never wrong KV.
         Takes no references.
         """
-        matched: list[int] = []
+        named = self._named_prefix(block_hashes, max_blocks)
+        if not named:
+            return named
         width = 4 * self.block_size
-        token_bytes = b""
-        for index, block_name in enumerate(block_hashes[:max_blocks]):
-            block_id = self.hash_to_block.get(block_name)
+        token_bytes = token_id_bytes(token_ids[:len(named) * self.block_size])  # the named blocks' tokens
+        block_tokens = self.block_tokens
+        if b"".join(map(block_tokens.__getitem__, named)) == token_bytes:  # type: ignore[arg-type]
+            return named  # all agree: one comparison instead of one per block
+        for index, block_id in enumerate(named):
+            if block_tokens[block_id] != token_bytes[index * width:(index + 1) * width]:
+                return named[:index]
+        return named
+
+    def _named_prefix(self, block_hashes: Seq[int], max_blocks: int) -> list[int]:
+        """Block ids named by the leading hashes, up to the first not in the cache."""
+        named: list[int] = []
+        lookup = self.hash_to_block.get
+        for block_name in block_hashes[:max_blocks]:
+            block_id = lookup(block_name)
             if block_id is None:
                 break
-            if not token_bytes:  # encoded once, on the first named block
-                token_bytes = token_id_bytes(token_ids[:max_blocks * self.block_size])
-            if self.block_tokens[block_id] != token_bytes[index * width:(index + 1) * width]:
-                break
-            matched.append(block_id)
-        return matched
+            named.append(block_id)
+        return named
 
     def num_matched_cached(self, block_hashes: Seq[int], max_blocks: int) -> int:
         """How many leading blocks are named in the cache (hashes only, for ordering)."""
@@ -119,49 +129,59 @@ class BlockManager:
 
     def take(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each (cached or referenced) block: a prefix match reuses it."""
+        ref_counts, hits, cached = self.ref_counts, self.block_hits, self.cached_blocks
         for block_id in block_ids:
-            self.block_hits[block_id] += 1
-            if self.ref_counts[block_id] == 0:
-                if block_id not in self.cached_blocks:
+            hits[block_id] += 1
+            if ref_counts[block_id] == 0:
+                if block_id not in cached:
                     raise BlockManagerError(f"block {block_id} is free, not cached; cannot share it")
-                del self.cached_blocks[block_id]
-            self.ref_counts[block_id] += 1
+                del cached[block_id]
+            ref_counts[block_id] += 1
 
     def allocate(self, count: int) -> list[int]:
-        """`count` fresh blocks with one reference each; evicts LRU cached blocks."""
+        """`count` fresh blocks with one reference each: free blocks first, then the LRU
+        cached ones, evicted (the hook sees them, then the event sink their names)."""
         if count > self.num_available:
             raise BlockManagerError(f"asked for {count} blocks, {self.num_available} available")
-        allocated: list[int] = []
-        evicted: list[EvictedBlock] = []
-        for _ in range(count):
-            if self.free_blocks:
-                block_id = self.free_blocks.popleft()
-            else:
-                block_id, _ = self.cached_blocks.popitem(last=False)
-                chain = self.block_parent[block_id], self.block_root[block_id], self.block_hits[block_id]
-                evicted.append(EvictedBlock(block_id, self._forget(block_id), *chain))
-            self.ref_counts[block_id] = 1
-            allocated.append(block_id)
-        if evicted:
-            if self.on_evict is not None:
-                self.on_evict(evicted)
-            if self.events is not None:
-                self.events.removed([block.name for block in evicted])
+        free, ref_counts = self.free_blocks, self.ref_counts
+        allocated = [free.popleft() for _ in range(min(count, len(free)))]
+        for block_id in allocated:
+            ref_counts[block_id] = 1
+        if count > len(allocated):
+            allocated += self._evict(count - len(allocated))
         return allocated
+
+    def _evict(self, count: int) -> list[int]:
+        """Take the `count` least recently used cached blocks with one reference each,
+        forget them, tell the eviction hook and the event sink; returns their ids."""
+        popitem, ref_counts = self.cached_blocks.popitem, self.ref_counts
+        block_ids = [popitem(last=False)[0] for _ in range(count)]
+        for block_id in block_ids:
+            ref_counts[block_id] = 1
+        hook = self.on_evict
+        chains = [(self.block_parent[block_id], self.block_root[block_id], self.block_hits[block_id])
+                  for block_id in block_ids] if hook is not None else []
+        names = self._forget_all(block_ids)
+        if hook is not None:
+            hook([EvictedBlock(block_id, name, *chain) for block_id, name, chain in zip(block_ids, names, chains)])
+        if self.events is not None:
+            self.events.removed(names)
+        return block_ids
 
     def release(self, block_ids: Seq[int]) -> None:
         """Drop one reference from each block; unreferenced named blocks stay cached.
 
         Released in reverse so a sequence's tail is evicted before its prefix.
         """
+        ref_counts, block_hash, cached = self.ref_counts, self.block_hash, self.cached_blocks
         for block_id in reversed(block_ids):
-            count = self.ref_counts[block_id] - 1
+            count = ref_counts[block_id] - 1
             if count < 0:
                 raise BlockManagerError(f"block {block_id} released more often than taken")
-            self.ref_counts[block_id] = count
+            ref_counts[block_id] = count
             if count == 0:
-                if self.block_hash[block_id] is not None:
-                    self.cached_blocks[block_id] = None
+                if block_hash[block_id] is not None:
+                    cached[block_id] = None
                 else:
                     self.free_blocks.append(block_id)
 
@@ -178,39 +198,46 @@ class BlockManager:
         stored: list[int] = []
         width = 4 * self.block_size
         token_bytes = token_id_bytes(token_ids[first * self.block_size:last * self.block_size])
-        for index in range(first, last):
-            block_id, block_name = block_ids[index], block_hashes[index]
-            if self.block_hash[block_id] is not None or block_name in self.hash_to_block:
+        block_hash, block_tokens, hash_to_block = self.block_hash, self.block_tokens, self.hash_to_block
+        block_parent, block_root, block_hits = self.block_parent, self.block_root, self.block_hits
+        names = block_hashes[first:last]
+        parents = ([root] if first == 0 else [block_hashes[first - 1]]) + list(names[:-1])
+        for offset, block_id, block_name, parent in zip(range(0, len(token_bytes), width), block_ids[first:last],
+                                                       names, parents):
+            if block_hash[block_id] is not None or block_name in hash_to_block:
                 continue
-            self.block_hash[block_id] = block_name
-            offset = (index - first) * width
-            self.block_tokens[block_id] = token_bytes[offset:offset + width]
-            self.hash_to_block[block_name] = block_id
-            self.block_parent[block_id] = block_hashes[index - 1] if index else root
-            self.block_root[block_id] = root
-            self.block_hits[block_id] = 0
+            block_hash[block_id] = block_name
+            block_tokens[block_id] = token_bytes[offset:offset + width]
+            hash_to_block[block_name] = block_id
+            block_parent[block_id] = parent
+            block_root[block_id] = root
+            block_hits[block_id] = 0
             stored.append(block_name)
         if stored and self.events is not None:
             self.events.stored(stored)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached (unreferenced) block; returns how many."""
-        evicted = [self._forget(block_id) for block_id in self.cached_blocks]
+        evicted = self._forget_all(list(self.cached_blocks))
         self.free_blocks.extend(self.cached_blocks)
         self.cached_blocks.clear()
         if evicted and self.events is not None:
             self.events.removed(evicted)
         return len(evicted)
 
-    def _forget(self, block_id: int) -> int:
-        block_name = self.block_hash[block_id]
-        assert block_name is not None  # only a cached block is forgotten, and it has a hash
-        del self.hash_to_block[block_name]
-        self.block_hash[block_id] = None
-        self.block_tokens[block_id] = None
-        self.block_parent[block_id] = self.block_root[block_id] = None
-        self.block_hits[block_id] = 0
-        return block_name
+    def _forget_all(self, block_ids: list[int]) -> list[int]:
+        """Unname these cached blocks (their chain and hits too); returns their names."""
+        block_hash, block_tokens, hash_to_block = self.block_hash, self.block_tokens, self.hash_to_block
+        block_parent, block_root, block_hits = self.block_parent, self.block_root, self.block_hits
+        names: list[int] = []
+        for block_id in block_ids:
+            block_name = block_hash[block_id]
+            assert block_name is not None  # only a cached block is forgotten, and it has a hash
+            del hash_to_block[block_name]
+            block_hash[block_id] = block_tokens[block_id] = block_parent[block_id] = block_root[block_id] = None
+            block_hits[block_id] = 0
+            names.append(block_name)
+        return names
 
     # ---- integrity -----------------------------------------------------------------
 
