@@ -54,14 +54,20 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[bytes | None] = [None] * num_blocks  # as common.hashing encodes them
-        self.block_parent: list[int | None] = [None] * num_blocks
-        self.block_root: list[int | None] = [None] * num_blocks
-        self.block_hits = [0] * num_blocks  # times a prefix match took the named block
+        # Per-block state of blocks 0..num_touched-1; a block's entries are made when it is
+        # first handed out (a simulated cluster of a thousand engines pays only for what
+        # it uses).
+        self.num_touched = 0
+        self.ref_counts: list[int] = []
+        self.block_hash: list[int | None] = []
+        self.block_tokens: list[bytes | None] = []  # as common.hashing encodes them
+        self.block_parent: list[int | None] = []
+        self.block_root: list[int | None] = []
+        self.block_hits: list[int] = []  # times a prefix match took the named block
         self.hash_to_block: dict[int, int] = {}
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        # Free blocks are the never-used ones (num_touched on, handed out in order) and
+        # then these, freed after use, in the order they were freed.
+        self.free_blocks: deque[int] = deque()
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.events = events
         # Called once per allocation that evicted, before the evicted blocks are handed out.
@@ -72,7 +78,7 @@ class BlockManager:
     @property
     def num_available(self) -> int:
         """Blocks an allocation could take (free plus evictable cached)."""
-        return len(self.free_blocks) + len(self.cached_blocks)
+        return self.num_blocks - self.num_touched + len(self.free_blocks) + len(self.cached_blocks)
 
     @property
     def num_used(self) -> int:
@@ -143,13 +149,26 @@ class BlockManager:
         cached ones, evicted (the hook sees them, then the event sink their names)."""
         if count > self.num_available:
             raise BlockManagerError(f"asked for {count} blocks, {self.num_available} available")
+        allocated = self._touch(min(count, self.num_blocks - self.num_touched))
         free, ref_counts = self.free_blocks, self.ref_counts
-        allocated = [free.popleft() for _ in range(min(count, len(free)))]
-        for block_id in allocated:
-            ref_counts[block_id] = 1
+        if count > len(allocated) and free:
+            reused = [free.popleft() for _ in range(min(count - len(allocated), len(free)))]
+            for block_id in reused:
+                ref_counts[block_id] = 1
+            allocated += reused
         if count > len(allocated):
             allocated += self._evict(count - len(allocated))
         return allocated
+
+    def _touch(self, count: int) -> list[int]:
+        """The next `count` never-used blocks, given their state and one reference each."""
+        first = self.num_touched
+        self.num_touched += count
+        self.ref_counts += [1] * count
+        for unnamed in (self.block_hash, self.block_tokens, self.block_parent, self.block_root):
+            unnamed += [None] * count
+        self.block_hits += [0] * count
+        return list(range(first, first + count))
 
     def _evict(self, count: int) -> list[int]:
         """Take the `count` least recently used cached blocks with one reference each,
@@ -244,26 +263,35 @@ class BlockManager:
     def check_integrity(self, block_tables: Iterable[Seq[int]]) -> None:
         """Raise BlockManagerError unless the bookkeeping matches these block tables
         (one per live sequence)."""
+        untouched = self.num_blocks - self.num_touched  # free, with no state yet: as if unnamed
+        lengths = {len(state) for state in (self.ref_counts, self.block_hash, self.block_tokens, self.block_parent,
+                                            self.block_root, self.block_hits)}
+        if lengths != {self.num_touched}:
+            raise BlockManagerError(f"per-block state covers {sorted(lengths)} blocks, not {self.num_touched}")
+        ref_counts = self.ref_counts + [0] * untouched
+        block_hash = self.block_hash + [None] * untouched
         expected = [0] * self.num_blocks
         for table in block_tables:
             for block_id in table:
                 expected[block_id] += 1
-        if expected != self.ref_counts:
-            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
+        if expected != ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != ref_counts[b]]
             raise BlockManagerError(f"ref counts disagree with block tables at blocks {bad[:10]}")
         free, cached = set(self.free_blocks), set(self.cached_blocks)
-        if len(free) != len(self.free_blocks):
+        if len(free) != len(self.free_blocks) or any(b >= self.num_touched for b in free):
             raise BlockManagerError("a block is in the free list twice")
+        free.update(range(self.num_touched, self.num_blocks))
         if free & cached:
             raise BlockManagerError(f"blocks both free and cached: {sorted(free & cached)[:10]}")
-        unreferenced = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        unreferenced = {b for b in range(self.num_blocks) if ref_counts[b] == 0}
         if free | cached != unreferenced:
             raise BlockManagerError("free and cached blocks are not exactly the unreferenced ones")
-        if any(self.block_hash[b] is not None for b in free):
+        if any(block_hash[b] is not None for b in free):
             raise BlockManagerError("a free block still carries a name")
-        if any(self.block_hash[b] is None for b in cached):
+        if any(block_hash[b] is None for b in cached):
             raise BlockManagerError("a cached block has no name")
-        if any(self.block_parent[b] is not None or self.block_root[b] is not None for b in free):
+        if any(self.block_parent[b] is not None or self.block_root[b] is not None for b in free
+               if b < self.num_touched):
             raise BlockManagerError("a free block still records a chain")
         named = {b: h for b, h in enumerate(self.block_hash) if h is not None}
         if {h: b for b, h in named.items()} != self.hash_to_block or len(named) != len(self.hash_to_block):
