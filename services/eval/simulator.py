@@ -229,6 +229,7 @@ class SimWorker:
         self.changed = False  # since the last heartbeat: an idle worker's report would say nothing new
         self.finished: list[tuple[str, float, int]] = []  # (request id, ttft, outputs) since the last beat
         self.arrivals = itertools.count()
+        self.run: _Run | None = None  # the step (or quiet run) in flight
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -335,9 +336,13 @@ class Simulator:
                 if progress is not None:
                     progress(self.now)
                 continue
-            self.now, _, event = heapq.heappop(self.events)
+            self.now, order, event = heapq.heappop(self.events)
             # Each test of event[0] narrows the rest of the event to that kind's fields.
             if event[0] == "step_done":
+                run = event[1].run
+                if run is None or run.order != order:
+                    continue  # a quiet run cut short since (_cut_quiet_run)
+                event[1].run = None
                 pending -= self._step_done(*event[1:])
             elif event[0] == "kv_landed":
                 self._kv_landed(*event[1:])
@@ -353,8 +358,11 @@ class Simulator:
         return SimResult(list(self.records.values()), totals, self.steps,
                          self.store_report() if self.store is not None else None)
 
-    def _at(self, time: float, event: _Event) -> None:
-        heapq.heappush(self.events, (time, next(self.order), event))
+    def _at(self, time: float, event: _Event) -> int:
+        """Queue the event; returns its order (ties at one instant go in this order)."""
+        order = next(self.order)
+        heapq.heappush(self.events, (time, order, event))
+        return order
 
     # ---- the router ----------------------------------------------------------------------
 
@@ -423,6 +431,8 @@ class Simulator:
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
+        else:
+            self._cut_quiet_run(worker)
 
     # ---- the KV store --------------------------------------------------------------------
 
@@ -584,10 +594,14 @@ class Simulator:
                 if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
                     self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
         fetch_s = self._fetch(worker, plan) if self.store is not None else 0.0
-        end = self.now + fetch_s + worker.step_time(plan)
+        end = first_end = self.now + fetch_s + worker.step_time(plan)
         steps = 1
-        next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
+        # A request placed here cuts a quiet run short (_cut_quiet_run); on a decode worker
+        # every arrival and landing bounds it instead.
+        next_arrival = math.inf
         if worker.role == "decode":  # landing KV adds work too
+            if self.arrived < len(self.arrival_times):
+                next_arrival = self.arrival_times[self.arrived]
             landing = self.landing.get(worker.worker_id)
             if self.awaiting[worker.worker_id]:
                 next_arrival = self.now  # a landing at a time not yet known: no quiet run
@@ -603,7 +617,25 @@ class Simulator:
                     end += step_s(steps)
                     steps += 1
         self.steps += steps
-        self._at(end, ("step_done", worker, plan, steps))
+        worker.run = _Run(self._at(end, ("step_done", worker, plan, steps)), plan, first_end, steps)
+
+    def _cut_quiet_run(self, worker: SimWorker) -> None:
+        """A request joined the queue of a worker in a quiet run: the run ends at its first
+        step end at or after now, where the worker schedules the request, as if the run
+        had been bounded by this arrival from its start; its event for the longer run is
+        void. A quiet run changes nothing another worker or the router sees, so the
+        arrivals placed elsewhere need not end it."""
+        run = worker.run
+        if run is None or run.steps == 1:
+            return
+        end, steps = run.first_end, 1
+        step_s = worker.decode_step_times(run.plan)
+        while steps < run.steps and end < self.now:
+            end += step_s(steps)
+            steps += 1
+        if steps < run.steps:
+            self.steps -= run.steps - steps
+            worker.run = _Run(self._at(end, ("step_done", worker, run.plan, steps)), run.plan, run.first_end, steps)
 
     def _quiet_steps(self, worker: SimWorker, plan: SchedulePlan) -> int:
         """How many steps from this one on change nothing but their sequences' progress:
@@ -679,7 +711,8 @@ class _PromptHashes:
     """A prompt's block hashes (common.hashing.chain_hashes from its root), memoised per
     named span (WorkloadRequest.span_ids) where the workload names them and a span is
     whole blocks: the same span after the same parent hash has the same hashes, so a
-    trace's shared prefixes are hashed once per run, not once per request."""
+    trace's shared prefixes are hashed once per run, not once per request.
+    docs/evaluation.md §3.3"""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -729,6 +762,17 @@ def _advance_quietly(chunk: ScheduledChunk, steps: int) -> None:
     seq.extend_hashes()  # what append_token does at each block boundary, all at once
     chunk.start += steps
     seq.num_computed = chunk.start
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A worker's step event in flight: `steps` steps of `plan` (more than one: a quiet
+    run), the first ending at `first_end`. Only the event of this `order` is live."""
+
+    order: int
+    plan: SchedulePlan
+    first_end: float
+    steps: int
 
 
 @dataclass(slots=True)
