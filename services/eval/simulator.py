@@ -58,9 +58,12 @@ import gc
 import heapq
 import itertools
 import math
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
+
+import numpy as np
 
 from common.cost_model import CostModel
 from common.engine.block_manager import BlockManager, EvictedBlock
@@ -87,6 +90,7 @@ from services.router.cluster import ClusterState
 from services.router.policies import make_policy
 
 STAND_IN_VOCAB = 30_000
+_UINT32_ARRAY = array("I").itemsize == 4  # array("I") holds exactly the uint32 ids
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ class SimWorker:
         self.changed = False  # since the last heartbeat: an idle worker's report would say nothing new
         self.finished: list[tuple[str, float, int]] = []  # (request id, ttft, outputs) since the last beat
         self.arrivals = itertools.count()
+        self.run: _Run | None = None  # the step (or quiet run) in flight
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -293,6 +298,7 @@ class Simulator:
         self.records: dict[str, RequestRecord] = {}
         self.sequences: dict[str, tuple[Sequence, WorkloadRequest]] = {}
         self.root_hashes: dict[str, int] = {}
+        self.prompt_hashes = _PromptHashes(config.block_size)
         self.steps = 0
         self.arrival_times: list[float] = []  # every arrival event's time, in order
         self.arrived = 0  # how many of them have been handled
@@ -312,20 +318,31 @@ class Simulator:
             return self._run(requests, progress)
 
     def _run(self, requests: Iterable[WorkloadRequest], progress) -> SimResult:
-        for request in requests:
-            self._at(request.arrival_s + self.config.network_s, ("arrive", request))
-        self.arrival_times = sorted(time for time, _, _ in self.events)
+        # Arrivals are known up front: a sorted list beside the heap, not a million heap
+        # entries. An arrival goes before any other event at the same instant, and equal
+        # arrivals in the requests' order, as if all had been queued first.
+        arrivals = sorted(((request.arrival_s + self.config.network_s, request) for request in requests),
+                          key=lambda pair: pair[0])
+        self.arrival_times = [time for time, _ in arrivals]
         self._at(self.config.heartbeat_interval_s, ("heartbeat",))
-        pending = len(self.events) - 1
-        while self.events and pending:
-            self.now, _, event = heapq.heappop(self.events)
-            # Each test of event[0] narrows the rest of the event to that kind's fields.
-            if event[0] == "arrive":
+        pending = len(arrivals)
+        while pending:
+            if self.arrived < len(arrivals) and arrivals[self.arrived][0] <= self.events[0][0]:
+                self.now, request = arrivals[self.arrived]
                 self.arrived += 1
-                self._arrive(event[1])
-                if self.records[event[1].request_id].rejected:
+                self._arrive(request)
+                if self.records[request.request_id].rejected:
                     pending -= 1
-            elif event[0] == "step_done":
+                if progress is not None:
+                    progress(self.now)
+                continue
+            self.now, order, event = heapq.heappop(self.events)
+            # Each test of event[0] narrows the rest of the event to that kind's fields.
+            if event[0] == "step_done":
+                run = event[1].run
+                if run is None or run.order != order:
+                    continue  # a quiet run cut short since (_cut_quiet_run)
+                event[1].run = None
                 pending -= self._step_done(*event[1:])
             elif event[0] == "kv_landed":
                 self._kv_landed(*event[1:])
@@ -341,8 +358,11 @@ class Simulator:
         return SimResult(list(self.records.values()), totals, self.steps,
                          self.store_report() if self.store is not None else None)
 
-    def _at(self, time: float, event: _Event) -> None:
-        heapq.heappush(self.events, (time, next(self.order), event))
+    def _at(self, time: float, event: _Event) -> int:
+        """Queue the event; returns its order (ties at one instant go in this order)."""
+        order = next(self.order)
+        heapq.heappush(self.events, (time, order, event))
+        return order
 
     # ---- the router ----------------------------------------------------------------------
 
@@ -352,14 +372,12 @@ class Simulator:
         self.records[request.request_id] = record
         record.ideal_s = self._ideal_s(request)
         root = self._root_hash(request.tenant)
-        # Hashed from the array: encoding the prompt's list again would cost as much as hashing it.
         seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
-                       token_ids=request.token_ids.tolist(),
+                       token_ids=_token_list(request.token_ids),
                        params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
                        arrival_index=0, root_hash=root, block_size=self.config.block_size,
                        eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
-                       arrival_time=self.now,
-                       block_hashes=chain_hashes(root, request.token_ids, self.config.block_size))
+                       arrival_time=self.now, block_hashes=self.prompt_hashes(root, request))
         self.sequences[request.request_id] = (seq, request)
         decode = self._pair_decode(request, root) if self.decode_cluster is not None else None
         if decode is not None and self._prefills_locally(self.workers[decode[1]], seq):
@@ -413,6 +431,8 @@ class Simulator:
         worker.add(seq)
         if not worker.busy:
             self._start_step(worker)
+        else:
+            self._cut_quiet_run(worker)
 
     # ---- the KV store --------------------------------------------------------------------
 
@@ -519,7 +539,7 @@ class Simulator:
         del self.landing[decode.worker_id][request_id]
         pull.prefill.block_manager.release(pull.lease)
         _, request = self.sequences[request_id]
-        seq = Sequence(request_id=request_id, prompt_len=pull.seq.prompt_len, token_ids=list(pull.seq.token_ids),
+        seq = Sequence(request_id=request_id, prompt_len=pull.seq.prompt_len, token_ids=pull.seq.token_ids[:],
                        params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
                        arrival_index=next(decode.arrivals), root_hash=pull.seq.root_hash,
                        block_size=self.config.block_size, eos_token_ids=frozenset(),
@@ -574,10 +594,14 @@ class Simulator:
                 if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
                     self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
         fetch_s = self._fetch(worker, plan) if self.store is not None else 0.0
-        end = self.now + fetch_s + worker.step_time(plan)
+        end = first_end = self.now + fetch_s + worker.step_time(plan)
         steps = 1
-        next_arrival = self.arrival_times[self.arrived] if self.arrived < len(self.arrival_times) else math.inf
+        # A request placed here cuts a quiet run short (_cut_quiet_run); on a decode worker
+        # every arrival and landing bounds it instead.
+        next_arrival = math.inf
         if worker.role == "decode":  # landing KV adds work too
+            if self.arrived < len(self.arrival_times):
+                next_arrival = self.arrival_times[self.arrived]
             landing = self.landing.get(worker.worker_id)
             if self.awaiting[worker.worker_id]:
                 next_arrival = self.now  # a landing at a time not yet known: no quiet run
@@ -593,7 +617,25 @@ class Simulator:
                     end += step_s(steps)
                     steps += 1
         self.steps += steps
-        self._at(end, ("step_done", worker, plan, steps))
+        worker.run = _Run(self._at(end, ("step_done", worker, plan, steps)), plan, first_end, steps)
+
+    def _cut_quiet_run(self, worker: SimWorker) -> None:
+        """A request joined the queue of a worker in a quiet run: the run ends at its first
+        step end at or after now, where the worker schedules the request, as if the run
+        had been bounded by this arrival from its start; its event for the longer run is
+        void. A quiet run changes nothing another worker or the router sees, so the
+        arrivals placed elsewhere need not end it."""
+        run = worker.run
+        if run is None or run.steps == 1:
+            return
+        end, steps = run.first_end, 1
+        step_s = worker.decode_step_times(run.plan)
+        while steps < run.steps and end < self.now:
+            end += step_s(steps)
+            steps += 1
+        if steps < run.steps:
+            self.steps -= run.steps - steps
+            worker.run = _Run(self._at(end, ("step_done", worker, run.plan, steps)), run.plan, run.first_end, steps)
 
     def _quiet_steps(self, worker: SimWorker, plan: SchedulePlan) -> int:
         """How many steps from this one on change nothing but their sequences' progress:
@@ -665,6 +707,46 @@ class Simulator:
         return True
 
 
+class _PromptHashes:
+    """A prompt's block hashes (common.hashing.chain_hashes from its root), memoised per
+    named span (WorkloadRequest.span_ids) where the workload names them and a span is
+    whole blocks: the same span after the same parent hash has the same hashes, so a
+    trace's shared prefixes are hashed once per run, not once per request.
+    docs/evaluation.md §3.3"""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.spans: dict[tuple[int, int], list[int]] = {}  # (parent hash, span id) -> its blocks' hashes
+
+    def __call__(self, root: int, request: WorkloadRequest) -> list[int]:
+        size, span, tokens = self.block_size, request.span_tokens, request.token_ids
+        if not request.span_ids or span < size or span % size:
+            return chain_hashes(root, tokens, size)
+        hashes: list[int] = []
+        parent = root
+        whole = min(len(request.span_ids), len(tokens) // span)
+        for index, span_id in enumerate(request.span_ids[:whole]):
+            named = self.spans.get((parent, span_id))
+            if named is None:
+                named = self.spans[parent, span_id] = chain_hashes(parent, tokens[index * span:(index + 1) * span],
+                                                                   size)
+            hashes.extend(named)
+            parent = named[-1]
+        hashes.extend(chain_hashes(parent, tokens[whole * span:], size))  # the partial last span
+        return hashes
+
+
+def _token_list(tokens: np.ndarray) -> list[int]:
+    """A prompt's token ids as the sequence's growable list: an array of C unsigned ints
+    (one copy of the buffer, where tolist() makes an int object per token, and cheap for
+    common.hashing to encode again), or a list where that type is not 32 bits. The array
+    does all the scheduler and block manager ask of the list (len, items, slices, append,
+    extend), so it stands in for one here."""
+    if _UINT32_ARRAY:
+        return cast(list[int], array("I", np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()))
+    return tokens.tolist()
+
+
 def _stand_in(position: int, arrival_index: int) -> int:
     """The stand-in token a sequence samples at `position` (its length before it)."""
     return 1 + (position * 7919 + arrival_index) % STAND_IN_VOCAB
@@ -682,6 +764,17 @@ def _advance_quietly(chunk: ScheduledChunk, steps: int) -> None:
     seq.num_computed = chunk.start
 
 
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A worker's step event in flight: `steps` steps of `plan` (more than one: a quiet
+    run), the first ending at `first_end`. Only the event of this `order` is live."""
+
+    order: int
+    plan: SchedulePlan
+    first_end: float
+    steps: int
+
+
 @dataclass(slots=True)
 class _Pull:
     """A decode worker's pull of one request's KV from the prefill worker holding it."""
@@ -694,8 +787,7 @@ class _Pull:
 
 
 # What a simulator event carries, by its kind (the first item).
-_Event: TypeAlias = (tuple[Literal["arrive"], WorkloadRequest]
-                     | tuple[Literal["step_done"], SimWorker, SchedulePlan, int]  # worker, plan, steps it ends
+_Event: TypeAlias = (tuple[Literal["step_done"], SimWorker, SchedulePlan, int]  # worker, plan, steps it ends
                      | tuple[Literal["kv_landed"], _Pull, SimWorker]  # the pull and its decode worker
                      | tuple[Literal["heartbeat"]])
 

@@ -27,6 +27,11 @@ class WorkloadRequest:
     output_tokens: int        # how many tokens to generate (max_tokens, ignore_eos)
     slo_class: str            # the class label (e.g. the shape name, or "interactive"/"batch")
     tenant: str = ""
+    # Optional names of the prompt's leading `span_tokens`-token spans: span i's tokens are
+    # a function of span_ids[i] alone (a Mooncake trace's hash_ids), so a consumer may
+    # memoise per-span work such as block hashes (services/eval/simulator.py _PromptHashes).
+    span_ids: tuple[int, ...] = ()
+    span_tokens: int = 0
 
 
 @dataclass(frozen=True)

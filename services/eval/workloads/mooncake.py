@@ -44,7 +44,8 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
         length = _scaled_input(record["input_length"], block_tokens)
         requests.append(WorkloadRequest(
             f"mooncake-{index}", record["timestamp"] / 1000.0, table[rows].reshape(-1)[:length],
-            max(1, round(record["output_length"] * scale)), "mooncake"))
+            max(1, round(record["output_length"] * scale)), "mooncake",
+            span_ids=tuple(record["hash_ids"]), span_tokens=block_tokens))
     return sorted(requests, key=lambda request: request.arrival_s)
 
 

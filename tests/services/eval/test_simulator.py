@@ -1,12 +1,14 @@
 """The simulator: the live scheduler, block manager and router objects on virtual time."""
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
 from common.cost_model import CostModel, LatencyFit, load_cost_model
+from common.hashing import chain_hashes
 from services.eval.report import Slo, summarize
-from services.eval.simulator import SimConfig, simulate
+from services.eval.simulator import SimConfig, _PromptHashes, simulate
 from services.eval.workloads import make_workload
 from services.eval.workloads.arrivals import poisson
 from services.eval.workloads.base import WorkloadRequest
@@ -104,3 +106,25 @@ def test_quiet_runs_as_one_event_give_the_same_results_as_stepping_one_by_one(po
     assert fused.records == stepped.records
     assert fused.steps == stepped.steps and fused.totals == stepped.totals
     assert any(record.output_tokens > 16 for record in fused.records)  # runs long enough to fuse
+
+
+def test_named_spans_hash_a_prompt_as_chain_hashes_does_and_simulate_the_same(tmp_path):
+    """A Mooncake trace names its 512-token spans (hash_ids): the simulator hashes each
+    span once per parent and reuses it, with the same hashes and so the same results as
+    hashing every prompt whole (docs/evaluation.md §3.3)."""
+    trace = tmp_path / "trace.jsonl"
+    records = [{"timestamp": 100 * index, "input_length": length, "output_length": 20, "hash_ids": ids}
+               for index, (length, ids) in enumerate([(1100, [0, 1, 2]), (1024, [0, 1]), (1500, [0, 1, 3]),
+                                                      (600, [5, 6]), (1030, [0, 1, 7]), (1100, [0, 1, 2])])]
+    trace.write_text("".join(json.dumps(record) + "\n" for record in records))
+    for scale in (1.0, 0.25, 0.3):  # 0.3: 154-token spans, not whole blocks: hashed whole
+        requests = make_workload("mooncake", 10, seed=3, vocab_size=512, scale=scale, trace=str(trace))
+        hashes = _PromptHashes(16)
+        for request in requests:
+            assert hashes(7, request) == chain_hashes(7, request.token_ids, 16)
+        assert bool(hashes.spans) == (scale != 0.3)
+        unnamed = [dataclasses.replace(request, span_ids=()) for request in requests]
+        config = SimConfig(workers=2, policy="e2", cost=load_cost_model("a6000/mistral-7b"), kv_blocks=200)
+        named_run, unnamed_run = simulate(requests, config), simulate(unnamed, config)
+        assert named_run.records == unnamed_run.records and named_run.steps == unnamed_run.steps
+        assert named_run.totals == unnamed_run.totals
