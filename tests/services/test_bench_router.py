@@ -2,7 +2,6 @@
 progress bar only on a terminal."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 from services.local_cluster import REPO, child_env
 from services.router.policies import POLICIES
+from tests.scripts import load_script
 from tests.terminal import run_with_stderr_on_terminal
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_router.py"
@@ -24,16 +24,10 @@ DIGESTS = {"round_robin": "36ac9c595ea38605", "least_load": "7f442be0904bda2f", 
            "cost_aware": "781e63d54bb28b1a"}
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_router", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_policy_reports_a_rate_and_ordered_percentiles(capsys):
-    assert load_script().main(TINY + ["--json"]) == 0
+    assert load_script("bench_router").main(TINY + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == set(POLICIES)
     for row in result.values():
@@ -61,7 +55,7 @@ def test_progress_is_drawn_on_a_terminal_and_json_stays_the_last_stdout_line():
 
 
 def test_with_the_store_its_blocks_are_counted_and_priced(capsys):
-    assert load_script().main(TINY + ["--policies", "e2,cache_aware", "--store", "--store-blocks", "300",
+    assert load_script("bench_router").main(TINY + ["--policies", "e2,cache_aware", "--store", "--store-blocks", "300",
                                       "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name, row in result.items():

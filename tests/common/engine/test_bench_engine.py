@@ -2,24 +2,13 @@
 binding to vLLM (like for like with vLLM run alone), and says which it used."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_engine.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_the_default_binding_is_vllms_own(monkeypatch):
-    bench = load_script()
+    bench = load_script("bench_engine")
     assert bench.parse_args([]).vllm_bind == "auto"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a caller's shell does not leak in
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -29,7 +18,7 @@ def test_the_default_binding_is_vllms_own(monkeypatch):
 
 
 def test_match_binds_baton_s_thread_count_and_a_list_passes_through():
-    bench = load_script()
+    bench = load_script("bench_engine")
     cpus = sorted(os.sched_getaffinity(0))
     assert bench.vllm_binding(bench.vllm_env("match", threads=1)) == {
         "VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -2,24 +2,13 @@
 to end (real `svc sim` processes)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "placement_sweep.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("placement_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_a_cell_passes_only_when_every_seed_is_within_tolerance_of_its_best_baseline():
-    sweep = load_script()
+    sweep = load_script("placement_sweep")
     # Seed 0: lpm is the best baseline on the mean, cache_aware on the p99.
     cell = sweep.Cell("chat", "4", {0: {"lpm": (1.0, 9.0), "cache_aware": (2.0, 4.0), "e2": (3.0, 6.0),
                                         "new": (1.04, 4.1)},
@@ -34,7 +23,7 @@ def test_a_cell_passes_only_when_every_seed_is_within_tolerance_of_its_best_base
 
 
 def test_a_small_sweep_runs_each_group_once_and_writes_the_table_and_plot(tmp_path, capsys):
-    sweep = load_script()
+    sweep = load_script("placement_sweep")
     out, table, figure = tmp_path / "runs", tmp_path / "table.md", tmp_path / "sweep.png"
     arguments = ["--out", str(out), "--workloads", "toolbench", "--loads", "0.8,2", "--seeds", "0",
                  "--workers", "2", "--profile", "", "--num-requests", "30", "--baselines", "lpm,round_robin",
