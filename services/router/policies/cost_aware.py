@@ -19,13 +19,14 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
 rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
-  * overload: a holder whose queue exceeds what the prompt costs to recompute elsewhere
-    loses the request; a holder with a high load ratio but a short queue keeps it;
+  * overload: a holder whose queue exceeds what the prompt costs to recompute elsewhere,
+    plus the charge for that compute, loses the request; a holder with a high load ratio
+    but a short queue keeps it;
   * replication: a hot prefix goes to a second worker on the first request for which its
-    holder's wait exceeds a recompute there, and the placement makes that worker a holder
-    at once (ClusterState.place credits the blocks), so there is no ramp;
-  * a long private context stays: moving it costs its full recompute, which the holder's
-    wait must exceed first.
+    holder's wait exceeds that there, and the placement makes that worker a holder at
+    once (ClusterState.place credits the blocks), so there is no ramp;
+  * a long private context stays: moving it costs its full recompute and its charge,
+    which the holder's wait must exceed first.
 Work per decision is O(workers): one prefill time per distinct held depth, an eviction
 estimate only where the prompt does not fit in the worker's free blocks.
 """
