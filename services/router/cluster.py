@@ -88,23 +88,28 @@ class Placement:
 
 
 class EvictionSample:
-    """A worker's least recently used blocks as read once: the cumulative hit-weighted
-    recompute cost of evicting the first k of them, the blocks read, and the mean cost per
-    block (what an eviction larger than the sample is extrapolated by)."""
+    """A worker's least recently used blocks as read once: the cumulative recompute cost
+    of evicting the first k of them, hit-weighted (`cumulative`: each block's recompute
+    times its hits in the window) and once per hit block (`cumulative_once`: its
+    recompute if it had any hit), the blocks read, and the mean cost per block of each
+    (what an eviction larger than the sample is extrapolated by)."""
 
-    __slots__ = ("cumulative", "read", "per_block")
+    __slots__ = ("cumulative", "cumulative_once", "read", "per_block", "per_block_once")
 
-    def __init__(self, cumulative: list[float], read: frozenset[BlockNode]):
+    def __init__(self, cumulative: list[float], cumulative_once: list[float], read: frozenset[BlockNode]):
         self.cumulative = cumulative
+        self.cumulative_once = cumulative_once
         self.read = read
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
+        self.per_block_once = cumulative_once[-1] / len(cumulative_once) if cumulative_once else 0.0
 
-    def cost(self, to_evict: int) -> float:
-        if to_evict <= 0 or not self.cumulative:
+    def cost(self, to_evict: int, per_hit: bool = True) -> float:
+        cumulative = self.cumulative if per_hit else self.cumulative_once
+        if to_evict <= 0 or not cumulative:
             return 0.0
-        if to_evict >= len(self.cumulative):
-            return self.per_block * to_evict
-        return self.cumulative[to_evict - 1]
+        if to_evict >= len(cumulative):
+            return (self.per_block if per_hit else self.per_block_once) * to_evict
+        return cumulative[to_evict - 1]
 
 
 @dataclass
@@ -407,9 +412,11 @@ class ClusterState:
         batch = len(worker.in_flight) + 1
         return self.cost.decode_step_s(batch, (worker.prompt_tokens_sum + request.num_tokens) / batch)
 
-    def eviction_cost_s(self, request: Request, worker_id: str, now: float) -> float:
+    def eviction_cost_s(self, request: Request, worker_id: str, now: float, per_hit: bool = True) -> float:
         """M: recompute seconds that placing the request would cause, weighted by how often
         the evicted blocks were hit in the window (LRU blocks go first, as in the engine).
+        With per_hit False, an evicted block that was hit at all costs one recompute: its
+        next use computes it again, and it is cached from then on (docs/router.md §4.7).
 
         A block the KV store holds costs the cheaper of its recompute and its fetch
         (docs/router.md §7); store events alone do not renew a kept sample.
@@ -427,7 +434,7 @@ class ClusterState:
             sample = self._sample_lru(worker_id, now)
         if request.pins(sample.read, held):
             sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
-        return sample.cost(to_evict)
+        return sample.cost(to_evict, per_hit)
 
     def _current_samples(self, now: float) -> dict[str, EvictionSample]:
         """The kept samples, dropped whole when the hit window's half moves on."""
@@ -443,13 +450,14 @@ class ClusterState:
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], frozenset[BlockNode]]:
-        """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
-        leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
-        the blocks read."""
+                   pinned: list[BlockNode]) -> tuple[list[float], list[float], frozenset[BlockNode]]:
+        """Cumulative recompute cost of the worker's LRU blocks, oldest first, leaving out
+        `pinned` (a prompt's leading blocks: node i of it has depth i): hit-weighted, and
+        once per block hit in the window; and the blocks read."""
         cumulative: list[float] = []
+        cumulative_once: list[float] = []
         read: list[BlockNode] = []
-        total = 0.0
+        total = total_once = 0.0
         base, slope = self.block_recompute
         fetch = self.block_fetch
         always = self.store is not None and self.store.always_fetch
@@ -467,9 +475,11 @@ class ClusterState:
                 if tier is not None:  # the store holds it: getting it back costs a fetch
                     block_s = fetch[tier] if always else min(block_s, fetch[tier])
                 total += node_hits * block_s
+                total_once += block_s
             cumulative.append(total)
+            cumulative_once.append(total_once)
             read.append(node)
-        return cumulative, frozenset(read)
+        return cumulative, cumulative_once, frozenset(read)
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]

@@ -231,8 +231,28 @@ def test_eviction_cost_weighs_by_hits_and_reads_lru_blocks_first():
     assert cluster.eviction_cost_s(fresh, "a", 1.0) == 0.0
     # Evicting all 8 reaches the hot ones, each hit 3 times.
     cluster.report("a", running=0, waiting=0, kv_blocks_used=90, kv_blocks_cached=8)
-    expected = 3 * sum(TINY_CPU.recompute_s(BLOCK, depth * BLOCK) for depth in range(4))
-    assert cluster.eviction_cost_s(fresh, "a", 1.0) == pytest.approx(expected)
+    once = sum(TINY_CPU.recompute_s(BLOCK, depth * BLOCK) for depth in range(4))
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == pytest.approx(3 * once)
+    # Once per hit block: each is recomputed on its next use, then cached again.
+    assert cluster.eviction_cost_s(fresh, "a", 1.0, per_hit=False) == pytest.approx(once)
+    assert cluster.eviction_cost_s(fresh, "a", 1000.0, per_hit=False) == 0.0  # hits aged out
+
+
+def test_eviction_cost_once_per_block_extrapolates_beyond_the_sample(monkeypatch):
+    monkeypatch.setattr("services.router.cluster.EVICTION_SAMPLE", 4)
+    cluster = cluster_of("a", kv_blocks=100)
+    hot = tokens(2, 8 * BLOCK)
+    cache(cluster, "a", hot)
+    for index in range(2):
+        cluster.place(cluster.prepare(f"h{index}", ROOT, hot, 8, 0.0), "a", 0.0)
+        cluster.finish(f"h{index}")
+    cluster.report("a", running=0, waiting=0, kv_blocks_used=92, kv_blocks_cached=8)
+    fresh = cluster.prepare("new", ROOT, tokens(3, 8 * BLOCK), 8, 1.0)
+    # Evicting all 8 reads the 4 LRU blocks (stored head first, so the prefix's head)
+    # and extrapolates their mean per block.
+    sampled = sum(TINY_CPU.recompute_s(BLOCK, depth * BLOCK) for depth in range(4))
+    assert cluster.eviction_cost_s(fresh, "a", 1.0, per_hit=False) == pytest.approx(8 * sampled / 4)
+    assert cluster.eviction_cost_s(fresh, "a", 1.0) == pytest.approx(2 * 8 * sampled / 4)
 
 
 def test_placements_take_blocks_until_the_next_report():

@@ -9,7 +9,9 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
             + n · (P(w) − a)                which its n sequences wait out too: chunked
                                             prefill joins their decode step, whose fixed
                                             cost a (the prefill fit's) is paid anyway
-            + eviction_cost_s(w)            hit-weighted recompute of what it would evict
+            + eviction_cost_s(w)            the recompute of what it would evict that was
+                                            hit in the window, once per block: its next
+                                            use computes it again, and it is cached again
             + expected output · ΔD(w)       its decode in the batch it joins, and the
                                             others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
             + k(ρ) · (P(w) − min P)         the compute a recompute spends beyond the best
@@ -80,7 +82,7 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
             + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
             + weight * (prefill_s - least_prefill_s)
         if cluster.free_blocks[worker_id] < blocks - held:
-            cost += cluster.eviction_cost_s(request, worker_id, now)
+            cost += cluster.eviction_cost_s(request, worker_id, now, per_hit=False)
         costs[worker_id] = cost
     return costs
 
