@@ -2,13 +2,17 @@
 and clear errors for bad input."""
 from __future__ import annotations
 
+import gc
 import json
 import re
 
 import pytest
 from click.testing import CliRunner
 
+from common.cost_model import load_cost_model
 from services.cli import main
+from services.eval import sim_runner
+from services.eval.simulator import Simulator
 
 REQUIRED_KEYS = ("ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s", "slo_attainment",
                  "hit_rate", "jain", "rejected")
@@ -175,3 +179,16 @@ def test_pools_move_kv_over_the_named_link_and_report_it():
     fast_overall, slow_overall = last_json(fast)["e2"]["overall"], last_json(slow)["e2"]["overall"]
     assert fast_overall["gpus"] == 2 and fast_overall["transfer_bytes"] > 0
     assert slow_overall["transfer_mean_s"] > 10 * fast_overall["transfer_mean_s"]
+
+
+def test_a_sweep_frees_each_run_before_the_next():
+    """The simulator collects cycles rarely while it runs; what a run leaves must not
+    outlive it, or a sweep of many runs holds all of them at once."""
+    spec = sim_runner.SimSpec(workload="toolbench", policies=("lpm",), workers=2,
+                              cost=load_cost_model("a6000/mistral-7b"), num_requests=40)
+    (point,) = sim_runner.prepare(spec)
+    gc.collect()
+    before = sum(isinstance(thing, Simulator) for thing in gc.get_objects())
+    summary = sim_runner.simulate_policy(point, "lpm")
+    assert summary["overall"]["completed"] == 40
+    assert sum(isinstance(thing, Simulator) for thing in gc.get_objects()) == before
