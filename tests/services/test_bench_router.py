@@ -16,11 +16,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_router.py"
 TINY = ["--workers", "4", "--prompt-tokens", "512", "--families", "4", "--warmup", "50",
         "--decisions", "200", "--min-index-blocks", "100", "--kv-blocks", "200", "--in-flight", "4"]
 # The decisions of each policy at TINY sizes as commit f2ba184 made them (bench_router's
-# decisions_digest), cost_aware's as the commit that priced an eviction once per hit block
+# decisions_digest), cost_aware's as the commit that charged the queue ahead of a new prefix
 # did: a change of speed must not change where a request goes.
 DIGESTS = {"round_robin": "36ac9c595ea38605", "least_load": "7f442be0904bda2f", "lpm": "c9e115a9111a909d",
            "cache_aware": "d13d4c7a98789923", "dynamo": "144c36358debec3a", "e2": "c9e115a9111a909d",
-           "cost_aware": "f3611f9f1e6fd343"}
+           "cost_aware": "feb317d221a14e23"}
 
 
 

@@ -90,14 +90,16 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
         request = request_for(cluster, np.concatenate([shared, tokens(100 + index, 256)]), request_id=f"r{index}")
         worker_id = policy.choose(request, cluster, 0.0)[0]
         if len(request.matched) == 1:  # "a" the only holder: it stays only while waiting costs less
-            # What the request adds on "a": its wait, and its suffix's prefill, which each
-            # sequence decoding there waits out too (less the step's fixed cost);
-            # elsewhere: the whole prompt's prefill.
+            # What the request adds on "a": its wait (charged again, at k, for the share
+            # of the prompt nobody holds), and its suffix's prefill, which each sequence
+            # decoding there waits out too (less the step's fixed cost); elsewhere: the
+            # whole prompt's prefill.
             suffix_s = cluster.prefill_s(request, "a")
             slowed_s = len(cluster.workers["a"].in_flight) * (suffix_s - cluster.cost.prefill.a)
-            on_a = cluster.queue_s("a", 0.0) + suffix_s + slowed_s
-            cold_s = cluster.held_prefill_s(request, 0)
             weight = recompute_weight(cluster.prefill_utilization(0.0))
+            new_share = 1 - request.best_cached_tokens / request.num_tokens
+            on_a = (1 + weight * new_share) * cluster.queue_s("a", 0.0) + suffix_s + slowed_s
+            cold_s = cluster.held_prefill_s(request, 0)
             elsewhere = cold_s + weight * (cold_s - suffix_s)  # its own wait, the compute spent
             assert (on_a <= elsewhere) == (worker_id == "a")
         cluster.place(request, worker_id, 0.0)
@@ -126,6 +128,27 @@ def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than
     assert first(cluster, prompt) == "holder"
     queued(cluster, "holder", 1.05 * bound * saved_s)
     assert first(cluster, prompt) == "idle"
+
+
+def test_a_new_prefix_is_charged_the_queue_its_later_sharers_will_wait_out_too():
+    """A document no worker holds becomes a new prefix where it goes, and the requests
+    that share it later wait out that worker's queue as well: the queue counts
+    (1 + k·u) times, u the share of the prompt nobody holds. So a document no longer
+    waits behind a queue merely to spare the sequences decoding elsewhere its prefill."""
+    cluster = cluster_of("queued", "busy")
+    for index in range(8):
+        cluster.place(request_for(cluster, tokens(500 + index, 64), request_id=f"busy-{index}"), "busy", 0.0)
+    queued(cluster, "busy", 0.0)
+    document = request_for(cluster, tokens(1, 4000))
+    assert document.best_cached_tokens == 0
+    stalled_s = 8 * (cluster.held_prefill_s(document, 0) - cluster.cost.prefill.a)  # the busy batch's wait
+    weight = recompute_weight(cluster.prefill_utilization(0.0))
+    queued(cluster, "queued", 0.9 * stalled_s)  # shorter than the stall: latency alone would queue it
+    costs = added_latency_s(document, cluster, 0.0)
+    assert abs(costs["queued"] - costs["busy"] - ((1 + weight) * 0.9 - 1) * stalled_s) < 1e-9
+    assert first(cluster, tokens(1, 4000)) == "busy"
+    queued(cluster, "queued", 0.9 * stalled_s / (1 + weight))
+    assert first(cluster, tokens(1, 4000)) == "queued"
 
 
 def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():

@@ -18,6 +18,10 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
                                             holder's: capacity later requests wait for,
                                             k = 2ρ/(1−ρ) within [0.5, 4], ρ the cluster's
                                             prefill utilization
+            + k(ρ) · u · queue_s(w)         the share u of the prompt no worker holds
+                                            becomes a new prefix where it goes: the
+                                            requests that will share it wait out that
+                                            queue too (or recompute it elsewhere)
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
 rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
@@ -72,13 +76,14 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
             prefill_by_held[held] = cluster.held_prefill_s(request, held)
     least_prefill_s = min(prefill_by_held.values(), default=0.0)
     weight = recompute_weight(cluster.prefill_utilization(now))
+    queue_weight = 1.0 + weight * (1.0 - request.best_cached_tokens / max(request.num_tokens, 1))
     costs: dict[str, float] = {}
     for worker_id in cluster.worker_ids:
         held = request.matched.get(worker_id, 0)
         prefill_s = prefill_by_held[held]
         worker = cluster.workers[worker_id]
         batch = len(worker.in_flight)
-        cost = cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
+        cost = queue_weight * cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
             + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
             + weight * (prefill_s - least_prefill_s)
         if cluster.free_blocks[worker_id] < blocks - held:
