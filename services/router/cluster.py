@@ -12,8 +12,12 @@ reads a clock, so virtual time works the same.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import repeat
+from operator import add
 
 import numpy as np
 
@@ -39,20 +43,23 @@ class Request:
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
     block_size: int = 16
     best_blocks: int = 0  # the most leading blocks any worker holds
-    path_nodes: frozenset[BlockNode] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
 
-    def pins(self, nodes: frozenset[BlockNode], held: int) -> bool:
+    def pins(self, nodes: tuple[BlockNode, ...], held: int) -> bool:
         """Whether any of `nodes` is among the prompt's first `held` blocks (which a worker
-        holding them keeps while the request runs). The path's nodes are gathered once per
-        request: the eviction estimate asks this of several workers' samples."""
+        holding them keeps while the request runs). The path's node i has depth i, so
+        each node is checked by its depth, O(len(nodes)) whatever the path's length
+        (a node's depth is read now: it is set when the node is linked)."""
         if not held:
             return False
-        if self.path_nodes is None:
-            self.path_nodes = frozenset(self.path)
-        return not nodes.isdisjoint(self.path_nodes) and not nodes.isdisjoint(self.path[:held])
+        path = self.path
+        for node in nodes:
+            depth = node.depth
+            if 0 <= depth < held and path[depth] is node:
+                return True
+        return False
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -94,7 +101,7 @@ class EvictionSample:
 
     __slots__ = ("cumulative", "read", "per_block")
 
-    def __init__(self, cumulative: list[float], read: frozenset[BlockNode]):
+    def __init__(self, cumulative: list[float], read: tuple[BlockNode, ...]):
         self.cumulative = cumulative
         self.read = read
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
@@ -144,6 +151,10 @@ class ClusterState:
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
         self.free_blocks: dict[str, int] = {}  # each worker's free_blocks, kept current
+        # Each worker's window_prefill_s and its window's first placed_at (inf when empty),
+        # kept current and in self.workers' order, for prefill_utilization.
+        self.window_prefill: dict[str, float] = {}
+        self.window_starts: dict[str, float] = {}
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -169,6 +180,8 @@ class ClusterState:
         self.worker_ids = sorted(self.workers)
         self.current_loads[worker_id] = 0.0
         self.free_blocks[worker_id] = kv_blocks_total
+        self.window_prefill[worker_id] = 0.0
+        self.window_starts[worker_id] = math.inf
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
         """Forget a worker and what it cached; returns the placements it still had."""
@@ -176,6 +189,8 @@ class ClusterState:
         self.worker_ids = sorted(self.workers)
         self.current_loads.pop(worker_id, None)
         self.free_blocks.pop(worker_id, None)
+        self.window_prefill.pop(worker_id, None)
+        self.window_starts.pop(worker_id, None)
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
@@ -233,6 +248,7 @@ class ClusterState:
         self._expire_window(worker, now)
         worker.window.append(placement)
         worker.window_prefill_s += prefill_s
+        self._note_window(worker)
         worker.in_flight[request.request_id] = placement
         worker.expected_output_sum += placement.expected_output
         worker.prompt_tokens_sum += request.num_tokens
@@ -313,7 +329,7 @@ class ClusterState:
         loads = self.loads(now)
         num_tokens = request.num_tokens
         cold_prefill_s = self.held_prefill_s(request, 0)
-        costs = {worker_id: load + cold_prefill_s for worker_id, load in loads.items()}
+        costs = dict(zip(loads, map(add, loads.values(), repeat(cold_prefill_s))))
         prefill_by_held: dict[int, float] = {}
         for worker_id, held in request.matched.items():
             if worker_id in costs:
@@ -380,11 +396,8 @@ class ClusterState:
         """The share of the workers' time that the prefills placed in the load window take
         (their predicted seconds over the window's span, shorter while the first window
         fills), below 1."""
-        busy_s, start = 0.0, now
-        for worker in self.workers.values():
-            busy_s += worker.window_prefill_s
-            if worker.window:
-                start = min(start, worker.window[0].placed_at)
+        busy_s = reduce(add, self.window_prefill.values(), 0.0)  # summed in the workers' order
+        start = min(now, min(self.window_starts.values(), default=now))
         span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
         return min(MAX_UTILIZATION, busy_s / span_s)
 
@@ -416,8 +429,7 @@ class ClusterState:
         Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is kept per
         worker until its LRU changes or the hit window moves on, except on workers that
         hold part of the prompt: the request pins those blocks, so they are skipped."""
-        worker = self.workers[worker_id]
-        to_evict = request.blocks_needed(worker_id) - worker.free_blocks
+        to_evict = request.blocks_needed(worker_id) - self.free_blocks[worker_id]
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
@@ -443,7 +455,7 @@ class ClusterState:
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], frozenset[BlockNode]]:
+                   pinned: list[BlockNode]) -> tuple[list[float], tuple[BlockNode, ...]]:
         """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
         leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
         the blocks read."""
@@ -469,7 +481,7 @@ class ClusterState:
                 total += node_hits * block_s
             cumulative.append(total)
             read.append(node)
-        return cumulative, frozenset(read)
+        return cumulative, tuple(read)
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]
@@ -479,8 +491,16 @@ class ClusterState:
     def _expire_window(self, worker: WorkerState, now: float) -> None:
         horizon = now - self.window_s
         window = worker.window
+        expired = bool(window) and window[0].placed_at < horizon
         while window and window[0].placed_at < horizon:
             worker.window_prefill_s -= window.popleft().prefill_s
         if not window:
             worker.window_prefill_s = 0.0  # no float drift accumulates across windows
+        if expired:
+            self._note_window(worker)
         self.current_loads[worker.worker_id] = worker.window_prefill_s + worker.decode_work_s
+
+    def _note_window(self, worker: WorkerState) -> None:
+        """Copy the worker's window sum and start where prefill_utilization reads them."""
+        self.window_prefill[worker.worker_id] = worker.window_prefill_s
+        self.window_starts[worker.worker_id] = worker.window[0].placed_at if worker.window else math.inf
