@@ -30,7 +30,7 @@ EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A request being placed, with what the index knows of its prompt."""
 
@@ -159,12 +159,13 @@ class ClusterState:
         # current_loads and free_blocks again as flat arrays by worker slot (its place in
         # self.workers): a decision reads them whole, and 64 doubles in a row are a few cache
         # lines where 64 dict entries and their objects, scattered by the events between
-        # decisions, are 200 misses. `by_id` lists the slots in worker_ids order, for ranking.
+        # decisions, are 200 misses. `by_id` lists the slots in worker_ids order, for ranking
+        # (None while that is the slots' own order, as when workers join in id order).
         self.slots: dict[str, int] = {}
         self.slot_ids: list[str] = []
         self.load_array = array("d")
         self.free_array = array("q")
-        self.by_id: list[int] = []
+        self.by_id: list[int] | None = None
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -191,7 +192,8 @@ class ClusterState:
         self.slots = {worker_id: slot for slot, worker_id in enumerate(self.slot_ids)}
         self.load_array = array("d", [self.current_loads[w] for w in self.slot_ids])
         self.free_array = array("q", [self.free_blocks[w] for w in self.slot_ids])
-        self.by_id = [self.slots[w] for w in self.worker_ids]
+        by_id = [self.slots[w] for w in self.worker_ids]
+        self.by_id = None if by_id == sorted(by_id) else by_id
 
     def _set_load(self, worker_id: str, load_s: float) -> None:
         self.current_loads[worker_id] = load_s
@@ -368,7 +370,7 @@ class ClusterState:
     def order_by(self, values: Sequence[float]) -> list[str]:
         """Worker ids by ascending `values` (one per slot), ties by id: a stable sort of
         the sorted ids, as ranked() makes, on the same values."""
-        keys = [values[slot] for slot in self.by_id]
+        keys = values if self.by_id is None else [values[slot] for slot in self.by_id]
         ids = self.worker_ids
         return [ids[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
 

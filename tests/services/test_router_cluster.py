@@ -488,8 +488,9 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
     assert cluster.prefill_utilization(now) == utilization_by_loop(cluster, now)
 
 
-def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_and_leaves():
-    cluster = cluster_of("d", "b", "c", "a", kv_blocks=40, window_s=10.0)  # slots unlike id order
+@pytest.mark.parametrize("joined", [("a", "b", "c", "d"), ("d", "b", "c", "a")])  # slots in id order or not
+def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_and_leaves(joined):
+    cluster = cluster_of(*joined, kv_blocks=40, window_s=10.0)
     shared = tokens(1, 12 * BLOCK)
     cache(cluster, "b", shared)
     cache(cluster, "c", shared[:6 * BLOCK])
@@ -504,7 +505,8 @@ def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_an
     assert_kept_state_agrees(cluster, probe, 12.5)  # the first placements left the window
     cluster.remove_worker("b")
     cluster.add_worker("e", 40)
-    cluster.add_worker("b", 40)  # back, in a new slot
+    cluster.add_worker("b", 40)  # back, in a new slot: the slots leave id order
+    assert cluster.by_id is not None
     probe = cluster.prepare("p1", ROOT, np.concatenate([shared, tokens(2, 30 * BLOCK)]), 8, 13.0)
     assert_kept_state_agrees(cluster, probe, 13.0)
     assert_kept_state_agrees(cluster, probe, 40.0)  # every window empty
