@@ -18,13 +18,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import reduce
-from operator import add
+from operator import add, attrgetter
 
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
 from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
 
+_depth = attrgetter("depth")
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
@@ -47,20 +48,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
-
-    def pins(self, nodes: tuple[BlockNode, ...], held: int) -> bool:
-        """Whether any of `nodes` is among the prompt's first `held` blocks (which a worker
-        holding them keeps while the request runs). The path's node i has depth i, so
-        each node is checked by its depth, O(len(nodes)) whatever the path's length
-        (a node's depth is read now: it is set when the node is linked)."""
-        if not held:
-            return False
-        path = self.path
-        for node in nodes:
-            depth = node.depth
-            if 0 <= depth < held and path[depth] is node:
-                return True
-        return False
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -98,14 +85,37 @@ class Placement:
 class EvictionSample:
     """A worker's least recently used blocks as read once: the cumulative hit-weighted
     recompute cost of evicting the first k of them, the blocks read, and the mean cost per
-    block (what an eviction larger than the sample is extrapolated by)."""
+    block (what an eviction larger than the sample is extrapolated by).
 
-    __slots__ = ("cumulative", "read", "per_block")
+    The blocks read are kept for pinned_by: those linked into a chain by their depth
+    (ascending, in an array: a node's depth, once linked, never changes), the others
+    (depth -1: not linked yet, maybe since) as they are."""
 
-    def __init__(self, cumulative: list[float], read: tuple[BlockNode, ...]):
+    __slots__ = ("cumulative", "per_block", "depths", "linked", "unlinked")
+
+    def __init__(self, cumulative: list[float], read: list[BlockNode]):
         self.cumulative = cumulative
-        self.read = read
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
+        linked = sorted((node for node in read if node.depth >= 0), key=_depth)
+        self.depths = array("q", map(_depth, linked))
+        self.linked = linked
+        self.unlinked = [node for node in read if node.depth < 0]
+
+    def pinned_by(self, path: list[BlockNode], held: int) -> bool:
+        """Whether a block read is among `path[:held]` (a prompt's leading blocks, which a
+        worker holding them keeps while it runs): path[i] has depth i, so only the
+        nodes read at a depth below `held` are compared, each with path[depth]."""
+        if not held:
+            return False
+        linked, depths = self.linked, self.depths
+        for i in range(bisect.bisect_left(depths, held)):
+            if path[depths[i]] is linked[i]:
+                return True
+        for node in self.unlinked:
+            depth = node.depth
+            if 0 <= depth < held and path[depth] is node:
+                return True
+        return False
 
     def cost(self, to_evict: int) -> float:
         if to_evict <= 0 or not self.cumulative:
@@ -152,10 +162,6 @@ class ClusterState:
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
         self.free_blocks: dict[str, int] = {}  # each worker's free_blocks, kept current
-        # Each worker's window_prefill_s and its window's first placed_at (inf when empty),
-        # kept current and in self.workers' order, for prefill_utilization.
-        self.window_prefill: dict[str, float] = {}
-        self.window_starts: dict[str, float] = {}
         # current_loads and free_blocks again as flat arrays by worker slot (its place in
         # self.workers): a decision reads them whole, and 64 doubles in a row are a few cache
         # lines where 64 dict entries and their objects, scattered by the events between
@@ -166,6 +172,10 @@ class ClusterState:
         self.load_array = array("d")
         self.free_array = array("q")
         self.by_id: list[int] | None = None
+        # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
+        # when empty), for prefill_utilization.
+        self.window_prefill = array("d")
+        self.window_starts = array("d")
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -192,6 +202,8 @@ class ClusterState:
         self.slots = {worker_id: slot for slot, worker_id in enumerate(self.slot_ids)}
         self.load_array = array("d", [self.current_loads[w] for w in self.slot_ids])
         self.free_array = array("q", [self.free_blocks[w] for w in self.slot_ids])
+        self.window_prefill = array("d", [self.workers[w].window_prefill_s for w in self.slot_ids])
+        self.window_starts = array("d", [self._window_start(self.workers[w]) for w in self.slot_ids])
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
 
@@ -208,8 +220,6 @@ class ClusterState:
         self.worker_ids = sorted(self.workers)
         self.current_loads[worker_id] = 0.0
         self.free_blocks[worker_id] = kv_blocks_total
-        self.window_prefill[worker_id] = 0.0
-        self.window_starts[worker_id] = math.inf
         self._reslot()
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
@@ -218,8 +228,6 @@ class ClusterState:
         self.worker_ids = sorted(self.workers)
         self.current_loads.pop(worker_id, None)
         self.free_blocks.pop(worker_id, None)
-        self.window_prefill.pop(worker_id, None)
-        self.window_starts.pop(worker_id, None)
         self._reslot()
         self.index.drop_worker(worker_id)
         if worker is None:
@@ -449,8 +457,8 @@ class ClusterState:
         """The share of the workers' time that the prefills placed in the load window take
         (their predicted seconds over the window's span, shorter while the first window
         fills), below 1."""
-        busy_s = reduce(add, self.window_prefill.values(), 0.0)  # summed in the workers' order
-        start = min(now, min(self.window_starts.values(), default=now))
+        busy_s = reduce(add, self.window_prefill, 0.0)  # summed in the workers' order
+        start = min(now, min(self.window_starts, default=now))
         span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
         return min(MAX_UTILIZATION, busy_s / span_s)
 
@@ -490,7 +498,7 @@ class ClusterState:
         sample = samples.get(worker_id)
         if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        if request.pins(sample.read, held):
+        if sample.pinned_by(request.path, held):
             sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
         return sample.cost(to_evict)
 
@@ -508,7 +516,7 @@ class ClusterState:
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], tuple[BlockNode, ...]]:
+                   pinned: list[BlockNode]) -> tuple[list[float], list[BlockNode]]:
         """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
         leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
         the blocks read."""
@@ -534,7 +542,7 @@ class ClusterState:
                 total += node_hits * block_s
             cumulative.append(total)
             read.append(node)
-        return cumulative, tuple(read)
+        return cumulative, read
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]
@@ -555,5 +563,10 @@ class ClusterState:
 
     def _note_window(self, worker: WorkerState) -> None:
         """Copy the worker's window sum and start where prefill_utilization reads them."""
-        self.window_prefill[worker.worker_id] = worker.window_prefill_s
-        self.window_starts[worker.worker_id] = worker.window[0].placed_at if worker.window else math.inf
+        slot = self.slots[worker.worker_id]
+        self.window_prefill[slot] = worker.window_prefill_s
+        self.window_starts[slot] = self._window_start(worker)
+
+    @staticmethod
+    def _window_start(worker: WorkerState) -> float:
+        return worker.window[0].placed_at if worker.window else math.inf
