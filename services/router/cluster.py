@@ -45,9 +45,17 @@ class Request:
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
     block_size: int = 16
     best_blocks: int = 0  # the most leading blocks any worker holds
+    path_nodes: frozenset[BlockNode] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
+
+    def path_set(self) -> frozenset[BlockNode]:
+        """The path's nodes as a set, gathered once per request (when first asked: the
+        eviction estimate asks of several workers' samples whether they meet it)."""
+        if self.path_nodes is None:
+            self.path_nodes = frozenset(self.path)
+        return self.path_nodes
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -87,27 +95,29 @@ class EvictionSample:
     recompute cost of evicting the first k of them, the blocks read, and the mean cost per
     block (what an eviction larger than the sample is extrapolated by).
 
-    The blocks read are kept for pinned_by: those linked into a chain by their depth
-    (ascending, in an array: a node's depth, once linked, never changes), the others
-    (depth -1: not linked yet, maybe since) as they are."""
+    The blocks read are kept for pinned_by: as a set, and those linked into a chain by
+    their depth (ascending, in an array: a node's depth, once linked, never changes), the
+    others (depth -1: not linked yet, maybe since) as they are."""
 
-    __slots__ = ("cumulative", "per_block", "depths", "linked", "unlinked")
+    __slots__ = ("cumulative", "per_block", "read", "depths", "linked", "unlinked")
 
     def __init__(self, cumulative: list[float], read: list[BlockNode]):
         self.cumulative = cumulative
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
+        self.read = frozenset(read)
         linked = sorted((node for node in read if node.depth >= 0), key=_depth)
         self.depths = array("q", map(_depth, linked))
         self.linked = linked
         self.unlinked = [node for node in read if node.depth < 0]
 
-    def pinned_by(self, path: list[BlockNode], held: int) -> bool:
-        """Whether a block read is among `path[:held]` (a prompt's leading blocks, which a
-        worker holding them keeps while it runs): path[i] has depth i, so only the
-        nodes read at a depth below `held` are compared, each with path[depth]."""
-        if not held:
+    def pinned_by(self, request: Request, held: int) -> bool:
+        """Whether a block read is among the request's first `held` path nodes (a prompt's
+        leading blocks, which a worker holding them keeps while it runs). Most samples
+        share no block with the path at all (one set check); otherwise, as path[i] has
+        depth i, only the nodes read at a depth below `held` are compared with path[depth]."""
+        if not held or self.read.isdisjoint(request.path_set()):
             return False
-        linked, depths = self.linked, self.depths
+        path, linked, depths = request.path, self.linked, self.depths
         for i in range(bisect.bisect_left(depths, held)):
             if path[depths[i]] is linked[i]:
                 return True
@@ -498,7 +508,7 @@ class ClusterState:
         sample = samples.get(worker_id)
         if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        if sample.pinned_by(request.path, held):
+        if sample.pinned_by(request, held):
             sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
         return sample.cost(to_evict)
 

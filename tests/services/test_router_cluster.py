@@ -525,9 +525,10 @@ def test_a_prompt_pins_the_sampled_blocks_among_its_first_held_blocks_only():
         return EvictionSample([0.0] * len(nodes), list(nodes))
 
     late = sample(other[0], unlinked)  # read before a walk linked it
-    path = cluster.prepare("r", ROOT, prompt, 8, 0.0).path  # links every block of the prompt
-    assert sample(other[1], path[2], other[0]).pinned_by(path, 3)
-    assert not sample(other[1], path[3]).pinned_by(path, 3)  # past the held blocks
-    assert not sample(*other).pinned_by(path, 8)  # the same depths, other blocks
-    assert not sample(path[0]).pinned_by(path, 0)
-    assert path[5] is unlinked and late.pinned_by(path, 6) and not late.pinned_by(path, 5)
+    request = cluster.prepare("r", ROOT, prompt, 8, 0.0)  # links every block of the prompt
+    path = request.path
+    assert sample(other[1], path[2], other[0]).pinned_by(request, 3)
+    assert not sample(other[1], path[3]).pinned_by(request, 3)  # past the held blocks
+    assert not sample(*other).pinned_by(request, 8)  # the same depths, other blocks
+    assert not sample(path[0]).pinned_by(request, 0)
+    assert path[5] is unlinked and late.pinned_by(request, 6) and not late.pinned_by(request, 5)
