@@ -18,14 +18,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import reduce
-from operator import add, attrgetter
+from operator import add
 
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
 from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
 
-_depth = attrgetter("depth")
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
@@ -50,12 +49,15 @@ class Request:
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
 
-    def path_set(self) -> frozenset[BlockNode]:
-        """The path's nodes as a set, gathered once per request (when first asked: the
-        eviction estimate asks of several workers' samples whether they meet it)."""
+    def pins(self, nodes: frozenset[BlockNode], held: int) -> bool:
+        """Whether any of `nodes` is among the prompt's first `held` blocks (which a worker
+        holding them keeps while the request runs). The path's nodes are gathered once per
+        request: the eviction estimate asks this of several workers' samples."""
+        if not held:
+            return False
         if self.path_nodes is None:
             self.path_nodes = frozenset(self.path)
-        return self.path_nodes
+        return not nodes.isdisjoint(self.path_nodes) and not nodes.isdisjoint(self.path[:held])
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -93,39 +95,14 @@ class Placement:
 class EvictionSample:
     """A worker's least recently used blocks as read once: the cumulative hit-weighted
     recompute cost of evicting the first k of them, the blocks read, and the mean cost per
-    block (what an eviction larger than the sample is extrapolated by).
+    block (what an eviction larger than the sample is extrapolated by)."""
 
-    The blocks read are kept for pinned_by: as a set, and those linked into a chain by
-    their depth (ascending, in an array: a node's depth, once linked, never changes), the
-    others (depth -1: not linked yet, maybe since) as they are."""
+    __slots__ = ("cumulative", "read", "per_block")
 
-    __slots__ = ("cumulative", "per_block", "read", "depths", "linked", "unlinked")
-
-    def __init__(self, cumulative: list[float], read: list[BlockNode]):
+    def __init__(self, cumulative: list[float], read: frozenset[BlockNode]):
         self.cumulative = cumulative
+        self.read = read
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
-        self.read = frozenset(read)
-        linked = sorted((node for node in read if node.depth >= 0), key=_depth)
-        self.depths = array("q", map(_depth, linked))
-        self.linked = linked
-        self.unlinked = [node for node in read if node.depth < 0]
-
-    def pinned_by(self, request: Request, held: int) -> bool:
-        """Whether a block read is among the request's first `held` path nodes (a prompt's
-        leading blocks, which a worker holding them keeps while it runs). Most samples
-        share no block with the path at all (one set check); otherwise, as path[i] has
-        depth i, only the nodes read at a depth below `held` are compared with path[depth]."""
-        if not held or self.read.isdisjoint(request.path_set()):
-            return False
-        path, linked, depths = request.path, self.linked, self.depths
-        for i in range(bisect.bisect_left(depths, held)):
-            if path[depths[i]] is linked[i]:
-                return True
-        for node in self.unlinked:
-            depth = node.depth
-            if 0 <= depth < held and path[depth] is node:
-                return True
-        return False
 
     def cost(self, to_evict: int) -> float:
         if to_evict <= 0 or not self.cumulative:
@@ -508,7 +485,7 @@ class ClusterState:
         sample = samples.get(worker_id)
         if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        if sample.pinned_by(request, held):
+        if request.pins(sample.read, held):
             sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
         return sample.cost(to_evict)
 
@@ -526,7 +503,7 @@ class ClusterState:
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], list[BlockNode]]:
+                   pinned: list[BlockNode]) -> tuple[list[float], frozenset[BlockNode]]:
         """Cumulative hit-weighted recompute cost of the worker's LRU blocks, oldest first,
         leaving out `pinned` (a prompt's leading blocks: node i of it has depth i); and
         the blocks read."""
@@ -552,7 +529,7 @@ class ClusterState:
                 total += node_hits * block_s
             cumulative.append(total)
             read.append(node)
-        return cumulative, read
+        return cumulative, frozenset(read)
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]

@@ -5,7 +5,7 @@ import pytest
 
 from common.cost_model import TINY_CPU
 from common.hashing import chain_hashes, root_hash
-from services.router.cluster import ClusterState, EvictionSample
+from services.router.cluster import ClusterState
 
 BLOCK = 16
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -515,20 +515,16 @@ def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_an
 def test_a_prompt_pins_the_sampled_blocks_among_its_first_held_blocks_only():
     cluster = cluster_of("a", "b")
     prompt = tokens(1, 8 * BLOCK)
-    hashes = cache(cluster, "a", prompt)
+    cache(cluster, "a", prompt)
     cache(cluster, "b", tokens(2, 8 * BLOCK))
     other = cluster.prepare("o", ROOT, tokens(2, 8 * BLOCK), 8, 0.0).path
-    unlinked = cluster.index.nodes[hashes[5]]  # stored, not walked yet
-    assert unlinked.depth == -1
+    request = cluster.prepare("r", ROOT, prompt, 8, 0.0)
+    path = request.path
 
     def sample(*nodes):
-        return EvictionSample([0.0] * len(nodes), list(nodes))
+        return frozenset(nodes)
 
-    late = sample(other[0], unlinked)  # read before a walk linked it
-    request = cluster.prepare("r", ROOT, prompt, 8, 0.0)  # links every block of the prompt
-    path = request.path
-    assert sample(other[1], path[2], other[0]).pinned_by(request, 3)
-    assert not sample(other[1], path[3]).pinned_by(request, 3)  # past the held blocks
-    assert not sample(*other).pinned_by(request, 8)  # the same depths, other blocks
-    assert not sample(path[0]).pinned_by(request, 0)
-    assert path[5] is unlinked and late.pinned_by(request, 6) and not late.pinned_by(request, 5)
+    assert request.pins(sample(other[1], path[2], other[0]), 3)
+    assert not request.pins(sample(other[1], path[3]), 3)  # past the held blocks
+    assert not request.pins(sample(*other), 8)
+    assert not request.pins(sample(path[0]), 0)
