@@ -81,5 +81,8 @@ class AdmissionControl:
             return True
         if queued >= self.config.max_queued_requests:
             return False
+        limit = self.config.max_queued_tokens - request.num_tokens
+        if worker.prompt_tokens_sum <= limit:  # all in flight fit, so do the newest `queued`
+            return True
         waiting = itertools.islice(reversed(worker.in_flight.values()), queued)
-        return sum(map(_num_tokens, waiting)) + request.num_tokens <= self.config.max_queued_tokens
+        return sum(map(_num_tokens, waiting)) <= limit

@@ -12,8 +12,13 @@ reads a clock, so virtual time works the same.
 from __future__ import annotations
 
 import bisect
+import math
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add
 
 import numpy as np
 
@@ -25,7 +30,7 @@ EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A request being placed, with what the index knows of its prompt."""
 
@@ -149,6 +154,20 @@ class ClusterState:
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
         self.free_blocks: dict[str, int] = {}  # each worker's free_blocks, kept current
+        # current_loads and free_blocks again as flat arrays by worker slot (its place in
+        # self.workers): a decision reads them whole, and 64 doubles in a row are a few cache
+        # lines where 64 dict entries and their objects, scattered by the events between
+        # decisions, are 200 misses. `by_id` lists the slots in worker_ids order, for ranking
+        # (None while that is the slots' own order, as when workers join in id order).
+        self.slots: dict[str, int] = {}
+        self.slot_ids: list[str] = []
+        self.load_array = array("d")
+        self.free_array = array("q")
+        self.by_id: list[int] | None = None
+        # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
+        # when empty), for prefill_utilization.
+        self.window_prefill = array("d")
+        self.window_starts = array("d")
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -169,11 +188,31 @@ class ClusterState:
 
     # ---- membership and reports --------------------------------------------------------
 
+    def _reslot(self) -> None:
+        """Rebuild the arrays by slot after a worker joined or left."""
+        self.slot_ids = list(self.workers)
+        self.slots = {worker_id: slot for slot, worker_id in enumerate(self.slot_ids)}
+        self.load_array = array("d", [self.current_loads[w] for w in self.slot_ids])
+        self.free_array = array("q", [self.free_blocks[w] for w in self.slot_ids])
+        self.window_prefill = array("d", [self.workers[w].window_prefill_s for w in self.slot_ids])
+        self.window_starts = array("d", [self._window_start(self.workers[w]) for w in self.slot_ids])
+        by_id = [self.slots[w] for w in self.worker_ids]
+        self.by_id = None if by_id == sorted(by_id) else by_id
+
+    def _set_load(self, worker_id: str, load_s: float) -> None:
+        self.current_loads[worker_id] = load_s
+        self.load_array[self.slots[worker_id]] = load_s
+
+    def _set_free(self, worker_id: str, free: int) -> None:
+        self.free_blocks[worker_id] = free
+        self.free_array[self.slots[worker_id]] = free
+
     def add_worker(self, worker_id: str, kv_blocks_total: int) -> None:
         self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
         self.worker_ids = sorted(self.workers)
         self.current_loads[worker_id] = 0.0
         self.free_blocks[worker_id] = kv_blocks_total
+        self._reslot()
 
     def remove_worker(self, worker_id: str) -> list[Placement]:
         """Forget a worker and what it cached; returns the placements it still had."""
@@ -181,6 +220,7 @@ class ClusterState:
         self.worker_ids = sorted(self.workers)
         self.current_loads.pop(worker_id, None)
         self.free_blocks.pop(worker_id, None)
+        self._reslot()
         self.index.drop_worker(worker_id)
         if worker is None:
             return []
@@ -195,7 +235,7 @@ class ClusterState:
         worker.running, worker.waiting = running, waiting
         worker.kv_blocks_used, worker.kv_blocks_cached = kv_blocks_used, kv_blocks_cached
         worker.blocks_since_report = 0
-        self.free_blocks[worker_id] = worker.free_blocks
+        self._set_free(worker_id, worker.free_blocks)
 
     def kv_stored(self, worker_id: str, block_hashes: list[int], now: float) -> None:
         if worker_id in self.workers and not self.approximate:
@@ -238,12 +278,13 @@ class ClusterState:
         self._expire_window(worker, now)
         worker.window.append(placement)
         worker.window_prefill_s += prefill_s
+        self._note_window(worker)
         worker.in_flight[request.request_id] = placement
         worker.expected_output_sum += placement.expected_output
         worker.prompt_tokens_sum += request.num_tokens
         self._update_decode_work(worker)
         worker.blocks_since_report += request.blocks_needed(worker_id)
-        self.free_blocks[worker_id] = worker.free_blocks
+        self._set_free(worker_id, worker.free_blocks)
         self.placements[request.request_id] = placement
         self.index.record_hits(request.path[:held], worker_id, now)
         if self.approximate:
@@ -315,20 +356,43 @@ class ClusterState:
         speed: the workers that hold none of the prompt share one prefill time, holders
         that hold the same number of blocks share another, and M is priced only where
         the prompt needs more blocks than the worker has free."""
-        loads = self.loads(now)
-        num_tokens = request.num_tokens
+        return dict(zip(self.slot_ids, self._explore_costs_by_slot(request, now)))
+
+    def explore_order(self, request: Request, now: float) -> list[str]:
+        """Every worker id by ascending explore_costs, ties by id (as ranked() orders them)."""
+        return self.order_by(self._explore_costs_by_slot(request, now))
+
+    def load_order(self, now: float) -> list[str]:
+        """Every worker id by ascending loads(now), ties by id (as ranked() orders them)."""
+        self.loads(now)
+        return self.order_by(self.load_array)
+
+    def order_by(self, values: Sequence[float]) -> list[str]:
+        """Worker ids by ascending `values` (one per slot), ties by id: a stable sort of
+        the sorted ids, as ranked() makes, on the same values."""
+        keys = values if self.by_id is None else [values[slot] for slot in self.by_id]
+        ids = self.worker_ids
+        return [ids[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
+
+    def _explore_costs_by_slot(self, request: Request, now: float) -> list[float]:
+        """explore_costs by slot (in self.workers' order)."""
+        self.loads(now)
+        loads = self.load_array
         cold_prefill_s = self.held_prefill_s(request, 0)
-        costs = {worker_id: load + cold_prefill_s for worker_id, load in loads.items()}
+        costs = [load + cold_prefill_s for load in loads]
+        slots = self.slots
         prefill_by_held: dict[int, float] = {}
         for worker_id, held in request.matched.items():
-            if worker_id in costs:
+            slot = slots.get(worker_id)
+            if slot is not None:
                 prefill_s = prefill_by_held.get(held)
                 if prefill_s is None:
                     prefill_s = prefill_by_held[held] = self.held_prefill_s(request, held)
-                costs[worker_id] = loads[worker_id] + prefill_s
-        blocks = -(-num_tokens // self.block_size)
-        for worker_id in [w for w, free in self.free_blocks.items() if free < blocks]:
-            costs[worker_id] += self.eviction_cost_s(request, worker_id, now)
+                costs[slot] = loads[slot] + prefill_s
+        blocks = -(-request.num_tokens // self.block_size)
+        slot_ids = self.slot_ids
+        for slot in [slot for slot, free in enumerate(self.free_array) if free < blocks]:  # workers' order
+            costs[slot] += self.eviction_cost_s(request, slot_ids[slot], now)
         return costs
 
     def _update_decode_work(self, worker: WorkerState) -> None:
@@ -336,7 +400,7 @@ class ClusterState:
         batch = len(worker.in_flight)
         worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
             batch, worker.prompt_tokens_sum / batch) if batch else 0.0
-        self.current_loads[worker.worker_id] = worker.window_prefill_s + worker.decode_work_s
+        self._set_load(worker.worker_id, worker.window_prefill_s + worker.decode_work_s)
 
     def _note_output(self, output_tokens: int) -> None:
         if len(self.recent_outputs) == self.recent_outputs.maxlen:
@@ -385,11 +449,8 @@ class ClusterState:
         """The share of the workers' time that the prefills placed in the load window take
         (their predicted seconds over the window's span, shorter while the first window
         fills), below 1."""
-        busy_s, start = 0.0, now
-        for worker in self.workers.values():
-            busy_s += worker.window_prefill_s
-            if worker.window:
-                start = min(start, worker.window[0].placed_at)
+        busy_s = reduce(add, self.window_prefill, 0.0)  # summed in the workers' order
+        start = min(now, min(self.window_starts, default=now))
         span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
         return min(MAX_UTILIZATION, busy_s / span_s)
 
@@ -423,8 +484,7 @@ class ClusterState:
         Reads at most EVICTION_SAMPLE LRU blocks and extrapolates. The sample is kept per
         worker until its LRU changes or the hit window moves on, except on workers that
         hold part of the prompt: the request pins those blocks, so they are skipped."""
-        worker = self.workers[worker_id]
-        to_evict = request.blocks_needed(worker_id) - worker.free_blocks
+        to_evict = request.blocks_needed(worker_id) - self.free_blocks[worker_id]
         if to_evict <= 0:
             return 0.0
         held = request.matched.get(worker_id, 0)
@@ -489,8 +549,21 @@ class ClusterState:
     def _expire_window(self, worker: WorkerState, now: float) -> None:
         horizon = now - self.window_s
         window = worker.window
+        expired = bool(window) and window[0].placed_at < horizon
         while window and window[0].placed_at < horizon:
             worker.window_prefill_s -= window.popleft().prefill_s
         if not window:
             worker.window_prefill_s = 0.0  # no float drift accumulates across windows
-        self.current_loads[worker.worker_id] = worker.window_prefill_s + worker.decode_work_s
+        if expired:
+            self._note_window(worker)
+        self._set_load(worker.worker_id, worker.window_prefill_s + worker.decode_work_s)
+
+    def _note_window(self, worker: WorkerState) -> None:
+        """Copy the worker's window sum and start where prefill_utilization reads them."""
+        slot = self.slots[worker.worker_id]
+        self.window_prefill[slot] = worker.window_prefill_s
+        self.window_starts[slot] = self._window_start(worker)
+
+    @staticmethod
+    def _window_start(worker: WorkerState) -> float:
+        return worker.window[0].placed_at if worker.window else math.inf

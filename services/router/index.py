@@ -78,6 +78,9 @@ class BlockKeys:
         return self.data[start * self.block_bytes:min(stop, self.count) * self.block_bytes]
 
 
+_NO_KEYS = BlockKeys(b"", 1)
+
+
 class BlockNode:
     """One named block (or, with no holders and depth -1, the root of a hash chain)."""
 
@@ -108,7 +111,7 @@ class Credit:
     """Blocks a placement holds on credit: the prompt's full-block `keys` after the first
     `held`, which its `worker_id` already holds; `path` is the prompt's known prefix when
     it was placed. `blocks` is None until the credit is named, then the names credited
-    (the blocks the worker lacked)."""
+    (the blocks the worker lacked); naming lets `keys` and `path` go (release())."""
 
     __slots__ = ("worker_id", "root_hash", "keys", "path", "held", "now", "blocks")
 
@@ -121,6 +124,12 @@ class Credit:
         self.held = held
         self.now = now
         self.blocks: list[int] | None = None
+
+    def release(self) -> None:
+        """Drop the prompt's bytes and path once named: a request in flight keeps its
+        credit, and the memory its prompt's copy frees is what the next one reuses."""
+        self.keys = _NO_KEYS
+        self.path = []
 
 
 class Reuse:
@@ -473,6 +482,7 @@ class PrefixIndex:
             self._touched(worker_id)
         else:
             credit.blocks = []
+            credit.release()
         return credit
 
     def settle(self, credit: Credit) -> None:
@@ -514,6 +524,7 @@ class PrefixIndex:
         blocks = [node.block_hash for node in path[credit.held:] if worker_id not in node.holders]
         blocks += [node.block_hash for node in self._name_rest(credit.root_hash, credit.keys, path)]
         credit.blocks = blocks
+        credit.release()
         if blocks:
             touched = worker_id in self.changed
             self.stored(worker_id, blocks, credit.now)

@@ -476,3 +476,75 @@ def test_explore_costs_are_load_plus_prefill_plus_eviction_for_every_worker():
     cache(cluster, "c", tokens(5, 4 * BLOCK), 2.0)  # c's LRU changes: its sample is stale
     assert check(2.0)["c"] > 0
     assert set(check(400.0).values()) == {0.0}  # the hits have left the window
+
+
+# ---- the kept per-worker arrays ---------------------------------------------------------
+
+
+def utilization_by_loop(cluster: ClusterState, now: float) -> float:
+    """prefill_utilization as a loop over the workers computes it."""
+    busy_s, start = 0.0, now
+    for worker in cluster.workers.values():
+        busy_s += worker.window_prefill_s
+        if worker.window:
+            start = min(start, worker.window[0].placed_at)
+    span_s = max(1.0, min(cluster.window_s, now - start)) * max(1, len(cluster.workers))
+    return min(0.99, busy_s / span_s)
+
+
+def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None:
+    """The arrays by slot hold the dicts' values; the orders are ranked()'s."""
+    from services.router.policies.base import ranked
+
+    assert cluster.slot_ids == list(cluster.workers)
+    loads = cluster.loads(now)
+    assert list(cluster.load_array) == [loads[w] for w in cluster.slot_ids]
+    assert list(cluster.free_array) == [cluster.free_blocks[w] for w in cluster.slot_ids]
+    assert cluster.free_blocks == {w: state.free_blocks for w, state in cluster.workers.items()}
+    assert cluster.load_order(now) == ranked(cluster, loads.__getitem__)
+    costs = cluster.explore_costs(request, now)
+    assert list(costs) == list(cluster.workers)
+    assert cluster.explore_order(request, now) == ranked(cluster, costs.__getitem__)
+    assert cluster.prefill_utilization(now) == utilization_by_loop(cluster, now)
+
+
+@pytest.mark.parametrize("joined", [("a", "b", "c", "d"), ("d", "b", "c", "a")])  # slots in id order or not
+def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_and_leaves(joined):
+    cluster = cluster_of(*joined, kv_blocks=40, window_s=10.0)
+    shared = tokens(1, 12 * BLOCK)
+    cache(cluster, "b", shared)
+    cache(cluster, "c", shared[:6 * BLOCK])
+    probe = cluster.prepare("p0", ROOT, np.concatenate([shared, tokens(2, 30 * BLOCK)]), 8, 0.0)
+    assert_kept_state_agrees(cluster, probe, 0.0)  # idle: equal costs, ties by id
+    for n, (worker_id, now) in enumerate([("b", 1.0), ("d", 2.0), ("b", 3.0), ("a", 4.0)]):
+        cluster.place(cluster.prepare(f"r{n}", ROOT, shared, 8, now), worker_id, now)
+        assert_kept_state_agrees(cluster, probe, now)
+    cluster.report("c", running=0, waiting=0, kv_blocks_used=30, kv_blocks_cached=8)  # c must evict
+    assert_kept_state_agrees(cluster, probe, 5.0)
+    cluster.finish("r0", 20)
+    assert_kept_state_agrees(cluster, probe, 12.5)  # the first placements left the window
+    cluster.remove_worker("b")
+    cluster.add_worker("e", 40)
+    cluster.add_worker("b", 40)  # back, in a new slot: the slots leave id order
+    assert cluster.by_id is not None
+    probe = cluster.prepare("p1", ROOT, np.concatenate([shared, tokens(2, 30 * BLOCK)]), 8, 13.0)
+    assert_kept_state_agrees(cluster, probe, 13.0)
+    assert_kept_state_agrees(cluster, probe, 40.0)  # every window empty
+
+
+def test_a_prompt_pins_the_sampled_blocks_among_its_first_held_blocks_only():
+    cluster = cluster_of("a", "b")
+    prompt = tokens(1, 8 * BLOCK)
+    cache(cluster, "a", prompt)
+    cache(cluster, "b", tokens(2, 8 * BLOCK))
+    other = cluster.prepare("o", ROOT, tokens(2, 8 * BLOCK), 8, 0.0).path
+    request = cluster.prepare("r", ROOT, prompt, 8, 0.0)
+    path = request.path
+
+    def sample(*nodes):
+        return frozenset(nodes)
+
+    assert request.pins(sample(other[1], path[2], other[0]), 3)
+    assert not request.pins(sample(other[1], path[3]), 3)  # past the held blocks
+    assert not request.pins(sample(*other), 8)
+    assert not request.pins(sample(path[0]), 0)

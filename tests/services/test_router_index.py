@@ -443,3 +443,16 @@ def test_a_reuses_lru_move_waits_with_the_credits_and_lands_in_placement_order()
     _, at_once = place_three(read_each=True)
     assert waiting == hashes(first) + hashes(second)  # nothing moved before the read
     assert deferred == at_once == hashes(first)[2:] + hashes(first)[:2] + hashes(new) + hashes(second)
+
+
+def test_a_named_credit_lets_its_prompt_go_and_keeps_its_blocks():
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, 6 * BLOCK)
+    keys = index.block_keys(prompt)
+    credit = index.expect("a", ROOT, keys, index.walk(ROOT, keys), 0, 0.0)
+    assert credit.keys is keys  # not named yet: the prompt is still needed
+    assert index.credited(credit) == chain_hashes(ROOT, prompt, BLOCK)
+    assert len(credit.keys) == 0 and credit.path == []
+    assert index.match(index.walk(ROOT, index.block_keys(prompt))) == {"a": 6}
+    index.settle(credit)
+    assert index.match(index.walk(ROOT, index.block_keys(prompt))) == {}

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.router.cluster import ClusterState, Placement, Request
-from services.router.policies.base import ranked
 
 
 @dataclass(frozen=True)
@@ -80,12 +79,11 @@ class E2:
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
             loads = cluster.loads(now)
             first = self._exploit(request, cluster, loads, now)
-            order = ranked(cluster, loads.__getitem__)
+            order = cluster.load_order(now)
             order.remove(first)
             order.insert(0, first)
             return order
-        costs = cluster.explore_costs(request, now)
-        return ranked(cluster, costs.__getitem__)
+        return cluster.explore_order(request, now)
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         key = placement.prefix_key
