@@ -496,6 +496,10 @@ def test_a_lease_renewed_while_its_request_waits_for_room_is_pulled_when_room_co
         assert len(long_run.result(120).token_ids) == 1000
     assert metric(queued, DECODE, "baton_kv_lease_renewals_total") > renewals
     assert metric(queued, DECODE, "baton_kv_imports_recomputed_total") == recomputed
+    # The prefill worker hears that a pull ended in a message of its own, which can come
+    # after the reply (a loaded CI run read 1 of the 2 at once).
+    queued.wait_for(lambda: metric(queued, PREFILL, "baton_kv_exposures_total", outcome="done") >= pulled + 2,
+                    10, "the prefill worker to count both pulls done")
     assert metric(queued, PREFILL, "baton_kv_exposures_total", outcome="done") == pulled + 2
     wait_idle(queued)
 
