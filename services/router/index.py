@@ -312,30 +312,37 @@ class PrefixIndex:
     def stored(self, worker_id: str, block_hashes: Iterable[int], now: float) -> None:
         """A worker holds these blocks now (a KV event, or a placement in approximate mode)."""
         self.name_credits()
+        nodes = self.nodes
+        known = nodes.get
+        held = []
+        for block_hash in block_hashes:
+            node = known(block_hash)
+            if node is None:
+                node = nodes[block_hash] = BlockNode(block_hash)
+            held.append(node)
+        self._hold(worker_id, held, now)
+
+    def _hold(self, worker_id: str, held: list[BlockNode], now: float) -> None:
+        """`stored` for the blocks' nodes: the worker holds them, most recently used last."""
         expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
         lru = self.lru.setdefault(worker_id, OrderedDict())
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
         credited = self.unconfirmed.get(worker_id)
-        nodes = self.nodes
-        moved = 0
-        for block_hash in block_hashes:
-            node = nodes.get(block_hash)
-            if node is None:
-                node = nodes[block_hash] = BlockNode(block_hash)
+        if credited:  # only held blocks are on credit: discarding any other is a no-op
+            credited.difference_update([node.block_hash for node in held])
+        touch = lru.move_to_end
+        for node in held:
             holders = node.holders
             if worker_id in holders:
-                lru.move_to_end(block_hash)
-                if credited:
-                    credited.discard(block_hash)
+                touch(node.block_hash)
             else:
                 node.signature ^= bit
-                lru[block_hash] = node
+                lru[node.block_hash] = node
             holders[worker_id] = expiry
-            moved += 1
-            if self.ttl_s is not None:
-                self.expiries.append((expiry, worker_id, block_hash))
-        self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + moved
+        if self.ttl_s is not None:
+            self.expiries.extend((expiry, worker_id, node.block_hash) for node in held)
+        self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + len(held)
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
         self.name_credits()
@@ -343,15 +350,16 @@ class PrefixIndex:
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
         credited = self.unconfirmed.get(worker_id)
+        known, stored = self.nodes.get, self.store_tiers
         for block_hash in block_hashes:
-            node = self.nodes.get(block_hash)
+            node = known(block_hash)
             if node is not None and node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
                 if credited:
                     credited.discard(block_hash)
                 if lru is not None:
                     lru.pop(block_hash, None)
-                if not node.holders and block_hash not in self.store_tiers:
+                if not node.holders and block_hash not in stored:
                     self._forget(node)
 
     def drop_worker(self, worker_id: str) -> None:
@@ -521,13 +529,13 @@ class PrefixIndex:
         """What the credit holds: the known blocks the worker lacked and the rest of the
         prompt. O(blocks after `held`)."""
         worker_id, path = credit.worker_id, credit.path
-        blocks = [node.block_hash for node in path[credit.held:] if worker_id not in node.holders]
-        blocks += [node.block_hash for node in self._name_rest(credit.root_hash, credit.keys, path)]
-        credit.blocks = blocks
+        held = [node for node in path[credit.held:] if worker_id not in node.holders]
+        held += self._name_rest(credit.root_hash, credit.keys, path)
+        credit.blocks = blocks = [node.block_hash for node in held]
         credit.release()
         if blocks:
             touched = worker_id in self.changed
-            self.stored(worker_id, blocks, credit.now)
+            self._hold(worker_id, held, credit.now)
             if not touched:  # expect marked it; a sample read since must stay valid
                 self.changed.discard(worker_id)
             self.unconfirmed.setdefault(worker_id, set()).update(blocks)
@@ -535,16 +543,19 @@ class PrefixIndex:
     def _name_rest(self, root_hash: int, keys: BlockKeys, path: list[BlockNode]) -> list[BlockNode]:
         """The nodes of the prompt's full blocks after `path`, named (and linked) here."""
         parent = path[-1] if path else self.roots[root_hash]
-        rest = []
+        rest: list[BlockNode] = []
         data, block_bytes = keys.data, keys.block_bytes
+        nodes = self.nodes
+        known = nodes.get
         for depth in range(len(path), keys.count):
             key = data[depth * block_bytes:(depth + 1) * block_bytes]
-            child = parent.children.get(key) if parent.children is not None else None
+            children = parent.children
+            child = children.get(key) if children is not None else None
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
-                child = self.nodes.get(block_hash)
+                child = known(block_hash)
                 if child is None:
-                    child = self.nodes[block_hash] = BlockNode(block_hash)
+                    child = nodes[block_hash] = BlockNode(block_hash)
                 self._link(parent, key, child, depth)
             rest.append(child)
             parent = child
