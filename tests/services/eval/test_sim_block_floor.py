@@ -1,0 +1,40 @@
+"""scripts/sim_block_floor.py's counting: what it multiplies by the per-block costs must be
+the blocks the simulation's engines and index really handled."""
+from __future__ import annotations
+
+import collections
+
+from common.cost_model import load_cost_model
+from common.engine.block_manager import BlockManager
+from services.eval.simulator import SimConfig, simulate
+from services.eval.workloads import make_workload
+from services.eval.workloads.arrivals import poisson
+from services.router.index import PrefixIndex
+from tests.scripts import load_script
+
+
+def test_counted_blocks_match_what_the_engines_report_and_the_methods_come_back():
+    floor = load_script("sim_block_floor")
+    originals = {name: getattr(owner, method) for name, (owner, method, _) in floor.COUNTED.items()}
+    requests = poisson(make_workload("toolbench", 120, seed=3), rate=20.0, seed=3)
+    config = SimConfig(workers=2, policy="e2", cost=load_cost_model("a6000/mistral-7b"), kv_blocks=400)
+    counts: collections.Counter[str] = collections.Counter()
+    with floor.counting_blocks(counts):
+        result = simulate(requests, config)
+    assert result.totals.evictions > 0  # small caches: the run evicts
+    # Every block an engine evicts leaves the index by a removed event; credits the engine
+    # never confirmed leave it too when their requests end.
+    assert counts["engine_evicted"] == result.totals.evictions
+    assert counts["index_removed"] >= counts["engine_evicted"]
+    # Each committed block is held once by its KV event, beside the credits' blocks.
+    assert counts["index_held"] >= counts["engine_committed"] > 0
+    assert counts["index_named"] > 0 and counts["engine_released"] > 0
+    assert {name: getattr(owner, method) for name, (owner, method, _) in floor.COUNTED.items()} == originals
+    assert PrefixIndex._hold is originals["index_held"] and BlockManager.commit is originals["engine_committed"]
+
+
+def test_each_primitive_costs_a_positive_time():
+    floor = load_script("sim_block_floor")
+    floor.SAMPLE_BLOCKS = 2_000
+    costs = floor.primitive_ns()
+    assert set(costs) == set(floor.COUNTED) and all(cost > 0 for cost in costs.values())
