@@ -117,7 +117,7 @@ class EvictionSample:
         return cumulative[to_evict - 1]
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerState:
     worker_id: str
     kv_blocks_total: int
@@ -549,7 +549,7 @@ class ClusterState:
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
                 break
-            if 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
+            if pinned and 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
                 continue
             node_hits = hits(node, now)
             if node_hits:
