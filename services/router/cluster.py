@@ -117,7 +117,7 @@ class EvictionSample:
         return cumulative[to_evict - 1]
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerState:
     worker_id: str
     kv_blocks_total: int
@@ -165,9 +165,12 @@ class ClusterState:
         self.free_array = array("q")
         self.by_id: list[int] | None = None
         # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
-        # when empty), for prefill_utilization.
+        # when empty), for prefill_utilization; its requests in flight and their prompt
+        # tokens (len(in_flight), prompt_tokens_sum), for cost_aware.
         self.window_prefill = array("d")
         self.window_starts = array("d")
+        self.batch_array = array("q")
+        self.context_array = array("q")
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -196,6 +199,8 @@ class ClusterState:
         self.free_array = array("q", [self.free_blocks[w] for w in self.slot_ids])
         self.window_prefill = array("d", [self.workers[w].window_prefill_s for w in self.slot_ids])
         self.window_starts = array("d", [self._window_start(self.workers[w]) for w in self.slot_ids])
+        self.batch_array = array("q", [len(self.workers[w].in_flight) for w in self.slot_ids])
+        self.context_array = array("q", [self.workers[w].prompt_tokens_sum for w in self.slot_ids])
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
 
@@ -367,12 +372,20 @@ class ClusterState:
         self.loads(now)
         return self.order_by(self.load_array)
 
-    def order_by(self, values: Sequence[float]) -> list[str]:
-        """Worker ids by ascending `values` (one per slot), ties by id: a stable sort of
-        the sorted ids, as ranked() makes, on the same values."""
-        keys = values if self.by_id is None else [values[slot] for slot in self.by_id]
-        ids = self.worker_ids
-        return [ids[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
+    def order_by(self, values: Sequence[float], then: Sequence[float] | None = None) -> list[str]:
+        """Worker ids by ascending `values` (one per slot), ties by `then` (if given), then
+        by id: a stable sort of the sorted ids, as ranked() makes, on the same keys."""
+        order: Sequence[int] = range(len(values))
+        if then is not None:  # stable sorts by `then`, then by `values`: (value, then) pairs' order
+            order = sorted(order, key=self._in_id_order(then).__getitem__)
+        order = sorted(order, key=self._in_id_order(values).__getitem__)
+        return list(map(self.worker_ids.__getitem__, order))
+
+    def _in_id_order(self, values: Sequence[float]) -> Sequence[float]:
+        """`values`, one per slot, in worker_ids' order."""
+        if self.by_id is not None:
+            return [values[slot] for slot in self.by_id]
+        return values.tolist() if isinstance(values, array) else values  # an array makes a float per read
 
     def _explore_costs_by_slot(self, request: Request, now: float) -> list[float]:
         """explore_costs by slot (in self.workers' order)."""
@@ -396,8 +409,13 @@ class ClusterState:
         return costs
 
     def _update_decode_work(self, worker: WorkerState) -> None:
-        """Σ over requests in flight of expected output × the batch's TPOT (docs/router.md §3)."""
+        """Σ over requests in flight of expected output × the batch's TPOT (docs/router.md §3).
+        Called on every change of the worker's requests in flight: it copies their count
+        and prompt tokens where the arrays by slot keep them."""
         batch = len(worker.in_flight)
+        slot = self.slots[worker.worker_id]
+        self.batch_array[slot] = batch
+        self.context_array[slot] = worker.prompt_tokens_sum
         worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
             batch, worker.prompt_tokens_sum / batch) if batch else 0.0
         self._set_load(worker.worker_id, worker.window_prefill_s + worker.decode_work_s)
@@ -467,6 +485,11 @@ class ClusterState:
         wait = self.workers[worker_id].prefill_free_at - now
         return wait if wait > 0.0 else 0.0
 
+    def queues_s(self, now: float) -> list[float]:
+        """queue_s of every worker, by slot."""
+        waits = [worker.prefill_free_at - now for worker in self.workers.values()]
+        return [wait if wait > 0.0 else 0.0 for wait in waits]
+
     def tpot_s(self, request: Request, worker_id: str) -> float:
         """The decode step time of the batch this request would join."""
         worker = self.workers[worker_id]
@@ -526,7 +549,7 @@ class ClusterState:
         for node in self.index.lru_blocks(worker_id):
             if len(cumulative) == EVICTION_SAMPLE:
                 break
-            if 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
+            if pinned and 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
                 continue
             node_hits = hits(node, now)
             if node_hits:

@@ -453,13 +453,19 @@ class PrefixIndex:
         epoch = self.pending_epoch
         for tail, count in self.pending_hits.items():
             node: BlockNode | None = tail
-            while node is not None and node.depth >= 0:
+            # Only a node without a parent (a root, or a block not linked) may have depth
+            # -1, so the depth is read once per chain, at its end: a depth past 256 is an
+            # int object of its own, one more cold read per block.
+            while node is not None:
+                parent = node.parent
+                if parent is None and node.depth < 0:
+                    break
                 if node.hit_epoch == epoch:
                     node.hits_now += count
                 else:
                     node.hits_before = node.hits_now if node.hit_epoch == epoch - 1 else 0
                     node.hits_now, node.hit_epoch = count, epoch
-                node = node.parent
+                node = parent
         self.pending_hits.clear()
 
     def placed(self, worker_id: str, root_hash: int, keys: BlockKeys, path: list[BlockNode],

@@ -492,14 +492,46 @@ def utilization_by_loop(cluster: ClusterState, now: float) -> float:
     return min(0.99, busy_s / span_s)
 
 
+def added_latency_by_loop(request, cluster: ClusterState, now: float) -> dict[str, float]:
+    """cost_aware's added_latency_s as a plain loop over the workers computes it."""
+    from services.router.policies.cost_aware import added_decode_step_s, recompute_weight
+
+    blocks = -(-request.num_tokens // cluster.block_size)
+    prefill = {w: cluster.prefill_s(request, w) for w in cluster.worker_ids}
+    least_prefill_s = min(prefill.values(), default=0.0)
+    weight = recompute_weight(cluster.prefill_utilization(now))
+    queue_weight = 1.0 + weight * (1.0 - request.best_cached_tokens / max(request.num_tokens, 1))
+    costs = {}
+    for w in cluster.worker_ids:
+        worker, prefill_s = cluster.workers[w], prefill[w]
+        batch = len(worker.in_flight)
+        step_s = added_decode_step_s(cluster.cost.decode, batch, worker.prompt_tokens_sum, request.num_tokens)
+        waited_s = max(0.0, prefill_s - cluster.cost.prefill.a)
+        cost = queue_weight * cluster.queue_s(w, now) + prefill_s + batch * waited_s \
+            + cluster.expected_output(request) * step_s + weight * (prefill_s - least_prefill_s)
+        if cluster.free_blocks[w] < blocks - request.matched.get(w, 0):
+            cost += cluster.eviction_cost_s(request, w, now, per_hit=False)
+        costs[w] = cost
+    return costs
+
+
 def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None:
-    """The arrays by slot hold the dicts' values; the orders are ranked()'s."""
+    """The arrays by slot hold the dicts' values; the orders are ranked()'s, and
+    cost_aware's costs by slot are the plain loop's, to the bit."""
+    from services.router.policies import make_policy
     from services.router.policies.base import ranked
+    from services.router.policies.cost_aware import added_latency_s
 
     assert cluster.slot_ids == list(cluster.workers)
     loads = cluster.loads(now)
     assert list(cluster.load_array) == [loads[w] for w in cluster.slot_ids]
     assert list(cluster.free_array) == [cluster.free_blocks[w] for w in cluster.slot_ids]
+    assert list(cluster.batch_array) == [len(cluster.workers[w].in_flight) for w in cluster.slot_ids]
+    assert list(cluster.context_array) == [cluster.workers[w].prompt_tokens_sum for w in cluster.slot_ids]
+    assert cluster.queues_s(now) == [cluster.queue_s(w, now) for w in cluster.slot_ids]
+    added = added_latency_s(request, cluster, now)
+    assert added == added_latency_by_loop(request, cluster, now)
+    assert make_policy("cost_aware").choose(request, cluster, now) == ranked(cluster, lambda w: (added[w], loads[w]))
     assert cluster.free_blocks == {w: state.free_blocks for w, state in cluster.workers.items()}
     assert cluster.load_order(now) == ranked(cluster, loads.__getitem__)
     costs = cluster.explore_costs(request, now)

@@ -38,9 +38,11 @@ estimate only where the prompt does not fit in the worker's free blocks.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from common.cost_model import LatencyFit
 from services.router.cluster import ClusterState, Request
-from services.router.policies.base import StatelessFeedback, ranked
+from services.router.policies.base import StatelessFeedback
 
 # Compute spent recomputing what another worker holds is capacity no later request gets
 # back: charged as recompute_weight(ρ) seconds of their latency per second spent, ρ the
@@ -55,40 +57,47 @@ class CostAware(StatelessFeedback):
     name = "cost_aware"
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        costs = added_latency_s(request, cluster, now)
+        costs = added_latency_by_slot(request, cluster, now)
         # Equal costs (idle workers, none holding the prompt) go to the least windowed
         # work, E2's L: spreading new prefixes spreads what the caches must keep.
-        loads = cluster.loads(now)
-        return ranked(cluster, lambda worker_id: (costs[worker_id], loads[worker_id]))
+        cluster.loads(now)
+        return cluster.order_by(costs, cluster.load_array)
 
 
 def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
     """Per worker id, the latency placing the request there adds, its own and that of
     the requests it slows or makes recompute, in seconds as the cost model predicts."""
-    expected_output = cluster.expected_output(request)
+    return dict(zip(cluster.slot_ids, added_latency_by_slot(request, cluster, now)))
+
+
+def added_latency_by_slot(request: Request, cluster: ClusterState, now: float) -> list[float]:
+    """added_latency_s by worker slot. Each term is priced once per distinct held depth
+    where it depends on that alone; per worker, its sum is made in the same order."""
+    slots = cluster.slots
+    helds = [0] * len(slots)
+    for worker_id, held in request.matched.items():
+        slot = slots.get(worker_id)
+        if slot is not None:
+            helds[slot] = held
     step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
-    decode = cluster.cost.decode
-    blocks = -(-request.num_tokens // cluster.block_size)
-    prefill_by_held: dict[int, float] = {}
-    for worker_id in cluster.worker_ids:
-        held = request.matched.get(worker_id, 0)
-        if held not in prefill_by_held:
-            prefill_by_held[held] = cluster.held_prefill_s(request, held)
+    prefill_by_held = {held: cluster.held_prefill_s(request, held) for held in set(helds)}
     least_prefill_s = min(prefill_by_held.values(), default=0.0)
     weight = recompute_weight(cluster.prefill_utilization(now))
     queue_weight = 1.0 + weight * (1.0 - request.best_cached_tokens / max(request.num_tokens, 1))
-    costs: dict[str, float] = {}
-    for worker_id in cluster.worker_ids:
-        held = request.matched.get(worker_id, 0)
-        prefill_s = prefill_by_held[held]
-        worker = cluster.workers[worker_id]
-        batch = len(worker.in_flight)
-        cost = queue_weight * cluster.queue_s(worker_id, now) + prefill_s + batch * max(0.0, prefill_s - step_s) \
-            + expected_output * added_decode_step_s(decode, batch, worker.prompt_tokens_sum, request.num_tokens) \
-            + weight * (prefill_s - least_prefill_s)
-        if cluster.free_blocks[worker_id] < blocks - held:
-            cost += cluster.eviction_cost_s(request, worker_id, now, per_hit=False)
-        costs[worker_id] = cost
+    # Per held depth: the prefill, what each sequence in flight waits of it, its charge.
+    terms = {held: (prefill_s, max(0.0, prefill_s - step_s), weight * (prefill_s - least_prefill_s))
+             for held, prefill_s in prefill_by_held.items()}
+    expected_output = cluster.expected_output(request)
+    decode_s = added_decode_steps_s(cluster.cost.decode, cluster.batch_array, cluster.context_array,
+                                    request.num_tokens)
+    costs = []
+    for held, queue_s, batch, step in zip(helds, cluster.queues_s(now), cluster.batch_array, decode_s):
+        prefill_s, waited_s, charge_s = terms[held]
+        costs.append(queue_weight * queue_s + prefill_s + batch * waited_s + expected_output * step + charge_s)
+    blocks = -(-request.num_tokens // cluster.block_size)
+    slot_ids = cluster.slot_ids
+    for slot in [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]:
+        costs[slot] += cluster.eviction_cost_s(request, slot_ids[slot], now, per_hit=False)
     return costs
 
 
@@ -102,10 +111,19 @@ def recompute_weight(utilization: float) -> float:
 def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: int) -> float:
     """What a prompt of `prompt` tokens joining a decode batch of `batch` sequences with
     `context` tokens in all adds to one step summed over the sequences: its own step time,
-    plus each sequence already there slowed by the larger batch, (n+1)·T(n+1) − n·T(n).
+    plus each sequence already there slowed by the larger batch, (n+1)·T(n+1) − n·T(n)."""
+    return added_decode_steps_s(decode, [batch], [context], prompt)[0]
+
+
+def added_decode_steps_s(decode: LatencyFit, batches: Sequence[int], contexts: Iterable[int],
+                         prompt: int) -> list[float]:
+    """added_decode_step_s for each (batch, context) pair.
 
     Written out for the fit's form T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² with ctx
-    the mean context: the router runs this per worker per decision."""
-    n = batch
-    return (decode.a + decode.b * (2 * n + 1) + decode.c * prompt + decode.d * (context + (n + 1) * prompt)
-            + decode.e * (3 * n * n + 3 * n + 1))
+    the mean context: the router runs this for every worker on every decision. The terms
+    that depend on the batch alone are made once per distinct batch size, and each sum is
+    made in the same order as the one line for one pair would make it."""
+    a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
+    heads = {n: a + b * (2 * n + 1) + c * prompt for n in set(batches)}
+    tails = {n: e * (3 * n * n + 3 * n + 1) for n in heads}
+    return [heads[n] + d * (context + (n + 1) * prompt) + tails[n] for n, context in zip(batches, contexts)]
