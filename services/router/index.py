@@ -94,7 +94,9 @@ class BlockNode:
         self.depth = -1  # index of the block in its prompt; -1 while unknown
         self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
         self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
-        self.children: dict[bytes, BlockNode] | None = None  # made when the first child is linked
+        # The children by key: None, the one child (most blocks have one: its key is its
+        # own), or a dict once a second is linked; no dict per node (docs/evaluation.md §3.4).
+        self.children: BlockNode | dict[bytes, BlockNode] | None = None
         self.hit_epoch = 0  # the half-window of the last hit; hits in it and in the one before
         self.hits_now = 0
         self.hits_before = 0
@@ -233,7 +235,12 @@ class PrefixIndex:
     def _step(self, node: BlockNode, key: bytes, depth: int) -> BlockNode | None:
         """The child of `node` whose key this is (linking it if only its hash is known)."""
         children = node.children
-        child = children.get(key) if children is not None else None
+        if children is None:
+            child = None
+        elif isinstance(children, dict):
+            child = children.get(key)
+        else:
+            child = children if children.key == key else None
         if child is None:
             child = self.nodes.get(_hash(node.block_hash.to_bytes(8, "little") + key))
             if child is not None:
@@ -556,7 +563,12 @@ class PrefixIndex:
         for depth in range(len(path), keys.count):
             key = data[depth * block_bytes:(depth + 1) * block_bytes]
             children = parent.children
-            child = children.get(key) if children is not None else None
+            if children is None:
+                child = None
+            elif isinstance(children, dict):
+                child = children.get(key)
+            else:  # the one child
+                child = children if children.key == key else None
             if child is None:
                 block_hash = _hash(parent.block_hash.to_bytes(8, "little") + key)
                 child = known(block_hash)
@@ -592,17 +604,25 @@ class PrefixIndex:
 
     @staticmethod
     def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:
-        if parent.children is None:
-            parent.children = {}
-        parent.children[key] = child
+        children = parent.children
+        if children is None or (not isinstance(children, dict) and children.key == key):
+            parent.children = child
+        elif isinstance(children, dict):
+            children[key] = child
+        else:
+            parent.children = {children.key: children, key: child}
         child.parent, child.key, child.depth = parent, key, depth
         child.lead = child if depth % SEGMENT_BLOCKS == 0 else parent.lead
 
     def _forget(self, node: BlockNode) -> None:
         del self.nodes[node.block_hash]
         parent = node.parent
-        if parent is not None and parent.children and parent.children.get(node.key) is node:
-            del parent.children[node.key]
+        if parent is not None:
+            children = parent.children
+            if children is node:
+                parent.children = None
+            elif isinstance(children, dict) and children.get(node.key) is node:
+                del children[node.key]
         self._drop_run(node)
         node.parent = node.lead = node.ahead = None
 

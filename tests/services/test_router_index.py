@@ -65,6 +65,38 @@ def test_a_prompt_diverging_at_block_k_walks_exactly_k_blocks():
         assert match(index, other) == ({"a": k} if k else {})
 
 
+def test_a_block_with_one_two_or_no_children_walks_to_each_and_forgets_each():
+    """A node keeps one child bare and two or more in a dict: every shape walks and forgets alike."""
+    index = PrefixIndex(BLOCK)
+    prompt = tokens(1, 6 * BLOCK)
+    branches = []
+    for k in range(3):  # three prompts sharing blocks 0..2 and differing from block 3
+        other = prompt.copy()
+        other[3 * BLOCK] += k
+        branches.append(other)
+        index.stored(f"w{k}", hashes(other), 0.0)
+        assert [node.block_hash for node in index.walk(ROOT, as_bytes(other))] == hashes(other)
+    fork = index.nodes[hashes(prompt)[2]]
+    assert isinstance(fork.children, dict) and len(fork.children) == 3
+    assert index.nodes[hashes(prompt)[1]].children is fork  # one child: no dict
+    for k in (0, 2, 1):  # forget each branch's blocks 3..5: the others still walk whole
+        index.removed(f"w{k}", hashes(branches[k])[3:])
+        assert len(index.walk(ROOT, as_bytes(branches[k]))) == 3
+        for j in range(3):
+            alive = j in ((1, 2) if k == 0 else (1,) if k == 2 else ())
+            assert len(index.walk(ROOT, as_bytes(branches[j]))) == (6 if alive else 3)
+    assert hashes(prompt)[4] not in index.nodes  # nobody holds branch 0's tail any more
+    index.removed("w0", hashes(branches[0])[1:3])  # w1, w2 still hold blocks 1, 2
+    assert len(index.walk(ROOT, as_bytes(prompt))) == 3
+    for k in (1, 2):
+        index.removed(f"w{k}", hashes(branches[k])[2:3])
+    assert index.nodes[hashes(prompt)[1]].children is None  # its only child forgotten
+    assert len(index.walk(ROOT, as_bytes(prompt))) == 2
+    index.stored("w0", hashes(prompt)[2:], 1.0)  # stored again: linked again, bare
+    assert [node.block_hash for node in index.walk(ROOT, as_bytes(prompt))] == hashes(prompt)
+    assert index.nodes[hashes(prompt)[1]].children is index.nodes[hashes(prompt)[2]]
+
+
 def test_a_shorter_prompt_walks_only_its_full_blocks():
     index = PrefixIndex(BLOCK)
     prompt = tokens(1, 10 * BLOCK)
