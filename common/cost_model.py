@@ -217,7 +217,14 @@ def fit_latency(points: Iterable[tuple[float, float, float]], quadratic: bool = 
         if not np.all(predicted > 0):  # a zero fit of some point: keep this pass's
             break
         relative_to = predicted
-    return LatencyFit(*(float(value) for value in coefficients))
+    return LatencyFit(*(_same_on_every_cpu(float(value)) for value in coefficients))
+
+
+def _same_on_every_cpu(value: float) -> float:
+    """`value` to 12 significant digits. numpy's LAPACK picks its kernels by the CPU
+    (AVX-512 or not), and they differ in the last bits of a fit: rounded, the same points
+    give the same profile, and the same simulated results, on every machine."""
+    return float(f"{value:.12g}")
 
 
 def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:

@@ -1,12 +1,14 @@
-"""The simulator's results on small seeded runs equal what base commit f2ba184 produced.
+"""The simulator's results on small seeded runs equal what a reference commit produced.
 
 Speed work on the simulator and the engine objects it drives must not change a single
 result. Each case below is simulated and fingerprinted (a SHA-256 of every request
 record, the step count, the run totals and the store report); sim_reference.json holds
-the fingerprints that commit f2ba184 gave. Regenerate them (only for a deliberate change
-of results, and say so in the commit) with this module run as a script:
+the fingerprints of commit f2ba184's simulator, as regenerated when profile fits were
+rounded to be the same on every CPU (common/cost_model.py: the last bits of every time
+moved, no decision did). Regenerate them (only for a deliberate change of results, and
+say so in the commit) with this module run as a script:
 
-    git worktree add /tmp/base-sim f2ba184
+    git worktree add /tmp/base-sim <commit>
     PYTHONPATH=/tmp/base-sim python tests/services/eval/test_sim_reference.py --write
     git worktree remove /tmp/base-sim
 
