@@ -90,6 +90,7 @@ class Placement:
     prefix_key: int | None
     predicted_ttft_s: float
     credited: Credit | None = None  # what the index holds on credit for it (events mode)
+    new_blocks: int = 0  # KV blocks it allocates beyond the prefix the worker held
 
 
 class EvictionSample:
@@ -130,6 +131,7 @@ class WorkerState:
     window_prefill_s: float = 0.0
     expected_output_sum: int = 0  # over in_flight
     prompt_tokens_sum: int = 0  # over in_flight
+    new_blocks_sum: int = 0  # over in_flight: the blocks each allocates beyond its held prefix
     decode_work_s: float = 0.0  # of in_flight, kept current by ClusterState
     prefill_free_at: float = 0.0  # when the prefills queued here will be done
     blocks_since_report: int = 0  # blocks placements took since the last load report
@@ -277,9 +279,11 @@ class ClusterState:
         held = request.matched.get(worker_id, 0)
         prefill_s = self.held_prefill_s(request, held)
         start = max(now, worker.prefill_free_at)
-        worker.prefill_free_at = start + self._queued_prefill_s(worker, prefill_s)
+        queued_s = self.expected_prefill_s(request, held, prefill_s, self.cache_survival(worker_id))
+        worker.prefill_free_at = start + self._queued_prefill_s(worker, queued_s)
         placement = Placement(request.request_id, worker_id, now, prefill_s, self.expected_output(request),
-                              request.num_tokens, request.prefix_key, worker.prefill_free_at - now)
+                              request.num_tokens, request.prefix_key, worker.prefill_free_at - now,
+                              new_blocks=request.blocks_needed(worker_id))
         self._expire_window(worker, now)
         worker.window.append(placement)
         worker.window_prefill_s += prefill_s
@@ -287,8 +291,9 @@ class ClusterState:
         worker.in_flight[request.request_id] = placement
         worker.expected_output_sum += placement.expected_output
         worker.prompt_tokens_sum += request.num_tokens
+        worker.new_blocks_sum += placement.new_blocks
         self._update_decode_work(worker)
-        worker.blocks_since_report += request.blocks_needed(worker_id)
+        worker.blocks_since_report += placement.new_blocks
         self._set_free(worker_id, worker.free_blocks)
         self.placements[request.request_id] = placement
         self.index.record_hits(request.path[:held], worker_id, now)
@@ -324,6 +329,7 @@ class ClusterState:
         if worker is not None and worker.in_flight.pop(request_id, None) is not None:
             worker.expected_output_sum -= placement.expected_output
             worker.prompt_tokens_sum -= placement.num_tokens
+            worker.new_blocks_sum -= placement.new_blocks
             self._update_decode_work(worker)
         if output_tokens:
             self._note_output(output_tokens)
@@ -479,6 +485,31 @@ class ClusterState:
         if worker.in_flight and prefill_s > 0.0:
             return max(0.0, prefill_s - self.cost.prefill.a)
         return prefill_s
+
+    def cache_survival(self, worker_id: str) -> float:
+        """The share of the worker's cached prefixes expected to outlive the requests
+        queued there: an engine matches a waiting request's prefix only when it schedules
+        it, so what the requests ahead allocate first may evict it (docs/router.md §4.7).
+
+        The requests waiting at its last report allocate about `waiting` × the mean new
+        blocks of its requests in flight; what the free blocks cannot take is evicted
+        from the cached ones, least recent first, and a prefix's place in that order is
+        unknown here, so the share evicted is the share of the cached blocks that goes."""
+        worker = self.workers[worker_id]
+        if not worker.waiting or not worker.in_flight:
+            return 1.0
+        short = worker.waiting * worker.new_blocks_sum / len(worker.in_flight) - worker.free_blocks
+        if short <= 0:
+            return 1.0
+        cached = worker.kv_blocks_cached
+        return 1.0 - short / cached if short < cached else 0.0
+
+    def expected_prefill_s(self, request: Request, held: int, held_prefill_s: float, survival: float) -> float:
+        """The prefill a worker holding `held` blocks (prefilled in `held_prefill_s` while
+        they last) is expected to run when its held prefix survives with `survival`."""
+        if survival >= 1.0 or not held:
+            return held_prefill_s
+        return survival * held_prefill_s + (1.0 - survival) * self.held_prefill_s(request, 0)
 
     def queue_s(self, worker_id: str, now: float) -> float:
         """How long a new prefill would wait behind those placed there already."""

@@ -122,6 +122,53 @@ def test_place_queues_the_prefill_of_the_missing_tokens():
     assert cluster.place(fourth, "b", 100.0).predicted_ttft_s == pytest.approx(expected_second)
 
 
+def test_a_held_prefix_survives_a_queue_whose_allocations_fit_in_the_free_blocks():
+    cluster = cluster_of("a", kv_blocks=1000)
+    for index in range(4):  # four requests in flight, each allocating 50 new blocks
+        cluster.place(cluster.prepare(f"r{index}", ROOT, tokens(index, 50 * BLOCK), 8, 0.0), "a", 0.0)
+    assert cluster.cache_survival("a") == 1.0  # nothing reported waiting
+    cluster.report("a", running=2, waiting=2, kv_blocks_used=100, kv_blocks_cached=400)
+    assert cluster.cache_survival("a") == 1.0  # the two waiting take 100 of 500 free blocks
+
+
+def test_a_queue_that_allocates_more_than_the_free_blocks_evicts_a_share_of_the_cached_ones():
+    cluster = cluster_of("a", kv_blocks=1000)
+    for index in range(4):
+        cluster.place(cluster.prepare(f"r{index}", ROOT, tokens(index, 50 * BLOCK), 8, 0.0), "a", 0.0)
+    # Two waiting allocate ~100 blocks where 20 are free: 80 of the 400 cached ones go.
+    cluster.report("a", running=2, waiting=2, kv_blocks_used=580, kv_blocks_cached=400)
+    assert cluster.cache_survival("a") == pytest.approx(1 - 80 / 400)
+    cluster.report("a", running=2, waiting=2, kv_blocks_used=930, kv_blocks_cached=60)
+    assert cluster.cache_survival("a") == 0.0  # more than all of them
+    cluster.finish("r0")
+    cluster.finish("r1")
+    cluster.finish("r2")
+    cluster.finish("r3")
+    assert cluster.workers["a"].new_blocks_sum == 0
+    assert cluster.cache_survival("a") == 1.0  # nothing left in flight
+
+
+def test_the_queue_holds_the_expected_recompute_of_a_prefix_its_queue_may_evict():
+    """An engine matches a waiting request's prefix when it schedules it: behind a queue
+    that evicts half the cache, a held prefix is recomputed half the time, and the queue
+    model holds that expectation, while the placement's own prefill (its load) stays the
+    held one."""
+    cluster = cluster_of("holder", kv_blocks=1000)
+    shared = tokens(1, 16 * BLOCK)
+    cache(cluster, "holder", shared)
+    for index in range(2):
+        cluster.place(cluster.prepare(f"q{index}", ROOT, tokens(10 + index, 50 * BLOCK), 8, 0.0), "holder", 0.0)
+    cluster.report("holder", running=0, waiting=2, kv_blocks_used=800, kv_blocks_cached=200)
+    assert cluster.cache_survival("holder") == pytest.approx(0.5)  # ~100 blocks to allocate, none free
+    before = cluster.queue_s("holder", 0.0)
+    request = cluster.prepare("r", ROOT, np.concatenate([shared, tokens(2, 100)]), 8, 0.0)
+    held_s, cold_s = cluster.held_prefill_s(request, 16), cluster.held_prefill_s(request, 0)
+    placement = cluster.place(request, "holder", 0.0)
+    assert placement.prefill_s == pytest.approx(held_s)
+    expected_s = (held_s + cold_s) / 2 - TINY_CPU.prefill.a  # behind others: its marginal time
+    assert cluster.queue_s("holder", 0.0) - before == pytest.approx(expected_s)
+
+
 def test_load_is_windowed_prefill_plus_decode_work():
     cluster = cluster_of("a", window_s=10.0)
     assert cluster.load_s("a", 0.0) == 0.0

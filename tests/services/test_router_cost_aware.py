@@ -110,6 +110,35 @@ def test_a_hot_prefix_gets_a_second_holder_once_the_queue_exceeds_a_recompute():
     assert request_for(cluster, shared).matched[second] == len(shared) // BLOCK  # placed: now a holder
 
 
+def spread_point(waiting: int) -> int:
+    """How many requests for one prefix its holder "a" takes before one goes elsewhere,
+    with `waiting` of its two requests in flight queued at its last report, and no free
+    blocks there."""
+    cluster = cluster_of("a", "b", "c", kv_blocks=100_000)
+    for index in range(2):  # two requests in flight on "a", 125 new blocks each, their prefills done by now
+        cluster.place(request_for(cluster, tokens(50 + index, 2000), request_id=f"old-{index}"), "a", 0.0)
+    now = 100.0
+    cluster.report("a", running=2 - waiting, waiting=waiting, kv_blocks_used=99_900, kv_blocks_cached=100)
+    shared = tokens(1, 8000)
+    cache(cluster, "a", shared, now)
+    policy = make_policy("cost_aware")
+    for index in range(100):
+        request = request_for(cluster, np.concatenate([shared, tokens(100 + index, 32)]), now, f"r{index}")
+        worker_id = policy.choose(request, cluster, now)[0]
+        if worker_id != "a":
+            return index
+        cluster.place(request, "a", now)
+    raise AssertionError("the prefix never spread")
+
+
+def test_a_holder_whose_queue_will_evict_the_prefix_queues_its_recompute_and_spreads_it_sooner():
+    """The request waiting there will allocate ~125 blocks where none are free and 100
+    are cached: what "a" holds will be gone when the next request runs, so each placed
+    there queues the whole prompt's prefill, not its suffix's (ClusterState.cache_survival),
+    and the queue passes a recompute elsewhere after fewer requests."""
+    assert 1 <= spread_point(waiting=1) < spread_point(waiting=0)
+
+
 def test_a_long_private_context_stays_with_its_holder_under_a_queue_shorter_than_its_recompute():
     cluster = cluster_of("holder", "idle")
     document = tokens(1, 8000)  # one stream's context: a question after it
