@@ -3,7 +3,8 @@
 
     PYTHONPATH=. .venv/bin/python scripts/live_placement_check.py \\
         [--policy cost_aware] [--baselines lpm,cache_aware,e2] [--workers 2] \\
-        [--workloads toolbench:0.1,programming:0.25] [--seeds 0,1,2] [--duration 30] [--json]
+        [--workloads toolbench:0.1,programming:0.25] [--seeds 0,1,2] [--duration 30] \\
+        [--router-profile FILE] [--json]
 
 For each seed (a round) and each workload, every policy in turn (the order reversed every
 other round, so neither end of a round is always the same policy's) gets a fresh
@@ -13,6 +14,10 @@ socket; the cluster is stopped before the next. It prints each round's mean / p9
 end-to-end latency in ms per policy, their medians over the rounds, and the judged
 policy's median mean and p99 over the best baseline's (the lowest median, per
 statistic). A 2-core machine is noisy: run it with nothing else running.
+
+--router-profile gives the routers the cost profile to price with (`svc up --profile`,
+e.g. this machine's, from `svc profile`); the load generator's rates stay those of the
+built-in profile, so runs with and without it send the same requests.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ from common.engine.default_model import default_model_dir
 from services.local_cluster import child_env, start_cluster
 
 
-def bench_once(policy: str, workers: int, workload: str, load: float, seed: int, duration: float) -> dict:
+def bench_once(policy: str, workers: int, workload: str, load: float, seed: int, duration: float,
+               router_profile: str | None = None) -> dict:
     """One fresh cluster, one `svc bench`: its JSON summary's "overall"."""
-    cluster = start_cluster(default_model_dir(), workers=workers, extra=["--policy", policy])
+    extra = ["--policy", policy, *(["--profile", router_profile] if router_profile else [])]
+    cluster = start_cluster(default_model_dir(), workers=workers, extra=extra)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "services.cli", "bench", "--workload", workload, "--load", str(load),
@@ -51,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default="toolbench:0.1,programming:0.25", help="WORKLOAD:LOAD, comma separated")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--router-profile", help="the cost profile the routers price with (default: built-in)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every round")
     args = parser.parse_args(argv)
 
@@ -62,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for item in args.workloads.split(","):
             workload, load = item.split(":")
             for policy in order:
-                overall = bench_once(policy, args.workers, workload, float(load), seed, args.duration)
+                overall = bench_once(policy, args.workers, workload, float(load), seed, args.duration,
+                                     args.router_profile)
                 row = (overall["e2e_mean_s"] * 1000, overall["e2e_p99_s"] * 1000)
                 rounds.setdefault(workload, {}).setdefault(policy, []).append(row)
                 print(f"seed {seed} {workload} {policy}: {row[0]:.0f} / {row[1]:.0f} ms "
