@@ -489,7 +489,7 @@ class ClusterState:
     def cache_survival(self, worker_id: str) -> float:
         """The share of the worker's cached prefixes expected to outlive the requests
         queued there: an engine matches a waiting request's prefix only when it schedules
-        it, so what the requests ahead allocate first may evict it (docs/router.md §4.7).
+        it, so what the requests ahead allocate first may evict it (docs/router.md §3).
 
         The requests waiting at its last report allocate about `waiting` × the mean new
         blocks of its requests in flight; what the free blocks cannot take is evicted

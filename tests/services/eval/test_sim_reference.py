@@ -3,9 +3,9 @@
 Speed work on the simulator and the engine objects it drives must not change a single
 result. Each case below is simulated and fingerprinted (a SHA-256 of every request
 record, the step count, the run totals and the store report); sim_reference.json holds
-the fingerprints of commit f2ba184's simulator, as regenerated when profile fits were
-rounded to be the same on every CPU (common/cost_model.py: the last bits of every time
-moved, no decision did). Regenerate them (only for a deliberate change of results, and
+the fingerprints commit f2ba184 gave, regenerated at 40a52a7, which rounds profile fits
+to be the same on every CPU (common/cost_model.py: the last bits of every time moved, no
+decision did). Regenerate them (only for a deliberate change of results, and
 say so in the commit) with this module run as a script:
 
     git worktree add /tmp/base-sim <commit>
