@@ -270,6 +270,7 @@ class Status(msgspec.Struct, forbid_unknown_fields=True):
     workers: list[WorkerStatus]
     requests_routed: int
     kv_events_received: int
+    instance_id: str = ""  # the router process's own: another one means the router restarted
 
 
 class KvEvents(msgspec.Struct, forbid_unknown_fields=True):

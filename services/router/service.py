@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,9 @@ class RouterMetrics:
 class RouterService:
     def __init__(self, config: ClusterConfig):
         self.config = config
+        # Sent with each Status: a tokenizer that sees it change knows that what it sent the
+        # last instance and had not seen placed is lost with it.
+        self.instance_id = uuid.uuid4().hex[:16]
         self.policy = make_policy(config.policy)
         ttl = config.index_ttl_s if config.index_mode == "approximate" else None
         cost = load_cost_model(config.profile)
@@ -591,7 +595,7 @@ class RouterService:
                 role=member.hello.role))
         self._reply(identity, Status(policy=self.policy.name, workers=workers,
                                      requests_routed=self.requests_routed,
-                                     kv_events_received=self.kv_events_received))
+                                     kv_events_received=self.kv_events_received, instance_id=self.instance_id))
 
 
 def store_events_problem(message: StoreEvents, num_tiers: int) -> str:

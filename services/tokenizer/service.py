@@ -9,7 +9,9 @@ is retried transparently; after that the client gets a typed error.
 While the router is unreachable (no status answer within `worker_timeout_s`, or no
 connection to it at all) new requests are refused at once with ServerUnavailable and a
 retry_after_s, and so are those sent that it never acknowledged as placed (Placed);
-streams already running go on, since workers push tokens here directly.
+streams already running go on, since workers push tokens here directly. A router that
+restarts sooner than that answers as another instance (Status.instance_id), and what was
+sent to the old one and never placed fails the same way.
 Tokens for a request this tokenizer does not know (it restarted, or the request ended
 here first) make it abort that request upstream, so no worker computes for nobody.
 The timings workers attach to a disaggregated request's Tokens (its queue, prefill, decode
@@ -96,6 +98,7 @@ class RequestState:
     retries: int = 0
     placed: bool = False  # the router said it is on a worker (or a token came)
     unplaceable: bool = False  # failed because the router was lost before placing it
+    router_instance: str = ""  # the router instance it was sent to (the last that answered a status)
     first_token_at: float | None = None
     done: bool = False
     lost_workers: set[str] = field(default_factory=set)  # a late token from these is stale
@@ -310,6 +313,7 @@ class TokenizerService:
             raise InvalidRequest(f"sampling: the request's message is {len(frames[1])} bytes, over the "
                                  f"protocol's limit of {MAX_BODY_BYTES}")
         state.placed = False
+        state.router_instance = self.last_status.instance_id if self.last_status else ""
         if not self._send_now(frames):
             raise ServerUnavailable("the router is not reachable", UNAVAILABLE_RETRY_AFTER_S)
 
@@ -321,10 +325,12 @@ class TokenizerService:
                     self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
         return not (sent.done() and sent.exception() is not None)
 
-    def _fail_unplaced(self) -> None:
+    def _fail_unplaced(self, kept_instance: str | None = None) -> None:
         """The router is lost: what it never said it placed will not be (a request it did
-        place anyway gets its tokens aborted here as unknown)."""
-        for state in [s for s in self.requests.values() if not (s.placed or s.done or s.unplaceable)]:
+        place anyway gets its tokens aborted here as unknown). With `kept_instance`, the
+        router restarted as that instance: only what was sent to another is lost."""
+        for state in [s for s in self.requests.values() if not (s.placed or s.done or s.unplaceable)
+                      and s.router_instance != kept_instance]:
             state.unplaceable = True
             self._deliver(state, ServerUnavailable("the router became unreachable before placing the request",
                                                    UNAVAILABLE_RETRY_AFTER_S))
@@ -497,7 +503,10 @@ class TokenizerService:
             if isinstance(message, Error):
                 self._on_error(message)
             elif isinstance(message, Status):
+                restarted = self.last_status is not None and message.instance_id != self.last_status.instance_id
                 self.last_status, self.last_status_at = message, time.monotonic()
+                if restarted:  # back before a status went unanswered for long: the same loss
+                    self._fail_unplaced(kept_instance=message.instance_id)
             elif isinstance(message, Placed):
                 state = self.requests.get(message.request_id)
                 if state is not None:

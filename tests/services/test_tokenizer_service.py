@@ -159,6 +159,58 @@ def test_when_the_router_is_lost_what_it_never_placed_fails_as_unavailable(tiny_
     assert not placed_ended  # the placed request is on its worker: it waits for its tokens
 
 
+def test_a_router_that_restarts_as_another_instance_fails_what_the_old_one_never_placed(tiny_model_dir):
+    """A router killed and restarted within worker_timeout_s never goes unanswered that
+    long: what was sent to the dead one fails when a status names another instance, at
+    once, not at the request's own timeout; what was placed keeps its stream, and what
+    is sent to the new instance is kept."""
+    config = ClusterConfig(port_base=free_port_base(), heartbeat_interval_s=0.1, worker_timeout_s=30.0)
+    instance = {"id": "old"}
+
+    async def stand_in_router(router):
+        while True:
+            identity, *frames = await router.recv_multipart()
+            message, _ = decode(frames)
+            if isinstance(message, StatusRequest):
+                status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0,
+                                instance_id=instance["id"])
+                await router.send_multipart([identity, *encode(status)])
+            elif isinstance(message, Generate) and message.request_id == "placed":
+                await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
+
+    async def run():
+        context, router = _stand_in_router(config)
+        service = TokenizerService(config, tiny_model_dir)
+        tasks = [asyncio.ensure_future(job) for job in
+                 (stand_in_router(router), service._router_loop(), service._status_loop())]
+        requests = []
+        try:
+            while not service.router_reachable():
+                await asyncio.sleep(0.02)
+            requests += [asyncio.ensure_future(anext(service.generate(request_id, [5, 6], SamplingParams(), "")))
+                         for request_id in ("placed", "lost")]
+            await asyncio.sleep(0.3)
+            assert not any(request.done() for request in requests)  # a silent router: both wait
+            instance["id"] = "new"  # the restart
+            restarted_at = time.monotonic()
+            with pytest.raises(ServerUnavailable) as refused:
+                await asyncio.wait_for(requests[1], 5)
+            elapsed = time.monotonic() - restarted_at
+            requests.append(asyncio.ensure_future(anext(service.generate("after", [5, 6], SamplingParams(), ""))))
+            await asyncio.sleep(0.3)  # three more statuses from the new instance
+            return elapsed, refused.value, requests[0].done(), requests[2].done()
+        finally:
+            for task in [*tasks, *requests]:
+                task.cancel()
+            await asyncio.gather(*tasks, *requests, return_exceptions=True)
+            service.close()
+            context.destroy(linger=0)
+
+    elapsed, error, placed_ended, after_ended = asyncio.run(run())
+    assert elapsed < 2.0 and error.retry_after_s > 0
+    assert not placed_ended and not after_ended  # on its worker / sent to the new instance: they wait
+
+
 def test_the_final_chunk_carries_the_valid_timings_merged_over_the_stream(tiny_model_dir):
     """A disaggregated request's first tokens come from its prefill worker, its last from
     its decode worker, each with part of the split; what is not a known key with a finite,
