@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -47,6 +48,20 @@ def _stand_in_router(config: ClusterConfig) -> tuple[zmq.asyncio.Context, zmq.as
     router.setsockopt(zmq.LINGER, 0)
     router.bind(config.router)
     return context, router
+
+
+async def _answering_router(router: zmq.asyncio.Socket, status: Callable[[], Status | None]) -> None:
+    """Serve as the router: answer each status request with status() (not at all while it
+    gives None), and acknowledge the request named "placed" as Placed on worker "w"."""
+    while True:
+        identity, *frames = await router.recv_multipart()
+        message, _ = decode(frames)
+        if isinstance(message, StatusRequest):
+            answer = status()
+            if answer is not None:
+                await router.send_multipart([identity, *encode(answer)])
+        elif isinstance(message, Generate) and message.request_id == "placed":
+            await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
 
 
 async def _routed_slo_class(config: ClusterConfig, model_dir, named: str, tenant: str) -> str:
@@ -120,22 +135,13 @@ def test_when_the_router_is_lost_what_it_never_placed_fails_as_unavailable(tiny_
     config = ClusterConfig(port_base=free_port_base(), heartbeat_interval_s=0.1, worker_timeout_s=0.5)
     status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0)
 
-    async def stand_in_router(router, answering: asyncio.Event):
-        while True:
-            identity, *frames = await router.recv_multipart()
-            message, _ = decode(frames)
-            if isinstance(message, StatusRequest) and answering.is_set():
-                await router.send_multipart([identity, *encode(status)])
-            elif isinstance(message, Generate) and message.request_id == "placed":
-                await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
-
     async def run():
         context, router = _stand_in_router(config)
         service = TokenizerService(config, tiny_model_dir)
         answering = asyncio.Event()
         answering.set()
-        tasks = [asyncio.ensure_future(job) for job in
-                 (stand_in_router(router, answering), service._router_loop(), service._status_loop())]
+        answered = _answering_router(router, lambda: status if answering.is_set() else None)
+        tasks = [asyncio.ensure_future(job) for job in (answered, service._router_loop(), service._status_loop())]
         try:
             while not service.router_reachable():
                 await asyncio.sleep(0.02)
@@ -167,22 +173,15 @@ def test_a_router_that_restarts_as_another_instance_fails_what_the_old_one_never
     config = ClusterConfig(port_base=free_port_base(), heartbeat_interval_s=0.1, worker_timeout_s=30.0)
     instance = {"id": "old"}
 
-    async def stand_in_router(router):
-        while True:
-            identity, *frames = await router.recv_multipart()
-            message, _ = decode(frames)
-            if isinstance(message, StatusRequest):
-                status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0,
-                                instance_id=instance["id"])
-                await router.send_multipart([identity, *encode(status)])
-            elif isinstance(message, Generate) and message.request_id == "placed":
-                await router.send_multipart([identity, *encode(Placed(request_id="placed", worker_id="w"))])
+    def status() -> Status:
+        return Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0,
+                      instance_id=instance["id"])
 
     async def run():
         context, router = _stand_in_router(config)
         service = TokenizerService(config, tiny_model_dir)
-        tasks = [asyncio.ensure_future(job) for job in
-                 (stand_in_router(router), service._router_loop(), service._status_loop())]
+        answered = _answering_router(router, status)
+        tasks = [asyncio.ensure_future(job) for job in (answered, service._router_loop(), service._status_loop())]
         requests = []
         try:
             while not service.router_reachable():
