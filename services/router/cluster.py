@@ -15,7 +15,7 @@ import bisect
 import math
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import add
@@ -44,20 +44,21 @@ class Request:
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
     block_size: int = 16
     best_blocks: int = 0  # the most leading blocks any worker holds
-    path_nodes: frozenset[BlockNode] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.best_blocks = max(self.matched.values(), default=0)
 
-    def pins(self, nodes: frozenset[BlockNode], held: int) -> bool:
-        """Whether any of `nodes` is among the prompt's first `held` blocks (which a worker
-        holding them keeps while the request runs). The path's nodes are gathered once per
-        request: the eviction estimate asks this of several workers' samples."""
-        if not held:
-            return False
-        if self.path_nodes is None:
-            self.path_nodes = frozenset(self.path)
-        return not nodes.isdisjoint(self.path_nodes) and not nodes.isdisjoint(self.path[:held])
+    def pins(self, read: Iterable[tuple[int, BlockNode]], held: int) -> bool:
+        """Whether any of the (depth, node) pairs `read` is among the prompt's first `held`
+        blocks (which a worker holding them keeps while the request runs). The path's block
+        i has depth i, so each pair costs one comparison or two, and no node is read: the
+        eviction estimate asks this of several workers' samples."""
+        if held:
+            path = self.path
+            for depth, node in read:
+                if 0 <= depth < held and path[depth] is node:
+                    return True
+        return False
 
     def cached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker would reuse (the engine always computes the last one)."""
@@ -102,7 +103,7 @@ class EvictionSample:
 
     __slots__ = ("cumulative", "cumulative_once", "read", "per_block", "per_block_once")
 
-    def __init__(self, cumulative: list[float], cumulative_once: list[float], read: frozenset[BlockNode]):
+    def __init__(self, cumulative: list[float], cumulative_once: list[float], read: list[tuple[int, BlockNode]]):
         self.cumulative = cumulative
         self.cumulative_once = cumulative_once
         self.read = read
@@ -564,27 +565,33 @@ class ClusterState:
         return sample
 
     def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], list[float], frozenset[BlockNode]]:
+                   pinned: list[BlockNode]) -> tuple[list[float], list[float], list[tuple[int, BlockNode]]]:
         """Cumulative recompute cost of the worker's LRU blocks, oldest first, leaving out
         `pinned` (a prompt's leading blocks: node i of it has depth i): hit-weighted, and
-        once per block hit in the window; and the blocks read."""
+        once per block hit in the window; and the blocks read, as (depth, node) pairs."""
         cumulative: list[float] = []
         cumulative_once: list[float] = []
-        read: list[BlockNode] = []
+        read: list[tuple[int, BlockNode]] = []
         total = total_once = 0.0
         base, slope = self.block_recompute
         fetch = self.block_fetch
         always = self.store is not None and self.store.always_fetch
         store_tiers = self.index.store_tiers
-        hits = self.index.hits
+        num_pinned = len(pinned)
+        # PrefixIndex.hits inlined (the same epochs, after one flush): this loop is the estimate's cost.
+        self.index.flush_hits()
+        current = int(now / self.index.half_window_s)
         for node in self.index.lru_blocks(worker_id):
-            if len(cumulative) == EVICTION_SAMPLE:
+            if len(read) == EVICTION_SAMPLE:
                 break
-            if pinned and 0 <= node.depth < len(pinned) and pinned[node.depth] is node:
+            depth = node.depth
+            if 0 <= depth < num_pinned and pinned[depth] is node:
                 continue
-            node_hits = hits(node, now)
+            epoch = node.hit_epoch
+            node_hits = (node.hits_now + node.hits_before if epoch == current
+                         else node.hits_now if epoch == current - 1 else 0)
             if node_hits:
-                block_s = base + slope * max(node.depth, 0)
+                block_s = base + slope * max(depth, 0)
                 tier = store_tiers.get(node.block_hash) if fetch else None
                 if tier is not None:  # the store holds it: getting it back costs a fetch
                     block_s = fetch[tier] if always else min(block_s, fetch[tier])
@@ -592,8 +599,8 @@ class ClusterState:
                 total_once += block_s
             cumulative.append(total)
             cumulative_once.append(total_once)
-            read.append(node)
-        return cumulative, cumulative_once, frozenset(read)
+            read.append((depth, node))
+        return cumulative, cumulative_once, read
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]

@@ -620,8 +620,8 @@ def test_a_prompt_pins_the_sampled_blocks_among_its_first_held_blocks_only():
     request = cluster.prepare("r", ROOT, prompt, 8, 0.0)
     path = request.path
 
-    def sample(*nodes):
-        return frozenset(nodes)
+    def sample(*nodes):  # as an eviction sample keeps what it read
+        return [(node.depth, node) for node in nodes]
 
     assert request.pins(sample(other[1], path[2], other[0]), 3)
     assert not request.pins(sample(other[1], path[3]), 3)  # past the held blocks
