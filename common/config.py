@@ -104,8 +104,9 @@ class ClusterConfig(EngineSettings):
     index_ttl_s: float = setting(120.0, "approximate index: how long a routed prefix counts as cached",
                                  check=POSITIVE)
     load_window_s: float = setting(180.0, "how far back the router's load estimates look", check=POSITIVE)
-    profile: str = setting("", "the router's cost profile: a JSON file or a built-in name (default: the "
-                           "built-in tiny-model one)")
+    profile: str = setting("", "the cost profile the router prices with: a JSON file or a built-in name "
+                           "(default: svc up measures this node's engine once and keeps it; svc start "
+                           "uses tiny-cpu, the tiny model's)")
 
     slo_classes: tuple[SloClass, ...] = setting((), "latency targets by class: TOML [slo_classes.NAME] "
                                                 "tables, or name:ttft_s:tpot_s,...")
@@ -265,13 +266,12 @@ def _validate(config: ClusterConfig) -> None:
 
 def _validate_profile_name(name: str) -> None:
     """A profile that is not a file must be a built-in profile's name."""
-    from common.cost_model import ProfileError  # numpy, only when a name is given
-    from common.profiles import analytic_profile
+    from common.cost_model import ProfileError, load_cost_model  # numpy, only when a name is given
 
     try:
-        analytic_profile(name)
+        load_cost_model(name)
     except ProfileError as error:
-        raise ConfigError(f"profile: {name!r} is not a file, and {error}") from None
+        raise ConfigError(f"profile: {error}") from None
 
 
 def _validate_slo_classes(config: ClusterConfig) -> None:

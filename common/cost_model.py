@@ -167,8 +167,9 @@ TINY_CPU = CostModel(
 
 def load_cost_model(path_or_name: str | Path | None) -> CostModel:
     """The profile in the file `path_or_name`, else the built-in profile of that name
-    (common/profiles.py), else ProfileError; the tiny-model profile when it is empty."""
-    if not path_or_name:
+    (common/profiles.py, or "tiny-cpu"), else ProfileError; the tiny-model profile when it
+    is empty."""
+    if not path_or_name or path_or_name == TINY_CPU.name:
         return TINY_CPU
     path = Path(path_or_name)
     if not path.is_file():

@@ -16,6 +16,8 @@ from common.logs import configure_logging
 from common.settings import SCALARS, ConfigError, setting_types
 from common.sockets import ENGINE_ROLES
 
+NODE_PROFILE_TIMEOUT_S = 900.0  # `svc up`'s first measurement of a large model on a GPU takes minutes
+
 # ---- options from the declared settings (common/settings.py) ---------------------------
 
 
@@ -270,6 +272,9 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
         flags["model"] = str(default_model_dir())
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
         flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // len(engines))
+    if not config.profile:  # the router prices with this node's engine, not another machine's
+        flags["profile"] = str(_node_profile(config, Path(flags.get("model") or config.model),
+                                             flags.get("threads") or config.threads))
     if not no_kvstore:
         flags["kvstore"] = True  # the engines write back to and fetch from the store
     base = [sys.executable, "-m", "services.cli", "start"]
@@ -302,6 +307,38 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
         raise click.ClickException(str(error)) from error
     finally:
         supervisor.stop_all()
+
+
+def _node_profile(config, model_dir: Path, threads: int) -> Path:
+    """The cost profile of this node's engine with the workers' settings: measured by
+    `svc profile` on first use (seconds on the tiny model) and kept in the cache."""
+    import subprocess
+
+    from common.engine.default_model import baton_cache_root
+    from services.eval.profiler import node_profile_path
+
+    path = node_profile_path(baton_cache_root(), model_dir, config.dtype, config.device, threads)
+    if path.is_file():
+        click.echo(f"the router prices with this node's profile {path}")
+        return path
+    click.echo("measuring this node's engine for the router's cost profile, once (--profile skips it) ...")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    argv = [sys.executable, "-m", "services.cli", "profile", "--model", str(model_dir), "--dtype", config.dtype,
+            "--device", config.device, "--threads", str(threads), "--out", str(partial)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=NODE_PROFILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        partial.unlink(missing_ok=True)
+        raise click.ClickException(f"measuring this node's engine took over {NODE_PROFILE_TIMEOUT_S:.0f} s; "
+                                   f"give --profile (a file `svc profile` wrote, or a built-in name)") from None
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise click.ClickException(f"measuring this node's engine failed; give --profile to skip it:\n"
+                                   f"{done.stderr.strip()[-2000:]}")
+    os.replace(partial, path)  # whole or not at all, should two starts race
+    click.echo(f"wrote {path}")
+    return path
 
 
 @main.command()

@@ -10,7 +10,9 @@ for prefill).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import platform
 import random
@@ -19,6 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.cost_model import CostModel, LatencyFit, fit_error, fit_latency
@@ -204,6 +208,47 @@ def describe_machine(engine: Engine) -> dict:
         "dtype": engine.config.dtype, "model": str(engine.config.model_dir),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+
+
+def node_profile_path(cache_root: Path, model_dir: Path, dtype: str, device: str, threads: int) -> Path:
+    """Where `svc up` keeps the profile it measured of this node's engine: a name made
+    from a digest of what the engine's step times depend on (the checkpoint's files, the
+    dtype, device and torch threads, the processors, the torch build and the grid), so
+    that changing any of them measures again. Reads no tensor and imports no torch."""
+    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns)
+                   for path in model_dir.iterdir() if path.is_file())
+    facts = {"model": str(model_dir.resolve()), "files": files, "dtype": dtype, "device": device,
+             "threads": threads, "processors": processor_names(device), "cpu_count": os.cpu_count(),
+             "torch": _package_version("torch"), "grid": repr(FULL_GRID)}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root / "profiles" / f"{model_dir.name}-{device.replace(':', '')}-{digest}.json"
+
+
+def processor_names(device: str) -> list[str]:
+    """The CPU's model name (Linux: /proc/cpuinfo; else what platform says) and, for a
+    CUDA device, the driver's names of the GPUs."""
+    cpu = _field_values(Path("/proc/cpuinfo"), "model name")[:1]
+    names = cpu or [platform.processor() or platform.machine()]
+    if device.startswith("cuda"):
+        for information in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+            names += _field_values(information, "Model")
+    return names
+
+
+def _field_values(path: Path, key: str) -> list[str]:
+    """The values of a `key: value` text file's lines that start with `key`; [] if unreadable."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith(key) and ":" in line]
+
+
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return ""
 
 
 def run_profile(engine: Engine, grid: Grid, name: str) -> dict:

@@ -336,6 +336,7 @@ def test_slo_class_of_a_request_is_the_named_one_else_the_tenant_s_else_the_defa
     ({"index_ttl_s": 0.0}, "index_ttl_s"),
     ({"load_window_s": -1.0}, "load_window_s"),
     ({"profile": "/definitely/not/a/profile.json"}, "profile"),
+    ({"profile": "tiny-gpu"}, "profile"),
     ({"default_slo_class": "interactive"}, "default_slo_class"),
     ({"slo_classes": {"a": {"ttft_s": 0, "tpot_s": 1}}}, "slo_classes.a.ttft_s"),
     ({"slo_classes": {"a": {"ttft_s": 1, "tpot_s": -0.5}}}, "slo_classes.a.tpot_s"),

@@ -59,6 +59,7 @@ def test_load_by_file_by_name_and_default(tmp_path):
     assert load_cost_model(path) == CostModel.from_json(PROFILE)
     assert load_cost_model(str(path)).name == "p"
     assert load_cost_model("") is TINY_CPU and load_cost_model(None) is TINY_CPU
+    assert load_cost_model("tiny-cpu") is TINY_CPU  # by name: what `svc up --profile` skips measuring with
     assert load_cost_model("a6000/mistral-7b") == analytic_profile("a6000/mistral-7b")
     assert load_cost_model("H100/Llama-3-70B").name == "h100/llama-3-70b/tp4"
     assert load_cost_model("h100/llama-3-70b/tp8").name == "h100/llama-3-70b/tp8"

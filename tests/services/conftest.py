@@ -4,7 +4,7 @@ from services.local_cluster import start_cluster
 
 # Small pools and fast failure detection, so fault tests finish in seconds.
 TEST_FLAGS = ["--kv-cache-gb", "0.05", "--max-model-len", "1024", "--heartbeat-interval-s", "0.2",
-              "--worker-timeout-s", "1.5"]
+              "--worker-timeout-s", "1.5", "--profile", "tiny-cpu"]
 
 
 @pytest.fixture(scope="session")

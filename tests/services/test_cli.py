@@ -135,6 +135,34 @@ def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_
     assert not any("Traceback" in line for line in cluster.lines)
 
 
+def test_svc_up_prices_with_this_nodes_engine_measured_once(tiny_model_dir, tmp_path):
+    """Without --profile, `svc up` measures the engine with the workers' settings, keeps
+    the profile in the cache, and hands it to the router; the next start reuses it."""
+    from services.eval.profiler import node_profile_path
+    from services.local_cluster import start_cluster
+
+    measured = node_profile_path(tmp_path, tiny_model_dir, "bfloat16", "cpu", 1)
+    for start in ("first", "second"):
+        cluster = start_cluster(tiny_model_dir, extra=["--kv-cache-gb", "0.05", "--max-model-len", "1024",
+                                                       "--threads", "1"], env={"BATON_CACHE_DIR": str(tmp_path)})
+        try:
+            text = "".join(cluster.lines)
+            ready = [json.loads(line) for line in cluster.lines
+                     if '"role": "router"' in line and '"event": "ready"' in line]
+        finally:
+            cluster.stop()
+        profile = json.loads(measured.read_text())
+        assert profile["measured_on"]["threads"] == 1 and profile["decode"]["a"] > 0
+        assert [event["profile"] for event in ready] == [profile["name"]]
+        if start == "first":
+            assert "measuring this node's engine" in text and f"wrote {measured}" in text
+            written_at = measured.stat().st_mtime_ns
+        else:
+            assert "measuring" not in text and f"prices with this node's profile {measured}" in text
+            assert measured.stat().st_mtime_ns == written_at
+    assert list(measured.parent.iterdir()) == [measured]  # no partial file left
+
+
 def test_svc_start_kvstore_checks_its_model_config(tmp_path):
     done = svc("start", "kvstore", "--model", str(tmp_path / "nowhere"), "--check-config")
     assert done.returncode != 0 and "model" in done.stderr

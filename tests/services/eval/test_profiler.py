@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.cost_model import CostModel, LatencyFit, ProfileError, fit_latency, load_cost_model
-from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, profile_json
+from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, node_profile_path, profile_json
 from services.local_cluster import child_env
 from tests.terminal import run_with_stderr_on_terminal
 
@@ -146,3 +146,20 @@ def test_svc_profile_compare_preble_prints_the_table():
                           timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "tp=4" in done.stdout and "tp=8" in done.stdout and "profile/Preble" in done.stdout
+
+
+def test_a_node_profile_is_named_by_what_the_engines_step_times_depend_on(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "weights.safetensors").write_bytes(b"w" * 8)
+    cache = tmp_path / "cache"
+    path = node_profile_path(cache, model, "bfloat16", "cpu", 1)
+    assert path.parent == cache / "profiles" and path.name.startswith("model-cpu-") and path.suffix == ".json"
+    assert node_profile_path(cache, model, "bfloat16", "cpu", 1) == path  # the same node measures once
+    others = {node_profile_path(cache, model, "float32", "cpu", 1),
+              node_profile_path(cache, model, "bfloat16", "cpu", 2),
+              node_profile_path(cache, model, "bfloat16", "cuda:1", 1)}
+    assert path not in others and len(others) == 3
+    (model / "weights.safetensors").write_bytes(b"w" * 9)  # another checkpoint in the same place
+    assert node_profile_path(cache, model, "bfloat16", "cpu", 1) != path
