@@ -325,7 +325,7 @@ def _node_profile(config, model_dir: Path, threads: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     argv = [sys.executable, "-m", "services.cli", "profile", "--model", str(model_dir), "--dtype", config.dtype,
-            "--device", config.device, "--threads", str(threads), "--out", str(partial)]
+            "--device", config.device, "--threads", str(threads), "--name", path.stem, "--out", str(partial)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=NODE_PROFILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:

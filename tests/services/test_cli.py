@@ -153,6 +153,7 @@ def test_svc_up_prices_with_this_nodes_engine_measured_once(tiny_model_dir, tmp_
             cluster.stop()
         profile = json.loads(measured.read_text())
         assert profile["measured_on"]["threads"] == 1 and profile["decode"]["a"] > 0
+        assert profile["name"] == measured.stem  # not the built-in tiny-cpu's name
         assert [event["profile"] for event in ready] == [profile["name"]]
         if start == "first":
             assert "measuring this node's engine" in text and f"wrote {measured}" in text
