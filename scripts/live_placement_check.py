@@ -15,9 +15,10 @@ end-to-end latency in ms per policy, their medians over the rounds, and the judg
 policy's median mean and p99 over the best baseline's (the lowest median, per
 statistic). A 2-core machine is noisy: run it with nothing else running.
 
---router-profile gives the routers the cost profile to price with (`svc up --profile`,
-e.g. this machine's, from `svc profile`); the load generator's rates stay those of the
-built-in profile, so runs with and without it send the same requests.
+--router-profile gives the routers the cost profile to price with (`svc up --profile`);
+without it they price with the profile `svc up` measures of this node's engine. The load
+generator's rates stay those of the built-in tiny-cpu profile either way, so every run
+sends the same requests.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default="toolbench:0.1,programming:0.25", help="WORKLOAD:LOAD, comma separated")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--router-profile", help="the cost profile the routers price with (default: built-in)")
+    parser.add_argument("--router-profile",
+                        help="the cost profile the routers price with (default: svc up's measured one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every round")
     args = parser.parse_args(argv)
 
