@@ -13,4 +13,7 @@ ARG EXTRAS=engine
 RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
     && pip install --no-cache-dir ".[${EXTRAS}]"
 ENV BATON_CACHE_DIR=/cache PYTHONUNBUFFERED=1
+# The router's hot modules compiled (services/router/native.py), into /cache: a fresh named
+# volume mounted there starts with them. Where this fails the router runs its sources.
+RUN python -m services.router.native_build || true
 ENTRYPOINT ["svc"]

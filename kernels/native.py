@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.engine.default_model import baton_cache_root
+from common.cache_root import baton_cache_root
 from kernels.toolchain import choose_compiler, shares_cxx_runtime
 
 log = structlog.get_logger(__name__)

@@ -17,4 +17,9 @@ ensure_venv() {
         "$VENV/bin/pip" install -q -e "$root[$extras]"
         touch "$stamp"
     fi
+    # The router's hot modules compiled for these sources (services/router/native.py): a
+    # second or two when built already; where they cannot be, the sources run.
+    if ! "$VENV/bin/python" -m services.router.native_build > "$VENV/.baton-native-build.log" 2>&1; then
+        echo "note: the router runs its source modules: $(tail -n 1 "$VENV/.baton-native-build.log")" >&2
+    fi
 }

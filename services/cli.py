@@ -314,7 +314,7 @@ def _node_profile(config, model_dir: Path, threads: int) -> Path:
     `svc profile` on first use (seconds on the tiny model) and kept in the cache."""
     import subprocess
 
-    from common.engine.default_model import baton_cache_root
+    from common.cache_root import baton_cache_root
     from services.eval.profiler import node_profile_path
 
     path = node_profile_path(baton_cache_root(), model_dir, config.dtype, config.device, threads)

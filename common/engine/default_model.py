@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.cache_root import baton_cache_root
 from common.engine.checkpoint import expected_tensors
 from common.engine.config import ModelConfig
 
@@ -44,7 +45,6 @@ BOS_ID, EOS_ID, UNK_ID, PAD_ID = range(4)
 MODEL_MAX_LENGTH = 4096
 # Merged tokens stay short, as in real vocabularies, however many merges are made.
 MAX_MERGED_TOKEN_CHARS = 12
-CACHE_DIR_ENV = "BATON_CACHE_DIR"
 
 
 def model_config(size: str = "tiny") -> ModelConfig:
@@ -97,11 +97,6 @@ def write_default_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Pat
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
-
-
-def baton_cache_root() -> Path:
-    """$BATON_CACHE_DIR, else ~/.cache/baton: where default models and built kernels go."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "baton")
 
 
 def default_model_path(cache_root: Path | None = None, size: str = "tiny", seed: int = 0) -> Path:

@@ -27,7 +27,7 @@ def static_runtime_compiler(folder: Path) -> Path:
 
 
 def test_the_built_kernel_library_links_the_shared_runtime_torch_uses(native_kernels):
-    from common.engine.default_model import baton_cache_root
+    from common.cache_root import baton_cache_root
     from kernels.native import LIBRARY_NAME, build_folder
 
     needed = needed_libraries(build_folder(baton_cache_root()) / f"{LIBRARY_NAME}.so")

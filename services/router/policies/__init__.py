@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 from common.config import ROUTER_POLICIES
-from services.router.policies.base import PlacementPolicy
-from services.router.policies.cache_aware import CacheAware
-from services.router.policies.cost_aware import CostAware
-from services.router.policies.dynamo import Dynamo
-from services.router.policies.e2 import E2
-from services.router.policies.least_load import LeastLoad
-from services.router.policies.lpm import LongestPrefixMatch
-from services.router.policies.round_robin import RoundRobin
+from services.router.native import use_compiled
+
+use_compiled(__name__, __path__)  # before the policies: cost_aware may load compiled
+
+from services.router.policies.base import PlacementPolicy  # noqa: E402
+from services.router.policies.cache_aware import CacheAware  # noqa: E402
+from services.router.policies.cost_aware import CostAware  # noqa: E402
+from services.router.policies.dynamo import Dynamo  # noqa: E402
+from services.router.policies.e2 import E2  # noqa: E402
+from services.router.policies.least_load import LeastLoad  # noqa: E402
+from services.router.policies.lpm import LongestPrefixMatch  # noqa: E402
+from services.router.policies.round_robin import RoundRobin  # noqa: E402
 
 POLICIES: dict[str, type] = {policy.name: policy for policy in
                              (RoundRobin, LeastLoad, LongestPrefixMatch, CacheAware, Dynamo, E2,
