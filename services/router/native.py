@@ -64,3 +64,10 @@ def use_compiled(package: str, package_path: list[str]) -> bool:
     if str(folder) not in sys.path:  # mypyc's shared runtime module of the group, by its top-level name
         sys.path.append(str(folder))
     return True
+
+
+def compiled() -> bool:
+    """Whether this process runs the build of every module in COMPILED (each imported)."""
+    names = [path.removesuffix(".py").replace("/", ".") for path in COMPILED]
+    return all(not str(getattr(sys.modules.get(name), "__file__", ".py")).endswith(".py") for name in names)
+

@@ -58,6 +58,7 @@ from common.protocol import (
 from common.sockets import ENGINE_ROLES, Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
+from services.router.native import compiled
 from services.router.pairing import computes_locally, pick_decode_worker
 from services.router.policies import make_policy
 
@@ -165,7 +166,7 @@ class RouterService:
         if self.store_events is not None:
             poller.register(self.store_events, zmq.POLLIN)
         log.info("ready", role="router", address=self.config.router, policy=self.policy.name,
-                 profile=self.cluster.cost.name, metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
+                 profile=self.cluster.cost.name, compiled=compiled(), metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
         print(f"baton router ready on {self.config.router}", flush=True)
         try:
             while not stop.is_set():

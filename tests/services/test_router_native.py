@@ -55,3 +55,4 @@ def test_the_compiled_modules_load_and_decide_as_the_sources_do():
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert {name: row["decisions_digest"] for name, row in result.items()} == \
             {name: DIGESTS[name] for name in ("e2", "cost_aware")}
+        assert [row["compiled"] for row in result.values()] == [setting == "1"] * 2  # and the bench says which ran
