@@ -24,6 +24,8 @@ import contextlib
 import functools
 import gc
 import json
+import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -36,6 +38,7 @@ from common.engine.block_manager import BlockManager
 from services.eval import sim_runner as runner
 from services.eval.simulator import simulate
 from services.router.index import BlockNode, PrefixIndex
+from services.router.native import DISABLE_ENV, compiled
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 SAMPLE_BLOCKS = 1_000_000
@@ -54,7 +57,10 @@ COUNTED: dict[str, tuple[type, str, Callable[..., int]]] = {
 
 @contextlib.contextmanager
 def counting_blocks(counts: collections.Counter[str]) -> Iterator[None]:
-    """Count, per operation in COUNTED, the blocks its calls handle (restored after)."""
+    """Count, per operation in COUNTED, the blocks its calls handle (restored after).
+    Only on the source modules: compiled code calls the index's methods directly."""
+    if compiled():
+        raise RuntimeError(f"counting blocks needs the router's source modules: run with {DISABLE_ENV}=0")
     originals = {name: getattr(owner, method) for name, (owner, method, _) in COUNTED.items()}
 
     def counted(name: str, original: Callable, blocks: Callable[..., int]) -> Callable:
@@ -181,6 +187,8 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if compiled():  # the counting wraps methods that compiled code calls directly: run the sources
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, DISABLE_ENV: "0"})
     counts, requests, wall_s = simulate_trace(args.load)
     costs = primitive_ns()
     floor_s = sum(counts[operation] * costs[operation] for operation in costs) / 1e9

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import sys
 import sysconfig
@@ -67,7 +68,6 @@ def use_compiled(package: str, package_path: list[str]) -> bool:
 
 
 def compiled() -> bool:
-    """Whether this process runs the build of every module in COMPILED (each imported)."""
+    """Whether this process runs the build of every module in COMPILED (importing them)."""
     names = [path.removesuffix(".py").replace("/", ".") for path in COMPILED]
-    return all(not str(getattr(sys.modules.get(name), "__file__", ".py")).endswith(".py") for name in names)
-
+    return all(not str(importlib.import_module(name).__file__).endswith(".py") for name in names)

@@ -3,17 +3,30 @@ the blocks the simulation's engines and index really handled."""
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
+
+import pytest
 
 from common.cost_model import load_cost_model
 from common.engine.block_manager import BlockManager
 from services.eval.simulator import SimConfig, simulate
 from services.eval.workloads import make_workload
 from services.eval.workloads.arrivals import poisson
+from services.local_cluster import REPO, child_env
 from services.router.index import PrefixIndex
+from services.router.native import DISABLE_ENV, compiled
 from tests.scripts import load_script
 
 
 def test_counted_blocks_match_what_the_engines_report_and_the_methods_come_back():
+    if compiled():  # the counting wraps methods compiled code calls directly: check it on the sources
+        here = f"{__file__}::test_counted_blocks_match_what_the_engines_report_and_the_methods_come_back"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here],
+                              capture_output=True, text=True, cwd=REPO, env=child_env(**{DISABLE_ENV: "0"}),
+                              timeout=300)
+        assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+        return
     floor = load_script("sim_block_floor")
     originals = {name: getattr(owner, method) for name, (owner, method, _) in floor.COUNTED.items()}
     requests = poisson(make_workload("toolbench", 120, seed=3), rate=20.0, seed=3)
@@ -31,6 +44,14 @@ def test_counted_blocks_match_what_the_engines_report_and_the_methods_come_back(
     assert counts["index_named"] > 0 and counts["engine_released"] > 0
     assert {name: getattr(owner, method) for name, (owner, method, _) in floor.COUNTED.items()} == originals
     assert PrefixIndex._hold is originals["index_held"] and BlockManager.commit is originals["engine_committed"]
+
+
+def test_counting_refuses_the_compiled_modules_rather_than_count_nothing():
+    if not compiled():
+        pytest.skip("the router's modules run as source here (no build of these sources)")
+    floor = load_script("sim_block_floor")
+    with pytest.raises(RuntimeError, match=f"{DISABLE_ENV}=0"), floor.counting_blocks(collections.Counter()):
+        pass
 
 
 def test_each_primitive_costs_a_positive_time():
