@@ -23,7 +23,7 @@ from operator import add
 import numpy as np
 
 from common.cost_model import CostModel, StorePricing
-from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex
+from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex, window_hits
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
@@ -578,8 +578,7 @@ class ClusterState:
         always = self.store is not None and self.store.always_fetch
         store_tiers = self.index.store_tiers
         num_pinned = len(pinned)
-        # PrefixIndex.hits inlined (the same epochs, after one flush): this loop is the estimate's cost.
-        self.index.flush_hits()
+        self.index.flush_hits()  # once, then PrefixIndex.hits' count per block without its checks
         current = int(now / self.index.half_window_s)
         for node in self.index.lru_blocks(worker_id):
             if len(read) == EVICTION_SAMPLE:
@@ -587,9 +586,7 @@ class ClusterState:
             depth = node.depth
             if 0 <= depth < num_pinned and pinned[depth] is node:
                 continue
-            epoch = node.hit_epoch
-            node_hits = (node.hits_now + node.hits_before if epoch == current
-                         else node.hits_now if epoch == current - 1 else 0)
+            node_hits = window_hits(node, current)
             if node_hits:
                 block_s = base + slope * max(depth, 0)
                 tier = store_tiers.get(node.block_hash) if fetch else None

@@ -109,6 +109,13 @@ class BlockNode:
         self.ahead: dict[bytes, tuple[bytes, list[BlockNode]]] | None = None
 
 
+def window_hits(node: BlockNode, current: int) -> int:
+    """`node`'s hits over the full window that ends in half-window `current` (flushed ones)."""
+    if node.hit_epoch == current:
+        return node.hits_now + node.hits_before
+    return node.hits_now if node.hit_epoch == current - 1 else 0
+
+
 class Credit:
     """Blocks a placement holds on credit: the prompt's full-block `keys` after the first
     `held`, which its `worker_id` already holds; `path` is the prompt's known prefix when
@@ -277,10 +284,7 @@ class PrefixIndex:
         """Hits of `node` over the last full window (two half-windows)."""
         if self.pending_hits:
             self.flush_hits()
-        current = int(now / self.half_window_s)
-        if node.hit_epoch == current:
-            return node.hits_now + node.hits_before
-        return node.hits_now if node.hit_epoch == current - 1 else 0
+        return window_hits(node, int(now / self.half_window_s))
 
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""

@@ -166,7 +166,8 @@ class RouterService:
         if self.store_events is not None:
             poller.register(self.store_events, zmq.POLLIN)
         log.info("ready", role="router", address=self.config.router, policy=self.policy.name,
-                 profile=self.cluster.cost.name, compiled=compiled(), metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
+                 profile=self.cluster.cost.name, compiled=compiled(),
+                 metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
         print(f"baton router ready on {self.config.router}", flush=True)
         try:
             while not stop.is_set():
