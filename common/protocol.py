@@ -20,7 +20,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
@@ -56,6 +56,7 @@ class MessageType(enum.IntEnum):
     STORE_EVENTS = 23
     STORE_REQUEST = 24
     STORE_REPLY = 25
+    REQUESTS_FINISHED = 26
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -144,8 +145,14 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     kv_blocks_total: int
     prefix_hit_tokens: int = 0
     computed_tokens: int = 0
-    finished: list[FinishedRequest] = []  # requests ended since the last heartbeat
     seq: int = 0  # numbers the heartbeats of one worker process
+
+
+class RequestsFinished(msgspec.Struct, forbid_unknown_fields=True):
+    """Requests a worker ended in one turn of its loop, sent on its own socket as soon as
+    the turn ends, so the router's count of what runs where is never a heartbeat late."""
+
+    finished: list[FinishedRequest]
 
 
 class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
@@ -473,6 +480,7 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.STORE_EVENTS: StoreEvents,
     MessageType.STORE_REQUEST: StoreRequest,
     MessageType.STORE_REPLY: StoreReply,
+    MessageType.REQUESTS_FINISHED: RequestsFinished,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),

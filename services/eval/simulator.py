@@ -5,8 +5,8 @@ Nothing here re-implements a policy. The router side is the live router's own ob
 each worker is the live engine's own Scheduler, BlockManager and waiting-queue policy.
 Only the model is replaced: a step takes the time the cost model gives for its plan, and
 every sampled token is a stand-in id. KV events go from each block manager to the index
-as they happen; load reports and finished requests reach the router on heartbeats, as
-they do live.
+as they happen, and finished requests at the end of the step that ended them; load
+reports reach the router on heartbeats. All as they do live.
 
 Step time of a plan (prefill chunks and decode tokens run as one forward pass, as in the
 engine): the larger of the phases' fixed costs, plus each prefill chunk's marginal cost
@@ -227,7 +227,6 @@ class SimWorker:
         self.sink = sink
         self.busy = False
         self.changed = False  # since the last heartbeat: an idle worker's report would say nothing new
-        self.finished: list[tuple[str, float, int]] = []  # (request id, ttft, outputs) since the last beat
         self.arrivals = itertools.count()
         self.run: _Run | None = None  # the step (or quiet run) in flight
 
@@ -504,7 +503,7 @@ class Simulator:
         worker.block_manager.take(lease)
         worker.scheduler.finish(seq, "length")
         assert seq.first_token_time is not None  # _sample hands off after setting it (the prefill's only token)
-        worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, 0))
+        self._report_finished(worker, seq.request_id, seq.first_token_time - seq.arrival_time, 0)
         self.records[seq.request_id].worker_id = f"{worker.worker_id}>{decode_id}"
         self.pulls.setdefault(decode_id, collections.deque()).append(_Pull(worker, lease, seq, self.now))
         self._start_pulls(self.workers[decode_id])
@@ -561,14 +560,16 @@ class Simulator:
                 continue
             worker.changed = worker.busy
             manager, scheduler = worker.block_manager, worker.scheduler
-            cluster = worker.sink.cluster
-            cluster.report(worker_id, len(scheduler.running), len(scheduler.waiting), manager.num_used,
-                           manager.num_cached)
-            for request_id, ttft, outputs in worker.finished:
-                placement = cluster.finish(request_id, outputs)
-                if placement is not None and cluster is self.cluster:
-                    self.policy.finished(placement, ttft, self.now)
-            worker.finished = []
+            worker.sink.cluster.report(worker_id, len(scheduler.running), len(scheduler.waiting), manager.num_used,
+                                       manager.num_cached)
+
+    def _report_finished(self, worker: SimWorker, request_id: str, ttft_s: float, outputs: int) -> None:
+        """The router learns a request ended when the step that ended it does (live: the
+        worker's RequestsFinished, or a prefill worker's KvReady for a hand-off)."""
+        cluster = worker.sink.cluster
+        placement = cluster.finish(request_id, outputs)
+        if placement is not None and cluster is self.cluster:
+            self.policy.finished(placement, ttft_s, self.now)
 
     def _root_hash(self, tenant: str) -> int:
         if tenant not in self.root_hashes:
@@ -702,7 +703,7 @@ class Simulator:
         # A handed-off request's decode runs from its first step on the decode worker,
         # which came after its first token.
         record.decode_s = self.now - max(seq.first_token_time, seq.first_scheduled_time)
-        worker.finished.append((seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens))
+        self._report_finished(worker, seq.request_id, seq.first_token_time - seq.arrival_time, seq.num_output_tokens)
         del self.sequences[seq.request_id]
         return True
 

@@ -47,6 +47,7 @@ from common.protocol import (
     KvReady,
     Placed,
     ProtocolError,
+    RequestsFinished,
     Status,
     StatusRequest,
     StoreEvents,
@@ -66,8 +67,10 @@ log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
 # What each role may send the router; with CURVE off no role is proven and all may.
-ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents), "prefill": (Hello, Heartbeat, KvEvents, KvReady),
-                 "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate), "tokenizer": (Generate, Abort, StatusRequest)}
+ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
+                 "prefill": (Hello, Heartbeat, KvEvents, KvReady, RequestsFinished),
+                 "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, RequestsFinished),
+                 "tokenizer": (Generate, Abort, StatusRequest)}
 
 
 @dataclass
@@ -155,7 +158,8 @@ class RouterService:
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
             Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report,
-            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update}
+            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update,
+            RequestsFinished: self._on_requests_finished}
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
@@ -399,14 +403,23 @@ class RouterService:
             self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True,
                                           beat_seq=beat.seq))
             return
-        now = time.monotonic()
-        member.last_seen = now
+        member.last_seen = time.monotonic()
         member.heartbeat = beat
         pool = self._pool_for(member.hello.role)
         pool.report(beat.worker_id, beat.running, beat.waiting, beat.kv_blocks_used, beat.kv_blocks_cached)
-        for finished in beat.finished:
+
+    def _on_requests_finished(self, identity: bytes, message: RequestsFinished, _payloads) -> None:
+        """A worker ended these requests: they leave its loads now, not at its next heartbeat."""
+        worker_id = identity.decode(errors="replace")
+        member = self.members.get(worker_id)
+        if member is None or member.identity != identity:
+            log.warning("finished_from_unknown_worker", worker_id=worker_id, requests=len(message.finished))
+            return
+        now = time.monotonic()
+        pool = self._pool_for(member.hello.role)
+        for finished in message.finished:
             request_id = finished.request_id
-            if self._placed_elsewhere(request_id, beat.worker_id):
+            if self._placed_elsewhere(request_id, worker_id):
                 continue  # this worker's part ended; the request goes on on another
             self.origins.pop(request_id, None)
             self.handoffs.pop(request_id, None)

@@ -50,6 +50,7 @@ from common.protocol import (
     Hello,
     KvEvents,
     ProtocolError,
+    RequestsFinished,
     RunningRequest,
     Tokens,
     TokensBatch,
@@ -250,7 +251,7 @@ class WorkerService:
         self.metrics = WorkerMetrics(self.registry)
         self.streams: dict[str, str] = {}  # request id -> tokenizer stream address
         self.deadlines: dict[str, float] = {}
-        self.finished: list[FinishedRequest] = []
+        self.finished: list[FinishedRequest] = []  # ended this turn: sent when it ends
         self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
         self.context = zmq.Context()
         self.security = Security(self.context, config, self.role)
@@ -389,6 +390,7 @@ class WorkerService:
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
         self._publish_events()
+        self._send_finished()
         if time.monotonic() - self.last_report >= self.config.heartbeat_interval_s:
             self._report()
 
@@ -549,6 +551,17 @@ class WorkerService:
             return
         self._report_cache()
 
+    def _send_finished(self) -> None:
+        """Tell the router at once which requests ended (its loads count them until then).
+        Never blocks the engine: if the socket's queue is full they go with a later turn."""
+        if not self.finished:
+            return
+        try:
+            send(self.router, RequestsFinished(finished=self.finished), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self.finished = []
+
     def _report(self) -> None:
         """Refresh the load report (and metrics) that the heartbeat thread sends."""
         engine = self.engine
@@ -563,13 +576,11 @@ class WorkerService:
         if self.store is not None:
             self.store.report()
         with self.beat_lock:
-            unsent = self.beat.finished if self.beat is not None else []
             self.beat = Heartbeat(
                 worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
                 kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,
                 kv_blocks_total=manager.num_blocks, prefix_hit_tokens=engine.stats.num_prefix_hit_tokens,
-                computed_tokens=engine.stats.num_computed_tokens, finished=unsent + self.finished)
-        self.finished = []
+                computed_tokens=engine.stats.num_computed_tokens)
         self.last_report = time.monotonic()
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
@@ -583,7 +594,7 @@ class WorkerService:
                 with self.beat_lock:
                     assert self.beat is not None  # run() makes the first report before it starts this thread
                     self.beats_sent += 1
-                    beat, self.beat = replace(self.beat, seq=self.beats_sent), replace(self.beat, finished=[])
+                    beat = replace(self.beat, seq=self.beats_sent)
                 send(socket, beat)
                 while socket.poll(0):
                     self._on_beat_reply(socket.recv_multipart())

@@ -32,6 +32,7 @@ from common.protocol import (
     MessageType,
     Placed,
     ProtocolError,
+    RequestsFinished,
     RunningRequest,
     Sampling,
     Status,
@@ -59,7 +60,7 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
                               "http://127.0.0.1:2", instance_id="i",
                               running=[RunningRequest("r-1", "tokenizer-1", 12, 3, 16)]), []),
     MessageType.WELCOME: (Welcome(accepted=True, abort=["r-1"]), []),
-    MessageType.HEARTBEAT: (Heartbeat("w-0", 1, 2, 3, 4, 64, finished=[FinishedRequest("r-1", 0.1, 3)]), []),
+    MessageType.HEARTBEAT: (Heartbeat("w-0", 1, 2, 3, 4, 64, seq=7), []),
     MessageType.GENERATE: (Generate(request_id="r-1", sampling=Sampling(max_tokens=4, stop=["x"], seed=3),
                                     stream_address="tcp://127.0.0.1:9", deadline=1.5),
                            [np.array([5, 6, 7], dtype=np.uint32)]),
@@ -90,6 +91,7 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
     MessageType.STORE_REPLY: (StoreReply(7, True, "i-1", shm_path="/dev/shm/x", block_bytes=8, tiers=[0, 1],
                                          slots=[4, -1], lease_id=9, stats={"blocks": 2.0}),
                               [np.zeros(8, dtype=np.uint8)]),
+    MessageType.REQUESTS_FINISHED: (RequestsFinished([FinishedRequest("r-1", 0.1, 3), FinishedRequest("r-2")]), []),
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",

@@ -8,7 +8,9 @@ import sys
 import time
 
 import pytest
+import zmq
 
+from common.protocol import Status, StatusRequest, decode, encode
 from services.client import AsyncClient, Client, Rejected
 from services.local_cluster import REPO, child_env
 
@@ -139,3 +141,38 @@ def test_a_burst_beyond_capacity_is_refused_early_and_the_admitted_meet_their_sl
     assert all(retry_after > 0 for _, retry_after, _ in rejected)
     # Early: a refusal comes back well before the SLO would have run out.
     assert max(elapsed for _, _, elapsed in rejected) < SLO["ttft_s"], rejected
+
+
+
+def router_in_flight(socket: zmq.Socket) -> int:
+    """Requests in flight on the one worker, as the router counts them now (the SDK's
+    status is the tokenizer's copy, refreshed once a heartbeat interval)."""
+    socket.send_multipart(encode(StatusRequest()))
+    assert socket.poll(5000), "the router did not answer"
+    status, _ = decode(socket.recv_multipart())
+    assert isinstance(status, Status)
+    return status.workers[0].in_flight
+
+
+def test_the_router_learns_a_request_ended_before_the_next_heartbeat(make_cluster):
+    """A worker reports the requests a step ended when the step ends (RequestsFinished),
+    not with its heartbeat: with heartbeats 10 s apart, the router's count of requests in
+    flight is back to zero within a second of the last token."""
+    slow_beats = make_cluster(workers=1, extra=["--heartbeat-interval-s", "10", "--worker-timeout-s", "30"])
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(slow_beats.router)
+    try:
+        with Client(slow_beats.sdk, timeout_s=60) as client:
+            for attempt in range(3):
+                result = client.generate(token_ids=list(range(1, 40)), max_tokens=3, ignore_eos=True)
+                assert result.finish_reason == "length"
+                ended = time.monotonic()
+                while (in_flight := router_in_flight(socket)) and time.monotonic() < ended + 1.0:
+                    time.sleep(0.02)
+                assert in_flight == 0, f"request {attempt}: the router still counts it in flight"
+    finally:
+        socket.close(0)
+        context.term()
+        slow_beats.stop()

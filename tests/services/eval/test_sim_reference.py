@@ -5,8 +5,10 @@ result. Each case below is simulated and fingerprinted (a SHA-256 of every reque
 record, the step count, the run totals and the store report); sim_reference.json holds
 the fingerprints commit f2ba184 gave, regenerated at 40a52a7, which rounds profile fits
 to be the same on every CPU (common/cost_model.py: the last bits of every time moved, no
-decision did). Regenerate them (only for a deliberate change of results, and
-say so in the commit) with this module run as a script:
+decision did), and again when finished requests began to reach the router at the end of
+their step instead of on the next heartbeat (seven of the thirteen cases moved: their
+policies read the requests in flight). Regenerate them (only for a deliberate change of
+results, and say so in the commit) with this module run as a script:
 
     git worktree add /tmp/base-sim <commit>
     PYTHONPATH=/tmp/base-sim python tests/services/eval/test_sim_reference.py --write

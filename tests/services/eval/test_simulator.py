@@ -68,6 +68,18 @@ def test_a_repeated_prefix_is_served_from_the_workers_cache():
     assert records["b"].first_token_s - 1.0 == pytest.approx(0.010 + 0.001 * 8 + 0.0001 * 320)
 
 
+
+def test_the_router_learns_a_request_ended_when_its_step_ends_not_at_a_heartbeat():
+    """As live (RequestsFinished): with heartbeats 100 s apart, a short request that ended
+    has left its worker's count in flight by the time the next one comes, so lpm's
+    tie-break (fewest in flight) sends that one to the idle worker, not to the busy one."""
+    requests = [request("long", 0.0, 100, 300, seed=1), request("short", 0.0, 100, 1, seed=2),
+                request("next", 1.0, 100, 1, seed=3)]
+    result = simulate(requests, SimConfig(workers=2, policy="lpm", cost=COST, heartbeat_interval_s=100.0))
+    workers = {record.request_id: record.worker_id for record in result.records}
+    assert workers["long"] != workers["short"]
+    assert workers["next"] == workers["short"]
+
 def test_admission_refuses_what_cannot_meet_its_slo_in_simulation_too():
     burst = [request(f"r{i}", 0.0, 300, 2, seed=i) for i in range(50)]
     slo = {"test": Slo(ttft_s=2.0, tpot_s=1.0)}
