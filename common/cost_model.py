@@ -6,10 +6,12 @@ Both phases use Preble's form T = a + b·n + c·ctx + d·n·ctx, in seconds, plu
            profiles: on the tiny model a cold 400-token prompt took 10-20 % longer than the
            linear form fitted to a serving mix of cold prompts and prefix hits said;
   decode:  n = sequences in the batch, ctx = their mean context length (e stays 0).
-A profile is a JSON object {"name", "prefill": {a,b,c,d[,e]}, "decode": {a,b,c,d}}; the
-router, the simulator and the profiler all read this one format. A profile may also carry
-metadata that readers ignore: "fit" (the fit's error per phase), "source", "measured_on"
-and "points" (what was measured). `load_cost_model` also takes a profile name
+A profile is a JSON object {"name", "prefill": {a,b,c,d[,e]}, "decode": {a,b,c,d}}, and
+optionally "wake": [[idle seconds, extra seconds], ...], what a worker's first request
+after that long idle takes beyond a warm worker's (its caches went cold, its clock down;
+`svc profile` measures it). The router, the simulator and the profiler all read this one
+format. A profile may also carry metadata that readers ignore: "fit" (the fit's error per
+phase), "source", "measured_on" and "points" (what was measured). `load_cost_model` also takes a profile name
 (common/profiles.py: analytic GPU profiles such as "a6000/mistral-7b", published fits).
 """
 from __future__ import annotations
@@ -56,6 +58,17 @@ class CostModel:
     prefill: LatencyFit
     decode: LatencyFit
     kv_bytes_per_token: int = 0  # the model's KV cache per token (all layers, K and V); 0: not known
+    wake: tuple[tuple[float, float], ...] = ()  # (idle s, extra s), idle ascending; (): not measured
+
+    def wake_s(self, idle_s: float) -> float:
+        """What a request on a worker idle for `idle_s` takes beyond one on a busy worker:
+        linear between (0, 0) and the measured points, the last point's beyond it."""
+        idle_before, extra_before = 0.0, 0.0
+        for idle, extra in self.wake:
+            if idle_s < idle:
+                return extra_before + (extra - extra_before) * max(0.0, idle_s - idle_before) / (idle - idle_before)
+            idle_before, extra_before = idle, extra
+        return extra_before
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Time to prefill `new_tokens` on top of `cached_tokens` of reused context."""
@@ -76,6 +89,8 @@ class CostModel:
                                    "decode": asdict(self.decode)}
         if self.kv_bytes_per_token:
             data["kv_bytes_per_token"] = self.kv_bytes_per_token
+        if self.wake:
+            data["wake"] = [list(point) for point in self.wake]
         return data
 
     @classmethod
@@ -90,7 +105,30 @@ class CostModel:
         kv_bytes = data.get("kv_bytes_per_token", 0)
         if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 0:
             raise ProfileError(f"{source}: kv_bytes_per_token must be an integer >= 0, got {kv_bytes!r}")
-        return cls(name, _fit(data, "prefill", source), _fit(data, "decode", source), kv_bytes)
+        return cls(name, _fit(data, "prefill", source), _fit(data, "decode", source), kv_bytes,
+                   _wake(data.get("wake", []), source))
+
+
+def _wake(points: object, source: str) -> tuple[tuple[float, float], ...]:
+    """A profile's "wake" points, checked: [idle s, extra s] pairs of finite numbers >= 0,
+    idle > 0 and ascending."""
+    def number(value: object) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+            and value >= 0
+
+    if not isinstance(points, list):
+        raise ProfileError(f"{source}: wake must be a list of [idle seconds, extra seconds] pairs")
+    wake, idle_before = [], 0.0
+    for index, point in enumerate(points):
+        if not (isinstance(point, list) and len(point) == 2 and all(number(value) for value in point)):
+            raise ProfileError(f"{source}: wake[{index}] must be [idle seconds, extra seconds], "
+                               f"two finite numbers >= 0, got {point!r}")
+        if point[0] <= idle_before:
+            raise ProfileError(f"{source}: wake[{index}]'s idle seconds must exceed the point before's "
+                               f"({point[0]!r} <= {idle_before!r})")
+        idle_before = float(point[0])
+        wake.append((float(point[0]), float(point[1])))
+    return tuple(wake)
 
 
 def _fit(data: dict, phase: str, source: str) -> LatencyFit:

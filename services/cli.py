@@ -456,6 +456,9 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, co
         click.echo(f"{phase}: {coefficients} s; fit error mean {fit_error['mean_abs_rel_error']:.1%}, "
                    f"max {fit_error['max_abs_rel_error']:.1%} over {fit_error['points']} points",
                    err=out is None)
+    if data.get("wake"):
+        points = ", ".join(f"+{extra * 1000:.2f} ms after {idle:g} s idle" for idle, extra in data["wake"])
+        click.echo(f"wake: {points}", err=out is None)
     if out is not None:
         click.echo(f"wrote {out}")
 

@@ -6,7 +6,9 @@ first `ctx` tokens an earlier request left in the prefix cache. A decode point t
 in which `batch` sequences, all past their prefill, add one token each; its ctx is their
 mean context during those steps. Each point is the median of `repeats` timed steps after
 one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase (+ e·n²
-for prefill).
+for prefill). A wake point (`measure_wake`) times a short request after the engine sat
+idle for a while against the same request back to back: a core (or GPU) left idle comes
+back with cold caches and a lowered clock, and the first steps pay for it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class Grid:
 
 FULL_GRID = Grid((16, 64, 256, 512, 1024), (0, 512, 1024, 2048), (1, 4, 16, 32), (64, 256, 1024))
 QUICK_GRID = Grid((16, 128, 512), (0, 512), (1, 8), (64, 256), repeats=2)
+WAKE_GAPS = (0.01, 0.03, 0.1, 0.3)  # idle seconds before a timed request (beyond 0.3 s it stayed flat)
+WAKE_REPEATS = 7
+WAKE_PROMPT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,34 @@ def _decode_point(engine: Engine, rng: random.Random, batch: int, ctx: int, repe
     return Point("decode", batch, statistics.mean(contexts), statistics.median(times))
 
 
+def measure_wake(engine: Engine, gaps: Sequence[float] = WAKE_GAPS, repeats: int = WAKE_REPEATS,
+                 seed: int = 0) -> list[tuple[float, float]]:
+    """(gap, extra seconds) per idle gap: the median time of a short request's prefill and
+    first decode step after the engine sat idle `gap` seconds, less the median of the same
+    back to back (never below 0). The engine must be idle."""
+    if engine.has_unfinished():
+        raise ProfilerError("the engine must be idle")
+    rng = random.Random(seed)
+    warm_s = _request_times(engine, rng, 0.0, repeats)
+    return [(gap, max(0.0, _request_times(engine, rng, gap, repeats) - warm_s)) for gap in gaps]
+
+
+def _request_times(engine: Engine, rng: random.Random, gap: float, repeats: int) -> float:
+    """The median over `repeats` (after one untimed) of a fresh short prompt's first two
+    steps, each run `gap` seconds after the last ended."""
+    two_tokens = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    times = []
+    for attempt in range(repeats + 1):
+        engine.add_request(f"profile-wake-{gap}-{attempt}", _random_ids(engine, rng, WAKE_PROMPT_TOKENS), two_tokens)
+        time.sleep(gap)
+        started = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        if attempt:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def _count_tokens(outputs, generated: dict[str, int]) -> None:
     for output in outputs:
         generated[output.request_id] += len(output.new_token_ids)
@@ -181,13 +214,14 @@ def fit(points: Sequence[Point]) -> tuple[LatencyFit, dict]:
     return latency, fit_error(latency, triples)
 
 
-def profile_json(points: Sequence[Point], name: str, measured_on: dict) -> dict:
-    """The profile file's object: the fits, their errors, the points and where they were
-    measured. Raises ProfileError if a fit is not a valid cost model (e.g. a phase has
-    no points)."""
+def profile_json(points: Sequence[Point], name: str, measured_on: dict,
+                 wake: Sequence[tuple[float, float]] = ()) -> dict:
+    """The profile file's object: the fits, their errors, the wake points, the points and
+    where they were measured. Raises ProfileError if a fit is not a valid cost model (e.g.
+    a phase has no points)."""
     phases = {phase: [p for p in points if p.phase == phase] for phase in ("prefill", "decode")}
     fits = {phase: fit(phase_points) for phase, phase_points in phases.items()}
-    model = CostModel(name, fits["prefill"][0], fits["decode"][0])
+    model = CostModel(name, fits["prefill"][0], fits["decode"][0], wake=tuple(wake))
     data = {**model.to_json(), "fit": {phase: error for phase, (_, error) in fits.items()},
             "source": "measured by svc profile", "measured_on": measured_on,
             "points": {phase: [[p.n, p.ctx, p.seconds] for p in phase_points]
@@ -219,7 +253,7 @@ def node_profile_path(cache_root: Path, model_dir: Path, dtype: str, device: str
                    for path in model_dir.iterdir() if path.is_file())
     facts = {"model": str(model_dir.resolve()), "files": files, "dtype": dtype, "device": device,
              "threads": threads, "processors": processor_names(device), "cpu_count": os.cpu_count(),
-             "torch": _package_version("torch"), "grid": repr(FULL_GRID)}
+             "torch": _package_version("torch"), "grid": repr(FULL_GRID), "wake": WAKE_GAPS}
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root / "profiles" / f"{model_dir.name}-{device.replace(':', '')}-{digest}.json"
 
@@ -260,4 +294,4 @@ def run_profile(engine: Engine, grid: Grid, name: str) -> dict:
     # disable=None: a bar on a terminal, nothing in logs and pipes.
     with tqdm(total=total, desc="profile", unit="point", disable=None) as progress:
         points = measure(engine, grid, on_point=progress.update)
-    return profile_json(points, name, describe_machine(engine))
+    return profile_json(points, name, describe_machine(engine), measure_wake(engine))

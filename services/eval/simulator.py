@@ -10,7 +10,8 @@ reports reach the router on heartbeats. All as they do live.
 
 Step time of a plan (prefill chunks and decode tokens run as one forward pass, as in the
 engine): the larger of the phases' fixed costs, plus each prefill chunk's marginal cost
-over the context before it, plus the decode batch's marginal cost at its mean context.
+over the context before it, plus the decode batch's marginal cost at its mean context;
+the first step after the worker sat idle also pays the profile's wake extra for that long.
 
 Quiet runs: most steps of a long run decode the same batch one token further and change
 nothing anyone else sees (no block is allocated, named or freed, no request starts or
@@ -226,6 +227,7 @@ class SimWorker:
             self.block_manager, make_queue_policy(config.queue_policy))
         self.sink = sink
         self.busy = False
+        self.idle_since = -math.inf  # when it last ran out of work (-inf: it has not worked yet)
         self.changed = False  # since the last heartbeat: an idle worker's report would say nothing new
         self.arrivals = itertools.count()
         self.run: _Run | None = None  # the step (or quiet run) in flight
@@ -567,7 +569,7 @@ class Simulator:
         """The router learns a request ended when the step that ended it does (live: the
         worker's RequestsFinished, or a prefill worker's KvReady for a hand-off)."""
         cluster = worker.sink.cluster
-        placement = cluster.finish(request_id, outputs)
+        placement = cluster.finish(request_id, outputs, self.now)
         if placement is not None and cluster is self.cluster:
             self.policy.finished(placement, ttft_s, self.now)
 
@@ -586,8 +588,12 @@ class Simulator:
     def _start_step(self, worker: SimWorker) -> None:
         plan = worker.scheduler.schedule()
         if plan.is_empty:
+            if worker.busy:
+                worker.idle_since = self.now
             worker.busy = False
             return
+        cost = self.config.cost
+        wake_s = cost.wake_s(self.now - worker.idle_since) if cost.wake and not worker.busy else 0.0
         worker.busy = True
         for chunk in plan.chunks:
             if chunk.seq.first_scheduled_time is None:
@@ -595,7 +601,7 @@ class Simulator:
                 if chunk.seq.first_token_time is not None:  # handed off: landed at its arrival_time
                     self.records[chunk.seq.request_id].decode_wait_s = self.now - chunk.seq.arrival_time
         fetch_s = self._fetch(worker, plan) if self.store is not None else 0.0
-        end = first_end = self.now + fetch_s + worker.step_time(plan)
+        end = first_end = self.now + fetch_s + wake_s + worker.step_time(plan)
         steps = 1
         # A request placed here cuts a quiet run short (_cut_quiet_run); on a decode worker
         # every arrival and landing bounds it instead.

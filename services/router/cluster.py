@@ -135,6 +135,7 @@ class WorkerState:
     new_blocks_sum: int = 0  # over in_flight: the blocks each allocates beyond its held prefix
     decode_work_s: float = 0.0  # of in_flight, kept current by ClusterState
     prefill_free_at: float = 0.0  # when the prefills queued here will be done
+    idle_since: float = -math.inf  # when its last request in flight finished (-inf: none yet)
     blocks_since_report: int = 0  # blocks placements took since the last load report
 
     @property
@@ -174,6 +175,7 @@ class ClusterState:
         self.window_starts = array("d")
         self.batch_array = array("q")
         self.context_array = array("q")
+        self.idle_array = array("d")  # idle_since by slot, for cost_aware's wake price
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -204,6 +206,7 @@ class ClusterState:
         self.window_starts = array("d", [self._window_start(self.workers[w]) for w in self.slot_ids])
         self.batch_array = array("q", [len(self.workers[w].in_flight) for w in self.slot_ids])
         self.context_array = array("q", [self.workers[w].prompt_tokens_sum for w in self.slot_ids])
+        self.idle_array = array("d", [self.workers[w].idle_since for w in self.slot_ids])
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
 
@@ -319,8 +322,10 @@ class ClusterState:
         self.placements[request_id] = placement
         return placement
 
-    def finish(self, request_id: str, output_tokens: int | None = None) -> Placement | None:
-        """The worker ended the request; returns its placement if the router had one."""
+    def finish(self, request_id: str, output_tokens: int | None = None, now: float | None = None) -> Placement | None:
+        """The worker ended the request; returns its placement if the router had one.
+        `now` (when the router learned it) starts the worker's idle time if it was the last
+        request in flight there."""
         placement = self.placements.pop(request_id, None)
         if placement is None:
             return None
@@ -332,6 +337,8 @@ class ClusterState:
             worker.prompt_tokens_sum -= placement.num_tokens
             worker.new_blocks_sum -= placement.new_blocks
             self._update_decode_work(worker)
+            if now is not None and not worker.in_flight:
+                worker.idle_since = self.idle_array[self.slots[worker.worker_id]] = now
         if output_tokens:
             self._note_output(output_tokens)
         return placement

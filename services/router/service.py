@@ -423,7 +423,7 @@ class RouterService:
                 continue  # this worker's part ended; the request goes on on another
             self.origins.pop(request_id, None)
             self.handoffs.pop(request_id, None)
-            placement = pool.finish(request_id, finished.output_tokens)
+            placement = pool.finish(request_id, finished.output_tokens, now)
             if placement is not None and pool is self.cluster:
                 self.policy.finished(placement, finished.ttft_s, now)
 
@@ -525,7 +525,7 @@ class RouterService:
             return
         del self.handoffs[ready.request_id]
         now = time.monotonic()
-        placement = self.cluster.finish(ready.request_id)
+        placement = self.cluster.finish(ready.request_id, now=now)
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
         member = self.members.get(prefill_worker_id)

@@ -41,12 +41,29 @@ def test_from_json_ignores_metadata_but_refuses_unknown_coefficients():
     assert CostModel.from_json(json.loads(json.dumps(quadratic.to_json()))) == quadratic
 
 
+def test_wake_is_linear_from_zero_through_the_points_and_flat_beyond_them():
+    model = CostModel.from_json({**PROFILE, "wake": [[0.01, 0.0002], [0.1, 0.0011]]})
+    assert model.wake == ((0.01, 0.0002), (0.1, 0.0011))
+    assert model.wake_s(0.0) == 0.0 and model.wake_s(-1.0) == 0.0
+    assert model.wake_s(0.005) == pytest.approx(0.0001)
+    assert model.wake_s(0.01) == pytest.approx(0.0002)
+    assert model.wake_s(0.055) == pytest.approx(0.00065)
+    assert model.wake_s(0.1) == model.wake_s(30.0) == model.wake_s(float("inf")) == pytest.approx(0.0011)
+    assert CostModel.from_json(json.loads(json.dumps(model.to_json()))) == model
+    assert CostModel.from_json(PROFILE).wake_s(5.0) == 0.0 and "wake" not in CostModel.from_json(PROFILE).to_json()
+
+
 @pytest.mark.parametrize("bad, message", [
     ([], "expected a JSON object"),
     ({**PROFILE, "decode": None}, "decode must be an object"),
     ({**PROFILE, "decode": {"a": -1.0, "b": 1.0}}, r"decode.a must be a finite number >= 0"),
     ({**PROFILE, "decode": {"a": 0.0, "b": 0.0, "c": 1.0}}, "predicts zero time"),
     ({**PROFILE, "prefill": {"a": True, "b": 1.0}}, r"prefill.a must be"),
+    ({**PROFILE, "wake": {"0.1": 0.001}}, "wake must be a list"),
+    ({**PROFILE, "wake": [[0.1, -0.001]]}, r"wake\[0\] must be \[idle seconds, extra seconds\]"),
+    ({**PROFILE, "wake": [[0.1, 0.001, 2]]}, r"wake\[0\] must be"),
+    ({**PROFILE, "wake": [[0.1, 0.001], [0.1, 0.002]]}, r"wake\[1\]'s idle seconds must exceed"),
+    ({**PROFILE, "wake": [[0.0, 0.001]]}, r"wake\[0\]'s idle seconds must exceed"),
 ])
 def test_from_json_rejects_invalid_profiles(bad, message):
     with pytest.raises(ProfileError, match=message):

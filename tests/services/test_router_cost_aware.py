@@ -259,3 +259,29 @@ def test_a_busy_cluster_keeps_a_prefix_on_a_holder_an_idle_one_would_move_it_fro
 
     assert holder_or_idle(0.0) == "idle"
     assert holder_or_idle(45.0) == "holder"  # 45 s of the workers' 60: ρ 0.75, weight 4
+
+
+
+def test_an_idle_worker_is_priced_its_wake_from_the_moment_its_last_request_ended():
+    """With a profile's wake points, a worker with nothing in flight costs what its first
+    steps lose after that long idle: nothing just after its last request ended, the whole
+    extra once it has sat idle past the last point. A worker with work in flight pays none."""
+    woken = dataclasses.replace(FLAT_DECODE, wake=((0.01, 0.0002), (0.1, 0.001)))
+    cluster = ClusterState(BLOCK, woken)
+    for worker_id in ("busy", "rested", "fresh", "never"):
+        cluster.add_worker(worker_id, 10_000)
+    for worker_id in ("busy", "rested", "fresh"):
+        cluster.place(request_for(cluster, tokens(10, 64), request_id=f"old-{worker_id}"), worker_id, 0.0)
+    now = 5.0
+    cluster.finish("old-rested", 1, now=0.0)
+    cluster.finish("old-fresh", 1, now=now - 0.005)
+
+    def added(cost) -> dict[str, float]:
+        cluster.cost = cost
+        return added_latency_s(request_for(cluster, tokens(3, 64), now), cluster, now)
+
+    unpriced, priced = added(FLAT_DECODE), added(woken)
+    wake = {worker_id: priced[worker_id] - unpriced[worker_id] for worker_id in priced}
+    assert wake["busy"] == 0.0
+    assert abs(wake["fresh"] - 0.0001) < 1e-12  # halfway to the first point
+    assert abs(wake["rested"] - 0.001) < 1e-12 and abs(wake["never"] - 0.001) < 1e-12

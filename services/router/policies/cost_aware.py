@@ -22,6 +22,10 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
                                             becomes a new prefix where it goes: the
                                             requests that will share it wait out that
                                             queue too (or recompute it elsewhere)
+            + wake(idle_s(w))               on a worker with nothing in flight, what its
+                                            first steps after idle_s lose to cold caches
+                                            and clocks (the profile's measured wake
+                                            points; 0 where it has none)
 
 ranked by ascending cost, ties by windowed load (E2's L), then by worker id. The three
 rules E2 states as triggers fall out of this one comparison, each on seconds, not ratios:
@@ -99,6 +103,11 @@ def added_latency_by_slot(request: Request, cluster: ClusterState, now: float) -
     slot_ids = cluster.slot_ids
     for slot in [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]:
         costs[slot] += cluster.eviction_cost_s(request, slot_ids[slot], now, per_hit=False)
+    cost = cluster.cost
+    if cost.wake:
+        for slot, idle_since in enumerate(cluster.idle_array):
+            if not cluster.batch_array[slot]:
+                costs[slot] += cost.wake_s(now - idle_since)
     return costs
 
 

@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 from common.cost_model import CostModel, LatencyFit, ProfileError, fit_latency, load_cost_model
-from services.eval.profiler import Grid, Point, ProfilerError, fit, measure, node_profile_path, profile_json
+from services.eval.profiler import (
+    Grid,
+    Point,
+    ProfilerError,
+    fit,
+    measure,
+    measure_wake,
+    node_profile_path,
+    profile_json,
+)
 from services.local_cluster import child_env
 from tests.terminal import run_with_stderr_on_terminal
 
@@ -107,6 +116,17 @@ def test_measure_times_each_point_of_a_real_engine(make_engine):
     engine.check_integrity()
 
 
+def test_measure_wake_gives_an_extra_per_idle_gap_and_leaves_the_engine_idle(make_engine):
+    engine = make_engine()
+    wake = measure_wake(engine, gaps=(0.005, 0.02), repeats=2)
+    assert [gap for gap, _ in wake] == [0.005, 0.02] and all(extra >= 0 for _, extra in wake)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    data = profile_json(grid_points(TRUE) + grid_points(LatencyFit(4e-3, 2e-4), "decode"), "synthetic",
+                        {"device": "cpu"}, wake=[(0.005, 0.0001), (0.02, 0.0003)])
+    assert CostModel.from_json(json.loads(json.dumps(data))).wake_s(1.0) == 0.0003
+
+
 def test_measure_needs_a_step_budget_for_the_largest_point(make_engine):
     grid = Grid((512,), (0,), (1,), (32,))
     with pytest.raises(ProfilerError, match="max_num_batched_tokens must be >= 512"):
@@ -128,6 +148,8 @@ def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp
         assert error["points"] >= 4 and 0 <= error["mean_abs_rel_error"] <= error["max_abs_rel_error"]
         assert f"{phase}: " in done.stdout and "fit error mean" in done.stdout
     assert data["measured_on"]["threads"] == 1 and data["source"]
+    assert [idle for idle, _ in data["wake"]] == [0.01, 0.03, 0.1, 0.3] and model.wake_s(1.0) >= 0
+    assert "wake: +" in done.stdout
     assert "profile:" not in done.stderr  # not a terminal: no progress bar
 
 

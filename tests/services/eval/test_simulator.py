@@ -80,6 +80,19 @@ def test_the_router_learns_a_request_ended_when_its_step_ends_not_at_a_heartbeat
     assert workers["long"] != workers["short"]
     assert workers["next"] == workers["short"]
 
+
+def test_a_worker_that_sat_idle_pays_the_profiles_wake_on_its_first_step():
+    woken = dataclasses.replace(COST, wake=((0.5, 0.004),))
+    prefill = 0.010 + 0.001 * 100
+    b_done = 2.0 + 0.004 + prefill
+    arrivals = [request("a", 0.0, 100, 1), request("b", 2.0, 100, 1, seed=1),
+                request("c", b_done + 0.25, 100, 1, seed=2)]
+    records = {r.request_id: r for r in simulate(arrivals, SimConfig(workers=1, policy="round_robin",
+                                                                    cost=woken)).records}
+    assert records["a"].first_token_s == pytest.approx(0.004 + prefill)  # it had never worked
+    assert records["b"].first_token_s == pytest.approx(b_done)  # idle ~1.9 s: the whole extra
+    assert records["c"].first_token_s - (b_done + 0.25) == pytest.approx(0.002 + prefill)  # halfway
+
 def test_admission_refuses_what_cannot_meet_its_slo_in_simulation_too():
     burst = [request(f"r{i}", 0.0, 300, 2, seed=i) for i in range(50)]
     slo = {"test": Slo(ttft_s=2.0, tpot_s=1.0)}
