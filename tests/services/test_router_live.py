@@ -8,11 +8,11 @@ import sys
 import time
 
 import pytest
-import zmq
 
-from common.protocol import Status, StatusRequest, decode, encode
+from common.protocol import Status, StatusRequest, encode
 from services.client import AsyncClient, Client, Rejected
 from services.local_cluster import REPO, child_env
+from tests.services.test_faults import answer, raw_dealer
 
 PREFIX_TOKENS = 512  # 32 blocks: well over half of each prompt, so e2 exploits the holder
 SLO = {"ttft_s": 3.0, "tpot_s": 1.0}
@@ -144,25 +144,21 @@ def test_a_burst_beyond_capacity_is_refused_early_and_the_admitted_meet_their_sl
 
 
 
-def router_in_flight(socket: zmq.Socket) -> int:
+
+def router_in_flight(socket) -> int:
     """Requests in flight on the one worker, as the router counts them now (the SDK's
     status is the tokenizer's copy, refreshed once a heartbeat interval)."""
     socket.send_multipart(encode(StatusRequest()))
-    assert socket.poll(5000), "the router did not answer"
-    status, _ = decode(socket.recv_multipart())
+    status = answer(socket)
     assert isinstance(status, Status)
     return status.workers[0].in_flight
-
 
 def test_the_router_learns_a_request_ended_before_the_next_heartbeat(make_cluster):
     """A worker reports the requests a step ended when the step ends (RequestsFinished),
     not with its heartbeat: with heartbeats 10 s apart, the router's count of requests in
     flight is back to zero within a second of the last token."""
     slow_beats = make_cluster(workers=1, extra=["--heartbeat-interval-s", "10", "--worker-timeout-s", "30"])
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(slow_beats.router)
+    context, socket = raw_dealer(slow_beats.router)
     try:
         with Client(slow_beats.sdk, timeout_s=60) as client:
             for attempt in range(3):
