@@ -17,7 +17,8 @@ oneDNN builds (and JIT-compiles) a kernel for each row count it meets, ~0.5 ms p
 on the tiny model: a prompt of a length not met before took 1.9x as long to prefill as
 one of a length met. Calls of more than FEW_ROWS rows (prefill chunks, whose lengths
 vary without end) are therefore padded to one of 8 row counts per octave (`row_bucket`,
-at most 12.5 % more rows), so a serving engine soon holds every kernel it needs.
+at most 12.5 % more rows), so a serving engine soon holds every kernel it needs, and
+`Linear.warm_up` builds them all before it serves.
 """
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ def row_bucket(rows: int) -> int:
     multiple of 1/8 of the power of two at or below `rows`."""
     step = 1 << max(rows.bit_length() - 1 - BUCKETS_PER_OCTAVE_LOG2, 0)
     return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count that `row_bucket` pads a call of FEW_ROWS + 1 to `max_rows` rows to."""
+    buckets: list[int] = []
+    rows = FEW_ROWS + 1
+    while rows <= max_rows:
+        buckets.append(row_bucket(rows))
+        rows = buckets[-1] + 1
+    return buckets
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -66,11 +77,11 @@ class Linear:
     `amx=True` (callers pass kernels.native.amx_available(...)) adds the AMX copy for few-row calls where
     the weight's shape fits the tiles."""
 
-    __slots__ = ("weight", "bias", "out_features", "prepacked", "amx_weight", "_amx_linear")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "prepacked", "amx_weight", "_amx_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
                  amx: bool = False):
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.amx_weight: torch.Tensor | None = None
         self._amx_linear: Callable[..., torch.Tensor] | None = None  # set with amx_weight
@@ -80,6 +91,19 @@ class Linear:
         self.prepacked = prepack and can_prepack(weight)
         # Only one oneDNN-side copy is kept: the prepacked one replaces the plain weight.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
+
+    @torch.no_grad()
+    def warm_up(self, max_rows: int) -> int:
+        """Call the prepacked weight once with each padded row count up to `max_rows`, so
+        that oneDNN builds each of its kernels now, not in some request's step (on the
+        CPU development machine a serving worker's first prefill of a new bucket took
+        ~60 ms instead of ~5); returns the calls made (none without a prepacked weight)."""
+        if not self.prepacked:
+            return 0
+        buckets = row_buckets(max_rows)
+        for rows in buckets:
+            self(torch.zeros(rows, self.in_features, dtype=torch.bfloat16))
+        return len(buckets)
 
     @property
     def kernel(self) -> str:

@@ -591,6 +591,32 @@ class Engine:
         done = time.perf_counter()
         return [self._result(seq, done) for seq in seqs]
 
+    def warm_up(self) -> float:
+        """Build every kernel a step may need and run throwaway requests through each kind
+        of step a request takes (a prefill that misses the prefix cache, two that hit it,
+        a batched decode), then forget them: no KV event leaves the engine, the prefix
+        cache and the stats are as before, every block is free. Returns the seconds it
+        took. Call it on an idle engine, before it serves: otherwise a fresh engine's
+        first requests pay one-time costs (lazy set-up, and on CPU oneDNN's kernel for
+        each padded prefill size, kernels/linear.py; ~60 ms each against ~5 ms warm for
+        the tiny model in a worker on the 2-core development machine), and they land on
+        the requests a router sends to a worker it had not used, late, at load."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine")
+        started = time.perf_counter()
+        events, observer, stats = self.block_manager.events, self.step_observer, self.stats
+        self.block_manager.events, self.step_observer, self.stats = None, None, EngineStats()
+        try:
+            self.model.warm_up_linears(min(self.config.max_num_batched_tokens, self.max_model_len))
+            params = SamplingParams(max_tokens=WARM_UP_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+            for batch in warm_up_requests(self.model_config.vocab_size, self.config.block_size,
+                                          self.max_model_len):
+                self.generate(batch, params)
+            self.block_manager.reset_prefix_cache()
+        finally:
+            self.block_manager.events, self.step_observer, self.stats = events, observer, stats
+        return time.perf_counter() - started
+
     def _result(self, seq: Sequence, done: float) -> GenerationResult:
         # A finished sequence has its reason and its first token's time.
         assert seq.finish_reason is not None and seq.first_token_time is not None
@@ -610,6 +636,22 @@ class Engine:
                 self.model_fingerprint, self.tokenizer_fingerprint, self.config.adapter_id,
                 self.config.dtype, self.config.block_size, tenant_salt)
         return self._root_hashes[tenant_salt]
+
+
+WARM_UP_OUTPUT_TOKENS = 4
+
+
+def warm_up_requests(vocab_size: int, block_size: int, max_model_len: int) -> list[list[list[int]]]:
+    """Engine.warm_up's prompts, batch by batch: one prompt of a few blocks, then two that
+    share its first blocks and differ after (prefix hits, prefilled and decoded together)."""
+    length = max(2, min(4 * block_size + block_size // 2, max_model_len - WARM_UP_OUTPUT_TOKENS))
+    first_token = min(4, vocab_size - 1)  # past the special tokens where the vocabulary has them
+    span = max(1, vocab_size - first_token)
+    base = [first_token + (7 * position) % span for position in range(length)]
+    shared = (length // block_size - 1) * block_size if length > 2 * block_size else 0
+    hits = [base[:shared] + [first_token + (11 * position + tail) % span for position in range(length - shared)]
+            for tail in (1, 2)]
+    return [[base], hits]
 
 
 def _keep_freed_host_memory() -> bool:

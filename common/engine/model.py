@@ -110,12 +110,19 @@ class CausalLM(nn.Module):
         """self.layers as what they are (iterating an nn.ModuleList gives plain Modules)."""
         return cast(list[DecoderLayer], list(self.layers))
 
+    def layer_linears(self) -> list[Linear]:
+        return [getattr(layer, name) for layer in self.decoder_layers()
+                for name in ("qkv", "o_proj", "gate_up", "down")]
+
     def linear_kernels(self) -> str:
         """What multiplies few-row linears, e.g. 'amx', or 'amx+onednn' where some shapes
         do not fit the tiles (for the startup log and the benchmark's record)."""
-        linears = [self.lm_head] + [getattr(layer, name) for layer in self.decoder_layers()
-                                    for name in ("qkv", "o_proj", "gate_up", "down")]
-        return "+".join(sorted({linear.kernel for linear in linears}))
+        return "+".join(sorted({linear.kernel for linear in [self.lm_head, *self.layer_linears()]}))
+
+    def warm_up_linears(self, max_rows: int) -> int:
+        """Linear.warm_up for the decoder layers' linears, whose calls take a row per token
+        of a step (the LM head's take one per sequence); returns the calls made."""
+        return sum(linear.warm_up(max_rows) for linear in self.layer_linears())
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -55,7 +55,9 @@ def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
     events = KvEventBuffer()
     engine = Engine(engine_config(config, index), kv_events=events)
     service = service_class(role)
-    log.info("engine_settings", worker_id=f"{role}-{index}", **engine_settings(engine.config))
+    warm_up_s = engine.warm_up()
+    log.info("engine_settings", worker_id=f"{role}-{index}", warm_up_ms=round(warm_up_s * 1e3, 1),
+             **engine_settings(engine.config))
     step_log = None
     if config.step_log_dir:
         path = Path(config.step_log_dir) / f"{role}-{index}.steps.jsonl"

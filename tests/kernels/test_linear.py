@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import FEW_ROWS, Linear, can_prepack, row_bucket
+from kernels.linear import FEW_ROWS, Linear, can_prepack, row_bucket, row_buckets
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 32, 300])
@@ -62,3 +62,20 @@ def test_a_long_call_is_padded_to_its_bucket_and_cut_back():
         at_bucket = F.linear(F.pad(x, (0, 0, 0, 416 - 401)), weight, bias)[:401]
     assert out.shape == (401, 96) and out.is_contiguous()
     assert torch.equal(out, at_bucket)
+
+
+def test_row_buckets_list_every_bucket_a_call_up_to_max_rows_is_padded_to():
+    for max_rows in (FEW_ROWS, FEW_ROWS + 1, 100, 2048, 2050):
+        assert row_buckets(max_rows) == sorted({row_bucket(rows) for rows in range(FEW_ROWS + 1, max_rows + 1)})
+    assert row_buckets(FEW_ROWS) == []
+
+
+def test_warm_up_calls_the_prepacked_weight_once_per_bucket_and_leaves_it_alone():
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    linear = Linear(weight.clone())
+    x = torch.randn(300, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = linear(x)
+        assert linear.warm_up(512) == (len(row_buckets(512)) if linear.prepacked else 0)
+        assert torch.equal(linear(x), before)
+    assert Linear(weight, prepack=False).warm_up(512) == 0  # F.linear builds no per-size kernel
