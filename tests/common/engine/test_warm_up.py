@@ -30,13 +30,17 @@ def engine_with(tiny_model_dir, test_device, sink, **overrides) -> Engine:
     return Engine(config, kv_events=sink)
 
 
-def test_warm_up_ran_steps_yet_leaves_no_event_no_cached_block_and_no_stats(tiny_model_dir, test_device):
+def test_warm_up_runs_the_model_yet_leaves_no_event_no_cached_block_and_no_stats(tiny_model_dir, test_device):
     sink = Sink()
     engine = engine_with(tiny_model_dir, test_device, sink)
     observed = []
     engine.step_observer = lambda plan, seconds: observed.append(plan)
+    forwards: list[int] = []
+    hook = engine.model.register_forward_hook(lambda *_: forwards.append(1))
     assert engine.block_manager.num_used == 0
     assert engine.warm_up() > 0
+    hook.remove()
+    assert len(forwards) >= 1 + 1 + 2 * 3  # the prefill, the hits' prefill, decode steps
     assert sink.events == [] and observed == []
     assert engine.stats.num_steps == 0 and engine.stats.num_computed_tokens == 0
     assert not engine.has_unfinished()
