@@ -29,8 +29,7 @@ from pathlib import Path
 
 from common.engine.default_model import default_model_dir
 
-WARMUP_REQUESTS = 5
-READY_TIMEOUT_S = 120.0  # every engine loaded and warm, so that they start together
+READY_TIMEOUT_S = 120.0  # every engine loaded and warmed up (Engine.warm_up), so that they start together
 RESULT_TIMEOUT_S = 300.0
 
 
@@ -81,8 +80,7 @@ def run_engine(index: int, ready, load: Load, results) -> None:
             decode_s.append(time.perf_counter() - began)
         return prefill_s, decode_s
 
-    for warmup in range(WARMUP_REQUESTS):
-        serve(f"warmup-{warmup}")
+    engine.warm_up()
     ready.wait(timeout=READY_TIMEOUT_S)
     stop_at = time.perf_counter() + load.seconds
     prefills, decodes, served = [], [], 0

@@ -143,8 +143,6 @@ def test_a_burst_beyond_capacity_is_refused_early_and_the_admitted_meet_their_sl
     assert max(elapsed for _, _, elapsed in rejected) < SLO["ttft_s"], rejected
 
 
-
-
 def router_in_flight(socket) -> int:
     """Requests in flight on the one worker, as the router counts them now (the SDK's
     status is the tokenizer's copy, refreshed once a heartbeat interval)."""
@@ -152,6 +150,7 @@ def router_in_flight(socket) -> int:
     status = answer(socket)
     assert isinstance(status, Status)
     return status.workers[0].in_flight
+
 
 def test_the_router_learns_a_request_ended_before_the_next_heartbeat(make_cluster):
     """A worker reports the requests a step ended when the step ends (RequestsFinished),
