@@ -9,7 +9,7 @@ with a retry-after: Mooncake's early rejection instead of a timeout later.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -49,7 +49,7 @@ class AdmissionControl:
         self.config = config
         self.classes = dict(classes)
 
-    def decide(self, request: Request, preference: list[str], cluster: ClusterState, now: float) -> Verdict:
+    def decide(self, request: Request, preference: Sequence[str], cluster: ClusterState, now: float) -> Verdict:
         slo = self.classes.get(request.slo_class) if self.config.enabled else None
         soonest_fit = float("inf")
         queues_full = True

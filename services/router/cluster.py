@@ -12,13 +12,15 @@ reads a clock, so virtual time works the same.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import add
+from typing import overload
 
 import numpy as np
 
@@ -117,6 +119,63 @@ class EvictionSample:
         if to_evict >= len(cumulative):
             return (self.per_block if per_hit else self.per_block_once) * to_evict
         return cumulative[to_evict - 1]
+
+
+class Ranking(Sequence[str]):
+    """Worker ids by ascending (cost, then, id), made as they are read. Some slots' costs
+    are known only as lower bounds (`pending`) until `price(slot)` gives the exact cost,
+    which must be no lower: a slot is priced only when its bound comes first among those
+    not yet ranked, so a caller that takes the first worker that admits prices only the
+    slots whose bounds fall below it. The order is the one ClusterState.order_by gives
+    on the exact costs. `price` reads the cluster as it is: read a Ranking before the
+    cluster changes (a placement, an event), as admission does."""
+
+    def __init__(self, worker_ids: list[str], ranks: Sequence[int], costs: Sequence[float],
+                 then: Sequence[float], pending: Iterable[int], price: Callable[[int], float]):
+        """`ranks`: each slot's place in `worker_ids` (the sorted ids)."""
+        self.worker_ids = worker_ids
+        self.price = price
+        self.pending = set(pending)
+        # (cost, then, rank, slot): tuples compare as order_by's stable sorts do
+        self.heap = [(cost, then[slot], ranks[slot], slot) for slot, cost in enumerate(costs)]
+        heapq.heapify(self.heap)
+        self.ranked: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.ranked) + len(self.heap)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        while len(self.ranked) <= index:
+            self._rank_next()
+        return self.ranked[index]
+
+    def __iter__(self) -> Iterator[str]:
+        index = 0
+        while index < len(self):
+            yield self[index]
+            index += 1
+
+    def _rank_next(self) -> None:
+        heap, pending = self.heap, self.pending
+        while True:
+            cost, then, rank, slot = heapq.heappop(heap)
+            if slot not in pending:
+                self.ranked.append(self.worker_ids[rank])
+                return
+            pending.discard(slot)
+            heapq.heappush(heap, (self.price(slot), then, rank, slot))
 
 
 @dataclass(slots=True)
@@ -375,11 +434,22 @@ class ClusterState:
         speed: the workers that hold none of the prompt share one prefill time, holders
         that hold the same number of blocks share another, and M is priced only where
         the prompt needs more blocks than the worker has free."""
-        return dict(zip(self.slot_ids, self._explore_costs_by_slot(request, now)))
+        costs, evicting = self._explore_costs_before_eviction(request, now)
+        slot_ids = self.slot_ids
+        for slot in evicting:
+            costs[slot] += self.eviction_cost_s(request, slot_ids[slot], now)
+        return dict(zip(slot_ids, costs))
 
-    def explore_order(self, request: Request, now: float) -> list[str]:
-        """Every worker id by ascending explore_costs, ties by id (as ranked() orders them)."""
-        return self.order_by(self._explore_costs_by_slot(request, now))
+    def explore_order(self, request: Request, now: float) -> Ranking:
+        """Every worker id by ascending explore_costs, ties by id (as ranked() orders them),
+        M priced only for the workers the order reaches (L + P bounds C from below)."""
+        costs, evicting = self._explore_costs_before_eviction(request, now)
+        slot_ids = self.slot_ids
+
+        def price(slot: int) -> float:
+            return costs[slot] + self.eviction_cost_s(request, slot_ids[slot], now)
+
+        return self.ranking(costs, [0.0] * len(costs), evicting, price)
 
     def load_order(self, now: float) -> list[str]:
         """Every worker id by ascending loads(now), ties by id (as ranked() orders them)."""
@@ -395,14 +465,27 @@ class ClusterState:
         order = sorted(order, key=self._in_id_order(values).__getitem__)
         return list(map(self.worker_ids.__getitem__, order))
 
+    def ranking(self, costs: Sequence[float], then: Sequence[float], pending: Iterable[int],
+                price: Callable[[int], float]) -> Ranking:
+        """order_by(exact costs, then) as a Ranking: `costs` by slot, lower bounds where
+        `pending`, which price(slot) makes exact when the order reaches them."""
+        ranks: Sequence[int] = range(len(costs))
+        if self.by_id is not None:
+            by_slot = [0] * len(costs)
+            for rank, slot in enumerate(self.by_id):
+                by_slot[slot] = rank
+            ranks = by_slot
+        return Ranking(self.worker_ids, ranks, costs, then, pending, price)
+
     def _in_id_order(self, values: Sequence[float]) -> Sequence[float]:
         """`values`, one per slot, in worker_ids' order."""
         if self.by_id is not None:
             return [values[slot] for slot in self.by_id]
         return values.tolist() if isinstance(values, array) else values  # an array makes a float per read
 
-    def _explore_costs_by_slot(self, request: Request, now: float) -> list[float]:
-        """explore_costs by slot (in self.workers' order)."""
+    def _explore_costs_before_eviction(self, request: Request, now: float) -> tuple[list[float], list[int]]:
+        """By slot (in self.workers' order), explore_costs' L + P, and the slots where M is
+        priced (the prompt needs more blocks than the worker has free)."""
         self.loads(now)
         loads = self.load_array
         cold_prefill_s = self.held_prefill_s(request, 0)
@@ -417,10 +500,7 @@ class ClusterState:
                     prefill_s = prefill_by_held[held] = self.held_prefill_s(request, held)
                 costs[slot] = loads[slot] + prefill_s
         blocks = -(-request.num_tokens // self.block_size)
-        slot_ids = self.slot_ids
-        for slot in [slot for slot, free in enumerate(self.free_array) if free < blocks]:  # workers' order
-            costs[slot] += self.eviction_cost_s(request, slot_ids[slot], now)
-        return costs
+        return costs, [slot for slot, free in enumerate(self.free_array) if free < blocks]
 
     def _update_decode_work(self, worker: WorkerState) -> None:
         """Σ over requests in flight of expected output × the batch's TPOT (docs/router.md §3).

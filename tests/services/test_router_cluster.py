@@ -578,13 +578,44 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
     assert cluster.queues_s(now) == [cluster.queue_s(w, now) for w in cluster.slot_ids]
     added = added_latency_s(request, cluster, now)
     assert added == added_latency_by_loop(request, cluster, now)
-    assert make_policy("cost_aware").choose(request, cluster, now) == ranked(cluster, lambda w: (added[w], loads[w]))
+    chosen = make_policy("cost_aware").choose(request, cluster, now)
+    assert list(chosen) == ranked(cluster, lambda w: (added[w], loads[w]))
     assert cluster.free_blocks == {w: state.free_blocks for w, state in cluster.workers.items()}
     assert cluster.load_order(now) == ranked(cluster, loads.__getitem__)
     costs = cluster.explore_costs(request, now)
     assert list(costs) == list(cluster.workers)
-    assert cluster.explore_order(request, now) == ranked(cluster, costs.__getitem__)
+    assert list(cluster.explore_order(request, now)) == ranked(cluster, costs.__getitem__)
     assert cluster.prefill_utilization(now) == utilization_by_loop(cluster, now)
+
+
+@pytest.mark.parametrize("joined", [("a", "b", "c", "d", "e", "f"), ("f", "d", "b", "e", "c", "a")])
+def test_a_ranking_orders_as_order_by_on_the_exact_costs_and_prices_only_what_it_reaches(joined):
+    cluster = cluster_of(*joined)
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        exact = [float(x) for x in rng.integers(0, 4, len(joined))]  # small integers: many ties
+        then = [float(x) for x in rng.integers(0, 2, len(joined))]
+        pending = [slot for slot in range(len(joined)) if rng.random() < 0.5]
+        bounds = [cost - float(rng.integers(0, 3)) if slot in pending else cost for slot, cost in enumerate(exact)]
+        priced: list[int] = []
+
+        def price(slot: int, exact: list[float] = exact, priced: list[int] = priced) -> float:
+            priced.append(slot)
+            return exact[slot]
+
+        ranking = cluster.ranking(bounds, then, pending, price)
+        first = ranking[0]
+        key = {worker_id: (exact[slot], then[slot], cluster.worker_ids.index(worker_id))
+               for slot, worker_id in enumerate(cluster.slot_ids)}
+        # Only the pending slots whose bound comes before the first worker's exact key (or
+        # is it: the first worker's own)
+        assert sorted(priced) == sorted(slot for slot in pending
+                                        if (bounds[slot], then[slot], key[cluster.slot_ids[slot]][2]) <= key[first])
+        assert list(ranking) == cluster.order_by(exact, then) and len(ranking) == len(joined)
+        assert sorted(priced) == sorted(pending)  # all of them, once, for the whole order
+        assert ranking[-1] == ranking[len(joined) - 1] and ranking[1:3] == list(ranking)[1:3]
+    with pytest.raises(IndexError):
+        cluster_of("a").ranking([0.0], [0.0], [], float)[1]
 
 
 @pytest.mark.parametrize("joined", [("a", "b", "c", "d"), ("d", "b", "c", "a")])  # slots in id order or not

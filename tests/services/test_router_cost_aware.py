@@ -222,7 +222,7 @@ def test_eviction_is_priced_where_the_prompt_does_not_fit():
 def test_ties_go_to_the_least_windowed_work_then_the_smallest_id():
     cluster = cluster_of("c", "a", "b", "d")
     policy = make_policy("cost_aware")
-    assert policy.choose(request_for(cluster, tokens(1, 100)), cluster, 0.0) == ["a", "b", "c", "d"]
+    assert list(policy.choose(request_for(cluster, tokens(1, 100)), cluster, 0.0)) == ["a", "b", "c", "d"]
     for worker_id in ("a", "b"):  # work placed there and finished: queues and batches idle again
         request = request_for(cluster, tokens(2, 500), request_id=f"done-{worker_id}")
         cluster.place(request, worker_id, 0.0)

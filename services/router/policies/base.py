@@ -5,7 +5,7 @@ the live router and the simulator run the same objects.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from services.router.cluster import ClusterState, Placement, Request
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 class PlacementPolicy(Protocol):
     name: str
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        """Every worker id, most preferred first (the router takes the first that admits)."""
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Sequence[str]:
+        """Every worker id, most preferred first (the router takes the first that admits).
+        A policy may rank them as they are read (cluster.Ranking)."""
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         """A request this policy placed ended; `ttft_s` < 0 when it produced no token."""

@@ -38,7 +38,8 @@ rules E2 states as triggers fall out of this one comparison, each on seconds, no
   * a long private context stays: moving it costs its full recompute and its charge,
     which the holder's wait must exceed first.
 Work per decision is O(workers): one prefill time per distinct held depth, an eviction
-estimate only where the prompt does not fit in the worker's free blocks.
+estimate only where the prompt does not fit in the worker's free blocks and the ranking
+reaches the worker (the other terms bound its cost from below; docs/router.md §8.6).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from common.cost_model import LatencyFit
-from services.router.cluster import ClusterState, Request
+from services.router.cluster import ClusterState, Ranking, Request
 from services.router.policies.base import StatelessFeedback
 
 # Compute spent recomputing what another worker holds is capacity no later request gets
@@ -61,12 +62,25 @@ MAX_RECOMPUTE_WEIGHT = 4.0
 class CostAware(StatelessFeedback):
     name: ClassVar[str] = "cost_aware"  # ClassVar: compiled (mypyc), a plain annotation is per instance
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        costs = added_latency_by_slot(request, cluster, now)
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Ranking:
+        costs, evicting = costs_before_eviction(request, cluster, now)
+        wakes = wake_costs(cluster, now)
+        bounds = list(costs)
+        for slot, wake_s in wakes.items():
+            bounds[slot] += wake_s
+        slot_ids = cluster.slot_ids
+
+        def price(slot: int) -> float:  # as added_latency_by_slot sums it
+            cost = costs[slot] + cluster.eviction_cost_s(request, slot_ids[slot], now, per_hit=False)
+            wake_s = wakes.get(slot)
+            return cost if wake_s is None else cost + wake_s
+
         # Equal costs (idle workers, none holding the prompt) go to the least windowed
-        # work, E2's L: spreading new prefixes spreads what the caches must keep.
+        # work, E2's L: spreading new prefixes spreads what the caches must keep. Eviction
+        # is priced only for the workers the order reaches (an eviction costs nothing
+        # less than 0, so the other terms bound the cost from below).
         cluster.loads(now)
-        return cluster.order_by(costs, cluster.load_array)
+        return cluster.ranking(bounds, cluster.load_array, evicting, price)
 
 
 def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
@@ -76,8 +90,21 @@ def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict
 
 
 def added_latency_by_slot(request: Request, cluster: ClusterState, now: float) -> list[float]:
-    """added_latency_s by worker slot. Each term is priced once per distinct held depth
-    where it depends on that alone; per worker, its sum is made in the same order."""
+    """added_latency_s by worker slot."""
+    costs, evicting = costs_before_eviction(request, cluster, now)
+    slot_ids = cluster.slot_ids
+    for slot in evicting:
+        costs[slot] += cluster.eviction_cost_s(request, slot_ids[slot], now, per_hit=False)
+    for slot, wake_s in wake_costs(cluster, now).items():
+        costs[slot] += wake_s
+    return costs
+
+
+def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -> tuple[list[float], list[int]]:
+    """By slot, added_latency_by_slot's sum before the eviction and wake terms, and the
+    slots where the prompt does not fit in the free blocks (where eviction is priced).
+    Each term is priced once per distinct held depth where it depends on that alone; per
+    worker, its sum is made in the same order."""
     slots = cluster.slots
     helds = [0] * len(slots)
     for worker_id, held in request.matched.items():
@@ -100,15 +127,18 @@ def added_latency_by_slot(request: Request, cluster: ClusterState, now: float) -
         prefill_s, waited_s, charge_s = terms[held]
         costs.append(queue_weight * queue_s + prefill_s + batch * waited_s + expected_output * step + charge_s)
     blocks = -(-request.num_tokens // cluster.block_size)
-    slot_ids = cluster.slot_ids
-    for slot in [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]:
-        costs[slot] += cluster.eviction_cost_s(request, slot_ids[slot], now, per_hit=False)
+    evicting = [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]
+    return costs, evicting
+
+
+def wake_costs(cluster: ClusterState, now: float) -> dict[int, float]:
+    """By slot, the wake term of each worker with nothing in flight (none where the
+    profile has no wake points)."""
     cost = cluster.cost
-    if cost.wake:
-        for slot, idle_since in enumerate(cluster.idle_array):
-            if not cluster.batch_array[slot]:
-                costs[slot] += cost.wake_s(now - idle_since)
-    return costs
+    if not cost.wake:
+        return {}
+    return {slot: cost.wake_s(now - idle_since) for slot, idle_since in enumerate(cluster.idle_array)
+            if not cluster.batch_array[slot]}
 
 
 def recompute_weight(utilization: float) -> float:

@@ -13,6 +13,7 @@ the least loaded other worker and its traffic splits between the holders by load
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.router.cluster import ClusterState, Placement, Request
@@ -69,7 +70,7 @@ class E2:
         self.checked_balance_at = -float("inf")
         self.half_window_s = 0.0  # the cluster's, learned on the first decision
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Sequence[str]:
         if not cluster.workers:
             return []
         self.half_window_s = cluster.window_s / 2
