@@ -2,7 +2,8 @@
 build of the current sources exists (docs/router.md §8.5).
 
 mypyc (part of mypy) compiles the type-annotated modules below to C extensions: the
-prefix index, the cluster state and its queue model, admission and cost_aware. They make
+prefix index, the cluster state and its queue model, the lazy ranking, admission and
+cost_aware. They make
 the same decisions (the build compiles with -ffp-contract=off, so no float expression is
 fused differently from Python's) and run the placement path 1.3-1.5 times as fast.
 
@@ -26,8 +27,8 @@ from pathlib import Path
 from common.cache_root import baton_cache_root
 
 REPO = Path(__file__).resolve().parents[2]
-COMPILED = ("services/router/index.py", "services/router/cluster.py", "services/router/admission.py",
-            "services/router/policies/cost_aware.py")
+COMPILED = ("services/router/index.py", "services/router/cluster.py", "services/router/ranking.py",
+            "services/router/admission.py", "services/router/policies/cost_aware.py")
 DIGESTED = ("services/router", "common")  # what the compiled modules were checked against
 DISABLE_ENV = "BATON_NATIVE_ROUTER"
 COMPLETE = "complete"  # written last: a folder without it is a build that did not finish

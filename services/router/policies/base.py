@@ -19,7 +19,7 @@ class PlacementPolicy(Protocol):
 
     def choose(self, request: Request, cluster: ClusterState, now: float) -> Sequence[str]:
         """Every worker id, most preferred first (the router takes the first that admits).
-        A policy may rank them as they are read (cluster.Ranking)."""
+        A policy may rank them as they are read (ranking.Ranking)."""
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         """A request this policy placed ended; `ttft_s` < 0 when it produced no token."""

@@ -47,8 +47,9 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from common.cost_model import LatencyFit
-from services.router.cluster import ClusterState, Ranking, Request
+from services.router.cluster import ClusterState, Request
 from services.router.policies.base import StatelessFeedback
+from services.router.ranking import Ranking
 
 # Compute spent recomputing what another worker holds is capacity no later request gets
 # back: charged as recompute_weight(ρ) seconds of their latency per second spent, ρ the
