@@ -269,14 +269,16 @@ class Simulator:
         self.config = config
         self.now = 0.0
         ttl = config.index_ttl_s
-        self.cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl)
+        chunk = config.max_num_batched_tokens
+        self.cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl,
+                                    prefill_chunk_tokens=chunk)
         self.policy = make_policy(config.policy)
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
             config.slos)
         # The decode pool's own router state: its index says which decode worker holds what.
-        self.decode_cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl) \
-            if config.decode_workers else None
+        self.decode_cluster = ClusterState(config.block_size, config.cost, config.load_window_s, ttl,
+                                           prefill_chunk_tokens=chunk) if config.decode_workers else None
         self.links = LinkQueues(config.link)
         self.store = SimStore(config.store, config.kv_bytes_per_block) if config.store.enabled else None
         self.fetched: dict[str, collections.Counter[str]] = {}  # request id -> tokens fetched per tier

@@ -21,7 +21,7 @@ def pick_decode_worker(request: Request, pool: ClusterState, now: float,
     loads = pool.loads(now)
 
     def cost(worker_id: str) -> tuple[float, int, str]:
-        saved_s = pool.cost.prefill_s(request.cached_tokens(worker_id))
+        saved_s = pool.chunked_prefill_s(request.cached_tokens(worker_id), 0)
         return loads[worker_id] - saved_s, -pool.free_blocks[worker_id], worker_id
 
     roomy = [w for w in workers if pool.free_blocks[w] >= request.blocks_needed(w)]

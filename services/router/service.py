@@ -127,8 +127,9 @@ class RouterService:
             if config.kvstore and config.kvstore_fetch != "never" else None
         # The engines that prefill (co-located workers and the prefill pool), which the policy
         # places on, and the decode pool, which pairing picks from (docs/router.md §6).
-        self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl, store)
-        self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl, store)
+        chunk = config.max_num_batched_tokens  # the engines' own setting, from the same config
+        self.cluster = ClusterState(config.block_size, cost, config.load_window_s, ttl, store, chunk)
+        self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl, store, chunk)
         self.store_tiers = len(store.tiers) if store else 0
         self.store_id = ""  # the store instance whose events the index holds
         self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off

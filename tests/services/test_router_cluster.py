@@ -122,6 +122,23 @@ def test_place_queues_the_prefill_of_the_missing_tokens():
     assert cluster.place(fourth, "b", 100.0).predicted_ttft_s == pytest.approx(expected_second)
 
 
+def test_a_prefill_longer_than_the_engines_step_budget_is_priced_chunk_by_chunk():
+    chunked = ClusterState(BLOCK, TINY_CPU, prefill_chunk_tokens=512)
+    one_step = ClusterState(BLOCK, TINY_CPU)
+    assert chunked.chunked_prefill_s(512, 100) == TINY_CPU.prefill_s(512, 100)  # within the budget
+    # Each chunk a step that attends to everything before it
+    by_chunk = TINY_CPU.prefill_s(512, 0) + TINY_CPU.prefill_s(512, 512) + TINY_CPU.prefill_s(200, 1024)
+    assert chunked.chunked_prefill_s(1224, 0) == pytest.approx(by_chunk)
+    assert chunked.chunked_prefill_s(1224, 0) > one_step.chunked_prefill_s(1224, 0) == TINY_CPU.prefill_s(1224, 0)
+    for cluster in (chunked, one_step):
+        cluster.add_worker("a", 1000)
+    prompt = tokens(1, 1224)
+    cache(chunked, "a", prompt[:20 * BLOCK])
+    request = chunked.prepare("r", ROOT, prompt, 8, 0.0)
+    assert chunked.prefill_s(request, "a") == pytest.approx(TINY_CPU.prefill_s(512, 320) + TINY_CPU.prefill_s(392, 832))
+    assert one_step.prefill_s(one_step.prepare("r", ROOT, prompt, 8, 0.0), "a") == TINY_CPU.prefill_s(1224, 0)
+
+
 def test_a_held_prefix_survives_a_queue_whose_allocations_fit_in_the_free_blocks():
     cluster = cluster_of("a", kv_blocks=1000)
     for index in range(4):  # four requests in flight, each allocating 50 new blocks

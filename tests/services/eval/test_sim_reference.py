@@ -7,7 +7,9 @@ the fingerprints commit f2ba184 gave, regenerated at 40a52a7, which rounds profi
 to be the same on every CPU (common/cost_model.py: the last bits of every time moved, no
 decision did), and again when finished requests began to reach the router at the end of
 their step instead of on the next heartbeat (seven of the thirteen cases moved: their
-policies read the requests in flight). Regenerate them (only for a deliberate change of
+policies read the requests in flight), and when the router began pricing a prefill longer
+than the engines' step budget chunk by chunk (docs/router.md §3; toolbench-least_load
+moved: its loads hold those prefill times). Regenerate them (only for a deliberate change of
 results, and say so in the commit) with this module run as a script:
 
     git worktree add /tmp/base-sim <commit>
