@@ -3,9 +3,9 @@ build of the current sources exists (docs/router.md §8.5).
 
 mypyc (part of mypy) compiles the type-annotated modules below to C extensions: the
 prefix index, the cluster state and its queue model, the lazy ranking, admission and
-cost_aware. They make
-the same decisions (the build compiles with -ffp-contract=off, so no float expression is
-fused differently from Python's) and run the placement path 1.3-1.5 times as fast.
+cost_aware. They make the same decisions (the build compiles with -ffp-contract=off, so
+no float expression is fused differently from Python's) and run the placement path
+1.3-1.5 times as fast.
 
 A build lives under the Baton cache in a folder named by a digest of every source file of
 `services/router` and `common` (what the compiled code was type-checked against), the
