@@ -17,8 +17,6 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import reduce
-from operator import add
 
 import numpy as np
 
@@ -31,33 +29,38 @@ EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
 
 
-@dataclass(slots=True)
 class Request:
-    """A request being placed, with what the index knows of its prompt."""
+    """A request being placed, with what the index knows of its prompt. A plain class, not
+    a dataclass: compiled, a dataclass's generated __init__ still runs as Python, once per
+    decision."""
 
-    request_id: str
-    root_hash: int
-    block_keys: BlockKeys  # each full block's token ids as little-endian uint32 bytes
-    num_tokens: int
-    max_tokens: int
-    slo_class: str = ""
-    path: list[BlockNode] = field(default_factory=list)  # indexed prefix, any holder
-    matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading blocks held
-    block_size: int = 16
-    best_blocks: int = 0  # the most leading blocks any worker holds
+    __slots__ = ("request_id", "root_hash", "block_keys", "num_tokens", "max_tokens", "slo_class", "path",
+                 "matched", "block_size", "best_blocks")
 
-    def __post_init__(self) -> None:
-        self.best_blocks = max(self.matched.values(), default=0)
+    def __init__(self, request_id: str, root_hash: int, block_keys: BlockKeys, num_tokens: int, max_tokens: int,
+                 slo_class: str = "", path: list[BlockNode] | None = None, matched: dict[str, int] | None = None,
+                 block_size: int = 16):
+        self.request_id = request_id
+        self.root_hash = root_hash
+        self.block_keys = block_keys  # each full block's token ids as little-endian uint32 bytes
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+        self.slo_class = slo_class
+        self.path: list[BlockNode] = path if path is not None else []  # indexed prefix, any holder
+        self.matched: dict[str, int] = matched if matched is not None else {}  # worker id -> leading blocks held
+        self.block_size = block_size
+        self.best_blocks = max(self.matched.values(), default=0)  # the most leading blocks any worker holds
 
-    def pins(self, read: Iterable[tuple[int, BlockNode]], held: int) -> bool:
-        """Whether any of the (depth, node) pairs `read` is among the prompt's first `held`
-        blocks (which a worker holding them keeps while the request runs). The path's block
-        i has depth i, so each pair costs one comparison or two, and no node is read: the
-        eviction estimate asks this of several workers' samples."""
+    def pins(self, sample: EvictionSample, held: int) -> bool:
+        """Whether any block of the sample is among the prompt's first `held` blocks (which
+        a worker holding them keeps while the request runs). The path's block i has depth
+        i, so each block costs one comparison or two, and no node is read: the eviction
+        estimate asks this of several workers' samples."""
         if held:
-            path = self.path
-            for depth, node in read:
-                if 0 <= depth < held and path[depth] is node:
+            path, depths, nodes = self.path, sample.depths, sample.nodes
+            for i in range(len(depths)):
+                depth = depths[i]
+                if 0 <= depth < held and path[depth] is nodes[i]:
                     return True
         return False
 
@@ -99,15 +102,18 @@ class EvictionSample:
     """A worker's least recently used blocks as read once: the cumulative recompute cost
     of evicting the first k of them, hit-weighted (`cumulative`: each block's recompute
     times its hits in the window) and once per hit block (`cumulative_once`: its
-    recompute if it had any hit), the blocks read, and the mean cost per block of each
-    (what an eviction larger than the sample is extrapolated by)."""
+    recompute if it had any hit), the blocks read (`nodes`, and their `depths` apart: a
+    pair per block would be one more object to make and free per block), and the mean
+    cost per block of each (what an eviction larger than the sample is extrapolated by)."""
 
-    __slots__ = ("cumulative", "cumulative_once", "read", "per_block", "per_block_once")
+    __slots__ = ("cumulative", "cumulative_once", "depths", "nodes", "per_block", "per_block_once")
 
-    def __init__(self, cumulative: list[float], cumulative_once: list[float], read: list[tuple[int, BlockNode]]):
+    def __init__(self, cumulative: list[float], cumulative_once: list[float], depths: list[int],
+                 nodes: list[BlockNode]):
         self.cumulative = cumulative
         self.cumulative_once = cumulative_once
-        self.read = read
+        self.depths = depths
+        self.nodes = nodes
         self.per_block = cumulative[-1] / len(cumulative) if cumulative else 0.0
         self.per_block_once = cumulative_once[-1] / len(cumulative_once) if cumulative_once else 0.0
 
@@ -181,6 +187,7 @@ class ClusterState:
         self.batch_array = array("q")
         self.context_array = array("q")
         self.idle_array = array("d")  # idle_since by slot, for cost_aware's wake price
+        self.prefill_free_array = array("d")  # prefill_free_at by slot, for queues_s
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -212,6 +219,7 @@ class ClusterState:
         self.batch_array = array("q", [len(self.workers[w].in_flight) for w in self.slot_ids])
         self.context_array = array("q", [self.workers[w].prompt_tokens_sum for w in self.slot_ids])
         self.idle_array = array("d", [self.workers[w].idle_since for w in self.slot_ids])
+        self.prefill_free_array = array("d", [self.workers[w].prefill_free_at for w in self.slot_ids])
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
 
@@ -289,7 +297,7 @@ class ClusterState:
         prefill_s = self.held_prefill_s(request, held)
         start = max(now, worker.prefill_free_at)
         queued_s = self.expected_prefill_s(request, held, prefill_s, self.cache_survival(worker_id))
-        worker.prefill_free_at = start + self._queued_prefill_s(worker, queued_s)
+        self.set_prefill_free_at(worker_id, start + self._queued_prefill_s(worker, queued_s))
         placement = Placement(request.request_id, worker_id, now, prefill_s, self.expected_output(request),
                               request.num_tokens, request.prefix_key, worker.prefill_free_at - now,
                               new_blocks=request.blocks_needed(worker_id))
@@ -523,8 +531,13 @@ class ClusterState:
         """The share of the workers' time that the prefills placed in the load window take
         (their predicted seconds over the window's span, shorter while the first window
         fills), below 1."""
-        busy_s = reduce(add, self.window_prefill, 0.0)  # summed in the workers' order
-        start = min(now, min(self.window_starts, default=now))
+        busy_s = 0.0
+        for prefill_s in self.window_prefill.tolist():  # summed in the workers' order
+            busy_s += prefill_s
+        start = now
+        for window_start in self.window_starts.tolist():
+            if window_start < start:
+                start = window_start
         span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
         return min(MAX_UTILIZATION, busy_s / span_s)
 
@@ -568,8 +581,12 @@ class ClusterState:
 
     def queues_s(self, now: float) -> list[float]:
         """queue_s of every worker, by slot."""
-        waits = [worker.prefill_free_at - now for worker in self.workers.values()]
+        waits = [free_at - now for free_at in self.prefill_free_array.tolist()]
         return [wait if wait > 0.0 else 0.0 for wait in waits]
+
+    def set_prefill_free_at(self, worker_id: str, free_at: float) -> None:
+        """The queue model: the prefills placed on the worker are done at `free_at`."""
+        self.workers[worker_id].prefill_free_at = self.prefill_free_array[self.slots[worker_id]] = free_at
 
     def tpot_s(self, request: Request, worker_id: str) -> float:
         """The decode step time of the batch this request would join."""
@@ -596,8 +613,8 @@ class ClusterState:
         sample = samples.get(worker_id)
         if sample is None or worker_id in self.index.changed:
             sample = self._sample_lru(worker_id, now)
-        if request.pins(sample.read, held):
-            sample = EvictionSample(*self._lru_costs(worker_id, now, request.path[:held]))
+        if request.pins(sample, held):
+            sample = self._lru_costs(worker_id, now, request.path[:held])
         return sample.cost(to_evict, per_hit)
 
     def _current_samples(self, now: float) -> dict[str, EvictionSample]:
@@ -610,17 +627,16 @@ class ClusterState:
 
     def _sample_lru(self, worker_id: str, now: float) -> EvictionSample:
         self.index.changed.discard(worker_id)
-        sample = self.eviction_samples[worker_id] = EvictionSample(*self._lru_costs(worker_id, now, []))
+        sample = self.eviction_samples[worker_id] = self._lru_costs(worker_id, now, [])
         return sample
 
-    def _lru_costs(self, worker_id: str, now: float,
-                   pinned: list[BlockNode]) -> tuple[list[float], list[float], list[tuple[int, BlockNode]]]:
-        """Cumulative recompute cost of the worker's LRU blocks, oldest first, leaving out
-        `pinned` (a prompt's leading blocks: node i of it has depth i): hit-weighted, and
-        once per block hit in the window; and the blocks read, as (depth, node) pairs."""
+    def _lru_costs(self, worker_id: str, now: float, pinned: list[BlockNode]) -> EvictionSample:
+        """The sample of the worker's LRU blocks, oldest first, leaving out `pinned` (a
+        prompt's leading blocks: node i of it has depth i)."""
         cumulative: list[float] = []
         cumulative_once: list[float] = []
-        read: list[tuple[int, BlockNode]] = []
+        depths: list[int] = []
+        nodes: list[BlockNode] = []
         total = total_once = 0.0
         base, slope = self.block_recompute
         fetch = self.block_fetch
@@ -630,7 +646,7 @@ class ClusterState:
         self.index.flush_hits()  # once, then PrefixIndex.hits' count per block without its checks
         current = int(now / self.index.half_window_s)
         for node in self.index.lru_blocks(worker_id):
-            if len(read) == EVICTION_SAMPLE:
+            if len(nodes) == EVICTION_SAMPLE:
                 break
             depth = node.depth
             if 0 <= depth < num_pinned and pinned[depth] is node:
@@ -645,8 +661,9 @@ class ClusterState:
                 total_once += block_s
             cumulative.append(total)
             cumulative_once.append(total_once)
-            read.append((depth, node))
-        return cumulative, cumulative_once, read
+            depths.append(depth)
+            nodes.append(node)
+        return EvictionSample(cumulative, cumulative_once, depths, nodes)
 
     def in_window(self, worker_id: str, now: float) -> deque[Placement]:
         worker = self.workers[worker_id]

@@ -597,10 +597,12 @@ class PrefixIndex:
     # ---- internals -------------------------------------------------------------------
 
     def _worker_bit(self, worker_id: str) -> int:
-        """A random-looking 64-bit word per worker, for holder-set signatures."""
+        """A random-looking 62-bit word per worker, for holder-set signatures. 62 bits, not
+        64: compiled code keeps an int below 2**62 unboxed, so a signature's XOR on every
+        held or dropped block allocates nothing and match() compares machine words."""
         bit = self.worker_bits.get(worker_id)
         if bit is None:
-            bit = self.worker_bits[worker_id] = _hash(worker_id.encode()) or 1
+            bit = self.worker_bits[worker_id] = (_hash(worker_id.encode()) >> 2) or 1
         return bit
 
     def _touched(self, worker_id: str) -> None:

@@ -22,13 +22,17 @@ class Ranking(Sequence[str]):
         self.worker_ids = worker_ids
         self.price = price
         self.pending = set(pending)
-        # (cost, then, rank, slot): tuples compare as order_by's stable sorts do
-        self.heap = [(cost, then[slot], ranks[slot], slot) for slot, cost in enumerate(costs)]
-        heapq.heapify(self.heap)
+        self.costs = list(costs)  # priced in place
+        self.then = list(then)
+        self.ranks = list(ranks)
+        self.first = -1  # the slot ranked first
+        # (cost, then, rank, slot) of the slots after the first, made when a second is read:
+        # a caller that takes the first worker (admission, as a rule) pays a scan, not a heap
+        self.heap: list[tuple[float, float, int, int]] | None = None
         self.ranked: list[str] = []
 
     def __len__(self) -> int:
-        return len(self.ranked) + len(self.heap)
+        return len(self.costs)
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -54,11 +58,37 @@ class Ranking(Sequence[str]):
             index += 1
 
     def _rank_next(self) -> None:
+        if self.first < 0:
+            self._rank_first()
+            return
         heap, pending = self.heap, self.pending
+        if heap is None:
+            costs, then, ranks, first = self.costs, self.then, self.ranks, self.first
+            heap = self.heap = [(costs[slot], then[slot], ranks[slot], slot) for slot in range(len(costs))
+                                if slot != first]
+            heapq.heapify(heap)
         while True:
-            cost, then, rank, slot = heapq.heappop(heap)
+            cost, then_value, rank, slot = heapq.heappop(heap)
             if slot not in pending:
                 self.ranked.append(self.worker_ids[rank])
                 return
             pending.discard(slot)
-            heapq.heappush(heap, (self.price(slot), then, rank, slot))
+            heapq.heappush(heap, (self.price(slot), then_value, rank, slot))
+
+    def _rank_first(self) -> None:
+        """The least (cost, then, rank) by a scan, pricing the least while it is a bound."""
+        costs, then, ranks, pending = self.costs, self.then, self.ranks, self.pending
+        while True:
+            best = 0
+            best_cost, best_then, best_rank = costs[0], then[0], ranks[0]
+            for slot in range(1, len(costs)):
+                cost = costs[slot]
+                if cost < best_cost or (cost == best_cost and (then[slot] < best_then or (
+                        then[slot] == best_then and ranks[slot] < best_rank))):
+                    best, best_cost, best_then, best_rank = slot, cost, then[slot], ranks[slot]
+            if best not in pending:
+                self.first = best
+                self.ranked.append(self.worker_ids[best_rank])
+                return
+            pending.discard(best)
+            costs[best] = self.price(best)

@@ -5,7 +5,7 @@ import pytest
 
 from common.cost_model import TINY_CPU
 from common.hashing import chain_hashes, root_hash
-from services.router.cluster import ClusterState
+from services.router.cluster import ClusterState, EvictionSample
 
 BLOCK = 16
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -669,7 +669,7 @@ def test_a_prompt_pins_the_sampled_blocks_among_its_first_held_blocks_only():
     path = request.path
 
     def sample(*nodes):  # as an eviction sample keeps what it read
-        return [(node.depth, node) for node in nodes]
+        return EvictionSample([], [], [node.depth for node in nodes], list(nodes))
 
     assert request.pins(sample(other[1], path[2], other[0]), 3)
     assert not request.pins(sample(other[1], path[3]), 3)  # past the held blocks

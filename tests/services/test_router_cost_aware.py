@@ -1,6 +1,6 @@
 """cost_aware on constructed cluster states, one test per rule (docs/router.md §4.7).
 
-Queues are set as the router's queue model holds them (WorkerState.prefill_free_at).
+Queues are set as the router's queue model holds them (ClusterState.set_prefill_free_at).
 Outside the decode test the cost model's decode step does not grow with the batch, and
 requests ask for one output token, so each test isolates the term it is about."""
 import dataclasses
@@ -32,7 +32,7 @@ def cluster_of(*worker_ids: str, kv_blocks: int = 10_000, flat_decode: bool = Tr
 
 def queued(cluster: ClusterState, worker_id: str, seconds: float, now: float = 0.0) -> None:
     """The worker's queue model: prefills placed there end `seconds` after `now`."""
-    cluster.workers[worker_id].prefill_free_at = now + seconds
+    cluster.set_prefill_free_at(worker_id, now + seconds)
 
 
 def request_for(cluster: ClusterState, prompt: np.ndarray, now: float = 0.0, request_id: str = "r",
@@ -252,7 +252,7 @@ def test_a_busy_cluster_keeps_a_prefix_on_a_holder_an_idle_one_would_move_it_fro
             other = request_for(cluster, tokens(1000 + index, 1088), now=0.0, request_id=f"bg-{index}")
             cluster.place(other, "other", 0.0)
         now = 20.0
-        cluster.workers["other"].prefill_free_at = 0.0
+        cluster.set_prefill_free_at("other", 0.0)
         queued(cluster, "holder", 3 * recompute_s, now)
         assert abs(cluster.prefill_utilization(now) - background_s / (3 * now)) < 0.05
         return first(cluster, prompt, now)

@@ -43,7 +43,7 @@ reaches the worker (the other terms bound its cost from below; docs/router.md §
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from common.cost_model import LatencyFit
@@ -124,9 +124,13 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
     decode_s = added_decode_steps_s(cluster.cost.decode, cluster.batch_array, cluster.context_array,
                                     request.num_tokens)
     costs = []
-    for held, queue_s, batch, step in zip(helds, cluster.queues_s(now), cluster.batch_array, decode_s):
-        prefill_s, waited_s, charge_s = terms[held]
-        costs.append(queue_weight * queue_s + prefill_s + batch * waited_s + expected_output * step + charge_s)
+    queues_s, batches = cluster.queues_s(now), cluster.batch_array
+    cold = terms.get(0, (0.0, 0.0, 0.0))  # a worker holding none of it: most of them, one lookup
+    for slot in range(len(helds)):
+        held = helds[slot]
+        prefill_s, waited_s, charge_s = terms[held] if held else cold
+        costs.append(queue_weight * queues_s[slot] + prefill_s + batches[slot] * waited_s
+                     + expected_output * decode_s[slot] + charge_s)
     blocks = -(-request.num_tokens // cluster.block_size)
     evicting = [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]
     return costs, evicting
@@ -156,15 +160,19 @@ def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: in
     return added_decode_steps_s(decode, [batch], [context], prompt)[0]
 
 
-def added_decode_steps_s(decode: LatencyFit, batches: Sequence[int], contexts: Iterable[int],
+def added_decode_steps_s(decode: LatencyFit, batches: Sequence[int], contexts: Sequence[int],
                          prompt: int) -> list[float]:
     """added_decode_step_s for each (batch, context) pair.
 
     Written out for the fit's form T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² with ctx
-    the mean context: the router runs this for every worker on every decision. The terms
-    that depend on the batch alone are made once per distinct batch size, and each sum is
-    made in the same order as the one line for one pair would make it."""
+    the mean context: the router runs this for every worker on every decision. Each sum
+    is made in the same order as the one line for one pair would make it; compiled, the
+    arithmetic per pair costs less than looking up terms memoized by batch size."""
     a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
-    heads = {n: a + b * (2 * n + 1) + c * prompt for n in set(batches)}
-    tails = {n: e * (3 * n * n + 3 * n + 1) for n in heads}
-    return [heads[n] + d * (context + (n + 1) * prompt) + tails[n] for n, context in zip(batches, contexts)]
+    prompt_s = c * prompt
+    steps = []
+    for i in range(len(batches)):
+        n = batches[i]
+        steps.append(a + b * (2 * n + 1) + prompt_s + d * (contexts[i] + (n + 1) * prompt)
+                     + e * (3 * n * n + 3 * n + 1))
+    return steps
