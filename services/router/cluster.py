@@ -25,6 +25,7 @@ from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex, win
 from services.router.ranking import Ranking
 
 RECENT_OUTPUTS = 256  # output lengths kept to estimate a request's decode work
+CENSORED_REFRESH_S = 0.05  # how long a censored median stands: it reads every request in flight
 EVICTION_SAMPLE = 32  # LRU blocks read to estimate what an eviction would cost
 MAX_UTILIZATION = 0.99  # prefill_utilization's cap: a queue model's 1 − ρ stays positive
 
@@ -192,6 +193,8 @@ class ClusterState:
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
         self.sorted_outputs: list[int] = []  # recent_outputs, sorted, for the median
+        self.censored_median = 0  # censored_expected_output's median before the cap, made at censored_at
+        self.censored_at = -math.inf
         # Per worker, its LRU as last sampled; valid while the worker is not in
         # index.changed and the hit window's half has not moved on from sample_epoch.
         self.eviction_samples: dict[str, EvictionSample] = {}
@@ -363,6 +366,35 @@ class ClusterState:
         if not self.sorted_outputs:
             return request.max_tokens
         return max(1, min(request.max_tokens, self.sorted_outputs[len(self.sorted_outputs) // 2]))
+
+    def censored_expected_output(self, request: Request, now: float) -> int:
+        """expected_output, but until RECENT_OUTPUTS requests have finished, the median is
+        Kaplan-Meier's over them and the requests in flight, each censored at the tokens it
+        is estimated to have made by `now`: the first requests to finish are the short
+        ones, so their median alone runs low (docs/router.md §4.7). The median is made
+        again at most every CENSORED_REFRESH_S, since it reads every request in flight."""
+        finished = self.sorted_outputs
+        if not finished or len(finished) >= RECENT_OUTPUTS:
+            return self.expected_output(request)
+        if not 0.0 <= now - self.censored_at < CENSORED_REFRESH_S:
+            self.censored_median = kaplan_meier_median(finished, self._outputs_so_far(now))
+            self.censored_at = now
+        return max(1, min(request.max_tokens, self.censored_median))
+
+    def _outputs_so_far(self, now: float) -> list[int]:
+        """Sorted, the tokens each request in flight is estimated to have made by `now`:
+        from the end of its predicted queue and prefill, at its worker's step time."""
+        made: list[int] = []
+        for worker in self.workers.values():
+            batch = len(worker.in_flight)
+            if not batch:
+                continue
+            step_s = self.cost.decode_step_s(batch, worker.prompt_tokens_sum / batch)
+            for placement in worker.in_flight.values():
+                decoding_s = now - placement.placed_at - placement.predicted_ttft_s
+                made.append(int(decoding_s / step_s) if decoding_s > 0.0 else 0)
+        made.sort()
+        return made
 
     def load_s(self, worker_id: str, now: float) -> float:
         """Windowed prefill seconds plus the decode seconds its requests still need."""
@@ -691,3 +723,21 @@ class ClusterState:
     @staticmethod
     def _window_start(worker: WorkerState) -> float:
         return worker.window[0].placed_at if worker.window else math.inf
+
+
+def kaplan_meier_median(finished: list[int], censored: list[int]) -> int:
+    """The median of a length whose `finished` values were seen whole and whose `censored`
+    ones only as lower bounds (both sorted): Kaplan-Meier's survival S(t) = Π (1 − d/r) over
+    the finished values t ≤ it (d finished at t, r at risk: finished or censored at ≥ t),
+    first at or below a half. Where it never gets there, the largest value seen."""
+    survival = 1.0
+    start = 0
+    while start < len(finished):
+        value = finished[start]
+        stop = bisect.bisect_right(finished, value, start)
+        at_risk = len(finished) - start + len(censored) - bisect.bisect_left(censored, value)
+        survival *= 1.0 - (stop - start) / at_risk
+        if survival <= 0.5:
+            return value
+        start = stop
+    return max(finished[-1] if finished else 0, censored[-1] if censored else 0)

@@ -5,7 +5,13 @@ import pytest
 
 from common.cost_model import TINY_CPU
 from common.hashing import chain_hashes, root_hash
-from services.router.cluster import ClusterState, EvictionSample
+from services.router.cluster import (
+    CENSORED_REFRESH_S,
+    RECENT_OUTPUTS,
+    ClusterState,
+    EvictionSample,
+    kaplan_meier_median,
+)
 
 BLOCK = 16
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -227,6 +233,50 @@ def test_expected_output_follows_the_median_of_finished_requests():
         cluster.finish(f"r{index}", output_tokens=output)
     assert cluster.expected_output(cluster.prepare("x", ROOT, tokens(9, 50), 100, 1.0)) == 20
     assert cluster.expected_output(cluster.prepare("y", ROOT, tokens(9, 50), 15, 1.0)) == 15  # capped
+
+
+def test_kaplan_meier_median_counts_censored_lengths_as_at_risk_only_up_to_their_bound():
+    assert kaplan_meier_median([1, 2, 3], []) == 2  # nothing censored: the plain median
+    assert kaplan_meier_median([1, 2, 3, 4], []) == 2  # survival 3/4, then 1/2
+    # Two short ones finished among ten: survival after them is 0.8, never a half, so the
+    # median is past what was seen: at least the longest bound.
+    assert kaplan_meier_median([4, 4], [50] * 8) == 50
+    # Bounds below a finished length are not at risk there: 2/3, then 1/3 at 20.
+    assert kaplan_meier_median([10, 20, 30], [1, 2]) == 20
+    # One bound past 10 keeps survival at 3/4 there; at 20, 3/4 · 1/2.
+    assert kaplan_meier_median([10, 20, 30], [15]) == 20
+    assert kaplan_meier_median([10, 20], [25, 25, 25]) == 25  # 4/5, then 3/4 of it: never a half
+
+
+def test_cost_aware_prices_outputs_censored_by_the_requests_still_decoding():
+    cluster = cluster_of("a", "b")
+    # Ten requests placed at t=0, alternately on b and a; one finishes at once with 3
+    # tokens, the others decode on.
+    placements = [cluster.place(cluster.prepare(f"r{index}", ROOT, tokens(index, 50), 4000, 0.0),
+                                "b" if index % 2 == 0 else "a", 0.0) for index in range(10)]
+    cluster.finish("r0", output_tokens=3, now=0.5)
+    probe = cluster.prepare("x", ROOT, tokens(99, 50), 4000, 0.5)
+    assert cluster.expected_output(probe) == 3  # the plain median: only the short one finished
+    # Each in flight is taken to decode from its predicted first token at its worker's step
+    # time (b: 4 sequences of 50 tokens). All nine are past 3 tokens by t=2: survival
+    # after 3 is 9/10, never a half, so the median is the longest bound, r2's on b.
+    bound = int((2.0 - placements[2].predicted_ttft_s) / TINY_CPU.decode_step_s(4, 50.0))
+    assert bound > 100
+    assert cluster.censored_expected_output(probe, 2.0) == bound
+    capped = cluster.prepare("y", ROOT, tokens(98, 50), 40, 2.0)
+    assert cluster.censored_expected_output(capped, 2.0) == 40
+    # The median stands for CENSORED_REFRESH_S (it reads every request in flight), then is made again.
+    assert cluster.censored_expected_output(probe, 2.0 + CENSORED_REFRESH_S / 2) == bound
+    later = 2.0 + 2 * CENSORED_REFRESH_S
+    assert cluster.censored_expected_output(probe, later) == \
+        int((later - placements[2].predicted_ttft_s) / TINY_CPU.decode_step_s(4, 50.0)) > bound
+    # Before any has decoded a token, the finished one decides alone.
+    assert cluster.censored_expected_output(probe, placements[1].predicted_ttft_s) == 3
+    # Once RECENT_OUTPUTS requests have finished, the plain median again.
+    for index in range(10, 10 + RECENT_OUTPUTS):
+        cluster.place(cluster.prepare(f"r{index}", ROOT, tokens(index, 50), 4000, 30.0), "a", 30.0)
+        cluster.finish(f"r{index}", output_tokens=7, now=30.0)
+    assert cluster.censored_expected_output(probe, 40.0) == cluster.expected_output(probe) == 7
 
 
 def test_place_records_hits_on_the_blocks_the_worker_reuses():

@@ -120,7 +120,7 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
     # Per held depth: the prefill, what each sequence in flight waits of it, its charge.
     terms = {held: (prefill_s, max(0.0, prefill_s - step_s), weight * (prefill_s - least_prefill_s))
              for held, prefill_s in prefill_by_held.items()}
-    expected_output = cluster.expected_output(request)
+    expected_output = cluster.censored_expected_output(request, now)
     decode_s = added_decode_steps_s(cluster.cost.decode, cluster.batch_array, cluster.context_array,
                                     request.num_tokens)
     costs = []
