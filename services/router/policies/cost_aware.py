@@ -13,7 +13,10 @@ ratio triggers. For each worker w with n sequences in flight, from the cost mode
                                             hit in the window, once per block: its next
                                             use computes it again, and it is cached again
             + expected output · ΔD(w)       its decode in the batch it joins, and the
-                                            others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n)
+                                            others' slowdown: ΔD = (n+1)·T(n+1) − n·T(n);
+                                            the output is the median of recent ones,
+                                            censored by those still decoding until 256
+                                            have finished (censored_expected_output)
             + k(ρ) · (P(w) − min P)         the compute a recompute spends beyond the best
                                             holder's: capacity later requests wait for,
                                             k = 2ρ/(1−ρ) within [0.5, 4], ρ the cluster's
