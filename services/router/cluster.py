@@ -180,6 +180,7 @@ class ClusterState:
         self.load_array = array("d")
         self.free_array = array("q")
         self.by_id: list[int] | None = None
+        self.rank_by_slot: list[int] = []
         # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
         # when empty), for prefill_utilization; its requests in flight and their prompt
         # tokens (len(in_flight), prompt_tokens_sum), for cost_aware.
@@ -225,6 +226,9 @@ class ClusterState:
         self.prefill_free_array = array("d", [self.workers[w].prefill_free_at for w in self.slot_ids])
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
+        self.rank_by_slot = [0] * len(by_id)  # each slot's place among the sorted ids, for ranking()
+        for rank, slot in enumerate(by_id):
+            self.rank_by_slot[slot] = rank
 
     def _set_load(self, worker_id: str, load_s: float) -> None:
         self.current_loads[worker_id] = load_s
@@ -455,13 +459,7 @@ class ClusterState:
                 price: Callable[[int], float]) -> Ranking:
         """order_by(exact costs, then) as a Ranking: `costs` by slot, lower bounds where
         `pending`, which price(slot) makes exact when the order reaches them."""
-        ranks: Sequence[int] = range(len(costs))
-        if self.by_id is not None:
-            by_slot = [0] * len(costs)
-            for rank, slot in enumerate(self.by_id):
-                by_slot[slot] = rank
-            ranks = by_slot
-        return Ranking(self.worker_ids, ranks, costs, then, pending, price)
+        return Ranking(self.worker_ids, self.rank_by_slot, costs, then, pending, price)
 
     def _in_id_order(self, values: Sequence[float]) -> Sequence[float]:
         """`values`, one per slot, in worker_ids' order."""

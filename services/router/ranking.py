@@ -16,15 +16,15 @@ class Ranking(Sequence[str]):
     on the exact costs. `price` reads the cluster as it is: read a Ranking before the
     cluster changes (a placement, an event), as admission does."""
 
-    def __init__(self, worker_ids: list[str], ranks: Sequence[int], costs: Sequence[float],
+    def __init__(self, worker_ids: list[str], ranks: list[int], costs: Sequence[float],
                  then: Sequence[float], pending: Iterable[int], price: Callable[[int], float]):
-        """`ranks`: each slot's place in `worker_ids` (the sorted ids)."""
+        """`ranks`: each slot's place in `worker_ids` (the sorted ids); read, never changed."""
         self.worker_ids = worker_ids
         self.price = price
         self.pending = set(pending)
         self.costs = list(costs)  # priced in place
         self.then = list(then)
-        self.ranks = list(ranks)
+        self.ranks = ranks
         self.first = -1  # the slot ranked first
         # (cost, then, rank, slot) of the slots after the first, made when a second is read:
         # a caller that takes the first worker (admission, as a rule) pays a scan, not a heap
