@@ -9,6 +9,7 @@ with a retry-after: Mooncake's early rejection instead of a timeout later.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -35,13 +36,19 @@ class AdmissionConfig:
     max_queued_tokens: int = 262144  # per worker
 
 
-@dataclass(slots=True)
 class Verdict:
-    worker_id: str | None  # None: refused
-    reason: str = ""
-    retry_after_s: float = 0.0
-    predicted_ttft_s: float = 0.0
-    predicted_tpot_s: float = 0.0
+    """Where a request goes (worker_id None: refused, and why). A plain class: compiled, a
+    dataclass's generated __init__ would run as Python once per decision."""
+
+    __slots__ = ("worker_id", "reason", "retry_after_s", "predicted_ttft_s", "predicted_tpot_s")
+
+    def __init__(self, worker_id: str | None, reason: str = "", retry_after_s: float = 0.0,
+                 predicted_ttft_s: float = 0.0, predicted_tpot_s: float = 0.0):
+        self.worker_id = worker_id
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.predicted_ttft_s = predicted_ttft_s
+        self.predicted_tpot_s = predicted_tpot_s
 
 
 class AdmissionControl:
@@ -51,7 +58,7 @@ class AdmissionControl:
 
     def decide(self, request: Request, preference: Sequence[str], cluster: ClusterState, now: float) -> Verdict:
         slo = self.classes.get(request.slo_class) if self.config.enabled else None
-        soonest_fit = float("inf")
+        soonest_fit = math.inf
         queues_full = True
         for worker_id in preference:
             if not self._has_room(request, cluster, worker_id):
@@ -68,7 +75,7 @@ class AdmissionControl:
                 soonest_fit = min(soonest_fit, ttft - slo.ttft_s)
         if queues_full:
             return Verdict(None, "every worker's queue is full", 1.0)
-        retry = soonest_fit if soonest_fit != float("inf") else cluster.window_s / 36
+        retry = soonest_fit if soonest_fit != math.inf else cluster.window_s / 36
         return Verdict(None, f"predicted to miss the {request.slo_class!r} SLO on every worker",
                        max(MIN_RETRY_AFTER_S, retry))
 

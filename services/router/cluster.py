@@ -83,20 +83,25 @@ class Request:
         return -(-self.num_tokens // self.block_size) - self.matched.get(worker_id, 0)
 
 
-@dataclass(slots=True)
 class Placement:
-    """A request the router placed and has not seen finish."""
+    """A request the router placed and has not seen finish. A plain class, as Request is."""
 
-    request_id: str
-    worker_id: str
-    placed_at: float
-    prefill_s: float
-    expected_output: int
-    num_tokens: int
-    prefix_key: int | None
-    predicted_ttft_s: float
-    credited: Credit | None = None  # what the index holds on credit for it (events mode)
-    new_blocks: int = 0  # KV blocks it allocates beyond the prefix the worker held
+    __slots__ = ("request_id", "worker_id", "placed_at", "prefill_s", "expected_output", "num_tokens",
+                 "prefix_key", "predicted_ttft_s", "credited", "new_blocks")
+
+    def __init__(self, request_id: str, worker_id: str, placed_at: float, prefill_s: float, expected_output: int,
+                 num_tokens: int, prefix_key: int | None, predicted_ttft_s: float, credited: Credit | None = None,
+                 new_blocks: int = 0):
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self.placed_at = placed_at
+        self.prefill_s = prefill_s
+        self.expected_output = expected_output
+        self.num_tokens = num_tokens
+        self.prefix_key = prefix_key
+        self.predicted_ttft_s = predicted_ttft_s
+        self.credited = credited  # what the index holds on credit for it (events mode)
+        self.new_blocks = new_blocks  # KV blocks it allocates beyond the prefix the worker held
 
 
 class EvictionSample:
@@ -189,7 +194,7 @@ class ClusterState:
         self.batch_array = array("q")
         self.context_array = array("q")
         self.idle_array = array("d")  # idle_since by slot, for cost_aware's wake price
-        self.prefill_free_array = array("d")  # prefill_free_at by slot, for queues_s
+        self.prefill_free_array = array("d")  # prefill_free_at by slot, for cost_aware's queue term
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -608,11 +613,6 @@ class ClusterState:
         """How long a new prefill would wait behind those placed there already."""
         wait = self.workers[worker_id].prefill_free_at - now
         return wait if wait > 0.0 else 0.0
-
-    def queues_s(self, now: float) -> list[float]:
-        """queue_s of every worker, by slot."""
-        waits = [free_at - now for free_at in self.prefill_free_array.tolist()]
-        return [wait if wait > 0.0 else 0.0 for wait in waits]
 
     def set_prefill_free_at(self, worker_id: str, free_at: float) -> None:
         """The queue model: the prefills placed on the worker are done at `free_at`."""

@@ -642,7 +642,7 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
     assert list(cluster.free_array) == [cluster.free_blocks[w] for w in cluster.slot_ids]
     assert list(cluster.batch_array) == [len(cluster.workers[w].in_flight) for w in cluster.slot_ids]
     assert list(cluster.context_array) == [cluster.workers[w].prompt_tokens_sum for w in cluster.slot_ids]
-    assert cluster.queues_s(now) == [cluster.queue_s(w, now) for w in cluster.slot_ids]
+    assert list(cluster.prefill_free_array) == [cluster.workers[w].prefill_free_at for w in cluster.slot_ids]
     added = added_latency_s(request, cluster, now)
     assert added == added_latency_by_loop(request, cluster, now)
     chosen = make_policy("cost_aware").choose(request, cluster, now)

@@ -46,7 +46,6 @@ reaches the worker (the other terms bound its cost from below; docs/router.md §
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 from common.cost_model import LatencyFit
@@ -124,18 +123,23 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
     terms = {held: (prefill_s, max(0.0, prefill_s - step_s), weight * (prefill_s - least_prefill_s))
              for held, prefill_s in prefill_by_held.items()}
     expected_output = cluster.censored_expected_output(request, now)
-    decode_s = added_decode_steps_s(cluster.cost.decode, cluster.batch_array, cluster.context_array,
-                                    request.num_tokens)
+    decode = cluster.cost.decode
+    a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
+    prompt = request.num_tokens
+    # The arrays as lists, one C call each: compiled, reading an array by item is a generic call per item.
+    batches, contexts = cluster.batch_array.tolist(), cluster.context_array.tolist()
+    free_ats = cluster.prefill_free_array.tolist()
     costs = []
-    queues_s, batches = cluster.queues_s(now), cluster.batch_array
     cold = terms.get(0, (0.0, 0.0, 0.0))  # a worker holding none of it: most of them, one lookup
     for slot in range(len(helds)):
         held = helds[slot]
         prefill_s, waited_s, charge_s = terms[held] if held else cold
-        costs.append(queue_weight * queues_s[slot] + prefill_s + batches[slot] * waited_s
-                     + expected_output * decode_s[slot] + charge_s)
+        batch = batches[slot]
+        wait_s = free_ats[slot] - now  # queue_s: the prefills placed there, ahead of it
+        costs.append(queue_weight * (wait_s if wait_s > 0.0 else 0.0) + prefill_s + batch * waited_s
+                     + expected_output * _added_step_s(a, b, c, d, e, batch, contexts[slot], prompt) + charge_s)
     blocks = -(-request.num_tokens // cluster.block_size)
-    evicting = [slot for slot, free in enumerate(cluster.free_array) if free < blocks - helds[slot]]
+    evicting = [slot for slot, free in enumerate(cluster.free_array.tolist()) if free < blocks - helds[slot]]
     return costs, evicting
 
 
@@ -160,22 +164,12 @@ def added_decode_step_s(decode: LatencyFit, batch: int, context: int, prompt: in
     """What a prompt of `prompt` tokens joining a decode batch of `batch` sequences with
     `context` tokens in all adds to one step summed over the sequences: its own step time,
     plus each sequence already there slowed by the larger batch, (n+1)·T(n+1) − n·T(n)."""
-    return added_decode_steps_s(decode, [batch], [context], prompt)[0]
+    return _added_step_s(decode.a, decode.b, decode.c, decode.d, decode.e, batch, context, prompt)
 
 
-def added_decode_steps_s(decode: LatencyFit, batches: Sequence[int], contexts: Sequence[int],
-                         prompt: int) -> list[float]:
-    """added_decode_step_s for each (batch, context) pair.
-
-    Written out for the fit's form T(n, ctx) = a + b·n + c·ctx + d·n·ctx + e·n² with ctx
-    the mean context: the router runs this for every worker on every decision. Each sum
-    is made in the same order as the one line for one pair would make it; compiled, the
-    arithmetic per pair costs less than looking up terms memoized by batch size."""
-    a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
-    prompt_s = c * prompt
-    steps = []
-    for i in range(len(batches)):
-        n = batches[i]
-        steps.append(a + b * (2 * n + 1) + prompt_s + d * (contexts[i] + (n + 1) * prompt)
-                     + e * (3 * n * n + 3 * n + 1))
-    return steps
+def _added_step_s(a: float, b: float, c: float, d: float, e: float, n: int, context: int, prompt: int) -> float:
+    """added_decode_step_s written out for the fit's form T(n, ctx) = a + b·n + c·ctx +
+    d·n·ctx + e·n² with ctx the mean context, on the fit's terms: the router runs it for
+    every worker on every decision, and compiled, a call with unboxed numbers allocates
+    nothing."""
+    return a + b * (2 * n + 1) + c * prompt + d * (context + (n + 1) * prompt) + e * (3 * n * n + 3 * n + 1)
