@@ -4,7 +4,7 @@
     PYTHONPATH=. .venv/bin/python scripts/live_placement_check.py \\
         [--policy cost_aware] [--baselines lpm,cache_aware,e2] [--workers 2] \\
         [--workloads toolbench:0.1,programming:0.25] [--seeds 0,1,2] [--duration 30] \\
-        [--router-profile FILE] [--json]
+        [--router-profile FILE] [--nice-workers N] [--json]
 
 For each seed (a round) and each workload, every policy in turn (the order reversed every
 other round, so neither end of a round is always the same policy's) gets a fresh
@@ -19,11 +19,18 @@ statistic). A 2-core machine is noisy: run it with nothing else running.
 without it they price with the profile `svc up` measures of this node's engine. The load
 generator's rates stay those of the built-in tiny-cpu profile either way, so every run
 sends the same requests.
+
+--nice-workers N lowers the engines' CPU priority by N (every thread of each worker
+process), so the router, the tokenizer and the load generator never wait behind an
+engine step: what a node whose engines compute on accelerators gives them. Without it,
+on a machine with fewer cores than processes, a policy that keeps both workers busy
+also slows every request's trip through the frontends (docs/router.md §4.7).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,12 +40,22 @@ from common.engine.default_model import default_model_dir
 from services.local_cluster import child_env, start_cluster
 
 
+def lower_priority(pid: int, niceness: int) -> None:
+    """Add `niceness` to every thread of process `pid` (Linux keeps one per thread)."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        tid = int(thread)
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+
+
 def bench_once(policy: str, workers: int, workload: str, load: float, seed: int, duration: float,
-               router_profile: str | None = None) -> dict:
+               router_profile: str | None = None, nice_workers: int = 0) -> dict:
     """One fresh cluster, one `svc bench`: its JSON summary's "overall"."""
     extra = ["--policy", policy, *(["--profile", router_profile] if router_profile else [])]
     cluster = start_cluster(default_model_dir(), workers=workers, extra=extra)
     try:
+        if nice_workers:
+            for index in range(workers):
+                lower_priority(cluster.worker_health(index)["pid"], nice_workers)
         done = subprocess.run(
             [sys.executable, "-m", "services.cli", "bench", "--workload", workload, "--load", str(load),
              "--duration", str(duration), "--seed", str(seed), "--address", cluster.sdk, "--json"],
@@ -61,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--router-profile",
                         help="the cost profile the routers price with (default: svc up's measured one)")
+    parser.add_argument("--nice-workers", type=int, default=0,
+                        help="lower the engines' CPU priority by N, so the frontends never wait behind a step")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every round")
     args = parser.parse_args(argv)
 
@@ -73,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workload, load = item.split(":")
             for policy in order:
                 overall = bench_once(policy, args.workers, workload, float(load), seed, args.duration,
-                                     args.router_profile)
+                                     args.router_profile, args.nice_workers)
                 row = (overall["e2e_mean_s"] * 1000, overall["e2e_p99_s"] * 1000)
                 rounds.setdefault(workload, {}).setdefault(policy, []).append(row)
                 print(f"seed {seed} {workload} {policy}: {row[0]:.0f} / {row[1]:.0f} ms "
