@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 
@@ -13,7 +14,9 @@ def test_lower_priority_lowers_every_thread_of_the_process():
               "for _ in range(2)]; print('ready', flush=True); time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", threads], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdout is not None
+        assert select.select([child.stdout], [], [], 30)[0], "the child never started its threads"
+        assert child.stdout.readline().strip() == "ready"
         tids = [int(tid) for tid in os.listdir(f"/proc/{child.pid}/task")]
         assert len(tids) == 3
         before = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}
