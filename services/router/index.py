@@ -162,7 +162,10 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.nodes: dict[int, BlockNode] = {}
         self.roots: dict[int, BlockNode] = {}
-        self.lru: dict[str, OrderedDict[int, BlockNode]] = {}  # per worker, least recent first
+        # Per worker, its blocks' nodes least recent first. Keyed by the node itself: a read
+        # walks the keys alone (values() would look each up again), and a probe compares
+        # pointers, not integers.
+        self.lru: dict[str, OrderedDict[BlockNode, None]] = {}
         self.changed: set[str] = set()  # workers whose LRU changed since the owner last looked
         self.worker_bits: dict[str, int] = {}
         self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
@@ -289,7 +292,7 @@ class PrefixIndex:
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
         self._name_credits_of(worker_id)
-        return iter(self.lru.get(worker_id, {}).values())
+        return iter(self.lru.get(worker_id, ()))
 
     def num_blocks(self, worker_id: str) -> int:
         self._name_credits_of(worker_id)
@@ -346,10 +349,10 @@ class PrefixIndex:
         for node in held:
             holders = node.holders
             if worker_id in holders:
-                touch(node.block_hash)
+                touch(node)
             else:
                 node.signature ^= bit
-                lru[node.block_hash] = node
+                lru[node] = None
             holders[worker_id] = expiry
         if self.ttl_s is not None:
             self.expiries.extend((expiry, worker_id, node.block_hash) for node in held)
@@ -369,7 +372,7 @@ class PrefixIndex:
                 if credited:
                     credited.discard(block_hash)
                 if lru is not None:
-                    lru.pop(block_hash, None)
+                    lru.pop(node, None)
                 if not node.holders and block_hash not in stored:
                     self._forget(node)
 
@@ -380,7 +383,7 @@ class PrefixIndex:
         self.lru_clock.pop(worker_id, None)
         self.last_touch.pop(worker_id, None)
         self.unconfirmed.pop(worker_id, None)
-        for node in (self.lru.pop(worker_id, None) or {}).values():
+        for node in self.lru.pop(worker_id, None) or ():
             if node.holders.pop(worker_id, None) is not None:
                 node.signature ^= bit
             if not node.holders and node.block_hash not in self.store_tiers:
@@ -453,7 +456,7 @@ class PrefixIndex:
         touch = lru.move_to_end
         for node in path:
             try:
-                touch(node.block_hash)
+                touch(node)
             except KeyError:  # not the worker's: a caller passed more than the worker holds
                 pass
         self.lru_clock[worker_id] = clock = clock + len(path)

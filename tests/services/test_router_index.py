@@ -469,7 +469,7 @@ def test_a_reuses_lru_move_waits_with_the_credits_and_lands_in_placement_order()
             index.expect("A", ROOT, keys, path, held, 1.0)
             if read_each:
                 index.lru_blocks("A")
-        return list(index.lru["A"]), [node.block_hash for node in index.lru_blocks("A")]
+        return [node.block_hash for node in index.lru["A"]], [node.block_hash for node in index.lru_blocks("A")]
 
     waiting, deferred = place_three(read_each=False)
     _, at_once = place_three(read_each=True)
