@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -63,9 +64,25 @@ def use_compiled(package: str, package_path: list[str]) -> bool:
     compiled = str(folder.joinpath(*package.split(".")))
     if compiled not in package_path:
         package_path.insert(0, compiled)
-    if str(folder) not in sys.path:  # mypyc's shared runtime module of the group, by its top-level name
-        sys.path.append(str(folder))
+    _load_runtime(folder)
     return True
+
+
+def _load_runtime(folder: Path) -> None:
+    """Load the build's shared mypyc runtime (a module at the folder's top, which every
+    compiled module imports by its top-level name) from its file. Not by putting the
+    folder on sys.path: that path passes to spawned child processes, where the folder's
+    `services/` tree would then be found first, as a namespace package without the sources."""
+    for runtime in folder.glob("*__mypyc.*"):
+        name = runtime.name.split(".", 1)[0]
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, runtime)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load the router's compiled runtime {runtime}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
 
 
 def compiled() -> bool:
