@@ -6,12 +6,13 @@
         [--workers 8] [--profile a6000/mistral-7b] [--policy cost_aware] \\
         [--baselines round_robin,least_load,lpm,cache_aware,dynamo] [--reference e2] \\
         [--trace FILE --trace-workers 16 --trace-profile h100/llama-3-70b --trace-loads 0.8,2,4] \\
-        [--markdown docs/placement_sweep.md] [--plot docs/placement_sweep.png] [--summarize-only]
+        [--markdown docs/placement_sweep.md] [--plot docs/placement_sweep.png] [--summarize-only] [--jobs N]
 
 Runs `svc sim --sweep load=... --json` once per workload, seed and policy group (the
 baselines with the reference in one run, the judged policy in another), keeping each
 run's JSON in --out as `<workload>_s<seed>_<group>.json` and skipping those already there,
 so an interrupted sweep resumes and a changed policy reruns alone (delete its files).
+--jobs N runs up to N of a run's simulations at once, a process each (`svc sim --jobs`).
 With --trace, the Mooncake-format trace is one more workload ("mooncake"), its arrivals
 time-scaled to each of --trace-loads on its own cluster.
 
@@ -51,6 +52,7 @@ class Grid:
     profile: str
     num_requests: int | None
     trace: str | None = None
+    jobs: int = 1
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Cell:
 def sim_command(grid: Grid, workload: str, seed: int, policies: Sequence[str]) -> list[str]:
     command = [sys.executable, "-m", "services.cli", "sim", "--sweep", f"load={','.join(grid.loads)}",
                "--workers", str(grid.workers), "--profile", grid.profile, "--seed", str(seed),
-               "--policy", ",".join(policies), "--json"]
+               "--policy", ",".join(policies), "--jobs", str(grid.jobs), "--json"]
     if workload == TRACE_WORKLOAD and grid.trace is not None:
         command += ["--trace", grid.trace]
     else:
@@ -221,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the tables here")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--summarize-only", action="store_true", help="run nothing; read --out")
+    parser.add_argument("--jobs", type=int, default=1, help="simulations at once, a process each (svc sim --jobs)")
     args = parser.parse_args(argv)
 
     baselines = tuple(args.baselines.split(","))
@@ -228,11 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
     grids = [(f"{args.workers} workers, {args.profile or 'the tiny model on CPU'}", Grid(
         tuple(args.workloads.split(",")), tuple(args.loads.split(",")), seeds, args.workers, args.profile,
-        args.num_requests))]
+        args.num_requests, jobs=args.jobs))]
     if args.trace:
         grids.append((f"the Mooncake-format trace, {args.trace_workers} workers, {args.trace_profile}", Grid(
             (TRACE_WORKLOAD,), tuple(args.trace_loads.split(",")), seeds[:1], args.trace_workers,
-            args.trace_profile, None, args.trace)))
+            args.trace_profile, None, args.trace, args.jobs)))
     tables, all_cells, failed = [], [], 0
     for title, grid in grids:
         if not args.summarize_only:

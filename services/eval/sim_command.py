@@ -70,10 +70,13 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
               help="GB/s a fetch from the store's SSD moves (plus 2 ms per fetch)")
 @click.option("--store-only", is_flag=True,
               help="with a store: skip the runs without it (by default each policy runs without and with it)")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="simulations run at once, each in a process of its own (a policy at a swept value is one); "
+                   "the results are the same")
 def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, max_local_prefill_tokens, policy_list,
         profile, sweep_text, as_json, plot_dir, num_requests, seed, rate, load, arrival, time_scale, scale, zipf,
         option_pairs, queue_policy, kv_blocks, max_num_batched_tokens, ttft_slo, tpot_slo, admission,
-        index_mode, store_dram_gb, store_ssd_gb, store_dram_gbps, store_ssd_gbps, store_only) -> None:
+        index_mode, store_dram_gb, store_ssd_gb, store_dram_gbps, store_ssd_gbps, store_only, jobs) -> None:
     """Simulate a workload on WORKERS workers under each policy in discrete virtual time
     (the live router's policies and the engine's scheduler, with step times from the
     cost profile) and print the metrics table: TTFT, TPOT, end-to-end latency, SLO
@@ -129,7 +132,7 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
         raise click.ClickException(str(error)) from error
     # disable=None: a bar on a terminal, nothing in logs and pipes.
     with tqdm(total=runner.total_requests(points), desc="sim", unit="req", disable=None) as progress:
-        results = runner.run_points(points, progress.update)
+        results = runner.run_points(points, progress.update, jobs)
     variable = sweep.variable if sweep is not None else None
     runner.print_results(points, results, variable)
     if plot_dir is not None:

@@ -27,11 +27,13 @@ Progress counts simulated requests (finished or refused) across every setting an
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import inspect
 import json
 import math
+import multiprocessing
 import re
 import sys
 import time
@@ -442,13 +444,48 @@ def total_requests(points: Sequence[Point]) -> int:
     return sum(len(point.requests) * len(point.spec.variants()) for point in points)
 
 
-def run_points(points: Sequence[Point], advance: Callable[[int], object] | None = None) -> dict[str, dict]:
+def run_points(points: Sequence[Point], advance: Callable[[int], object] | None = None,
+               jobs: int = 1) -> dict[str, dict]:
     """{point label: {result key: summarize result}}, calling `advance(n)` as n more
     requests finish or are refused. A result key is the policy, or POLICY+store for its
-    run with the store (SimSpec.variants)."""
-    return {point.label: {key: simulate_policy(point, policy, advance, store)
-                          for key, policy, store in point.spec.variants()}
-            for point in points}
+    run with the store (SimSpec.variants).
+
+    With `jobs` > 1 up to that many runs go at once, each in a process of its own (a run
+    is one thread of Python, so a sweep of many runs gains a core per job); every result
+    is the one the run gives alone, and `advance` then moves a whole run at a time."""
+    if jobs < 1:
+        raise SimUsageError(f"jobs must be at least 1, got {jobs}")
+    runs = [(point, key, policy, store) for point in points for key, policy, store in point.spec.variants()]
+    if jobs == 1 or len(runs) == 1:
+        summaries = [simulate_policy(point, policy, advance, store) for point, _, policy, store in runs]
+    else:
+        summaries = _simulate_in_processes([(point, policy, store) for point, _, policy, store in runs],
+                                           advance, jobs)
+    results: dict[str, dict] = {}
+    for (point, key, _, _), summary in zip(runs, summaries, strict=True):
+        results.setdefault(point.label, {})[key] = summary
+    return results
+
+
+def _simulate_in_processes(runs: Sequence[tuple[Point, str, bool]], advance: Callable[[int], object] | None,
+                           jobs: int) -> list[dict]:
+    """simulate_policy of each run in a pool of `jobs` processes, in the order given.
+
+    Spawned, not forked: a fork would copy the caller's threads' locks mid-use (a progress
+    bar's, a logger's). The points and summaries pass between this process and its own
+    children through the pool's pipes (pickled, as multiprocessing does); nothing here
+    crosses a socket or comes from another program."""
+    summaries: dict[int, dict] = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
+        pending = {pool.submit(simulate_policy, point, policy, None, store): index
+                   for index, (point, policy, store) in enumerate(runs)}
+        for done in concurrent.futures.as_completed(pending):
+            index = pending[done]
+            summaries[index] = done.result()
+            if advance is not None:
+                advance(len(runs[index][0].requests))
+    return [summaries[index] for index in range(len(runs))]
 
 
 def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] | None = None,

@@ -27,7 +27,7 @@ def test_a_small_sweep_runs_each_group_once_and_writes_the_table_and_plot(tmp_pa
     out, table, figure = tmp_path / "runs", tmp_path / "table.md", tmp_path / "sweep.png"
     arguments = ["--out", str(out), "--workloads", "toolbench", "--loads", "0.8,2", "--seeds", "0",
                  "--workers", "2", "--profile", "", "--num-requests", "30", "--baselines", "lpm,round_robin",
-                 "--markdown", str(table), "--plot", str(figure)]
+                 "--jobs", "2", "--markdown", str(table), "--plot", str(figure)]
     status = sweep.main(arguments)
     runs = sorted(path.name for path in out.iterdir())
     assert runs == ["toolbench_s0_baselines.json", "toolbench_s0_cost_aware.json"]

@@ -88,6 +88,23 @@ def test_a_sweep_prints_a_table_per_value_writes_plots_and_one_json_object(tmp_p
     assert all((tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG") for name in pngs)
 
 
+def without_speed(line: dict) -> dict:
+    """A sweep's JSON line less each run's own speed (wall seconds differ run to run)."""
+    return {value: {key: {part: summary for part, summary in run.items() if part != "simulation"}
+                    for key, run in by_key.items()}
+            for value, by_key in line["values"].items()}
+
+
+def test_runs_in_parallel_processes_give_the_results_of_runs_in_one():
+    args = [*SMALL, "--policy", "round_robin,lpm,e2", "--sweep", "load=0.5,2", "--json"]
+    alone, parallel = (last_json(run_sim(*args, "--jobs", jobs)) for jobs in ("1", "3"))
+    assert list(parallel["values"]) == ["0.5", "2"]
+    assert [list(by_key) for by_key in parallel["values"].values()] == [["round_robin", "lpm", "e2"]] * 2
+    assert json.dumps(without_speed(parallel)) == json.dumps(without_speed(alone))  # the same, in the same order
+    for by_policy in parallel["values"].values():
+        check_policies(by_policy, ["round_robin", "lpm", "e2"], "toolbench", 60)
+
+
 def test_sweeping_workers_needs_no_workers_option():
     args = ["--workload", "toolbench", "--num-requests", "30", "--scale", "0.2", "--policy", "e2",
             "--sweep", "workers=1,3", "--json"]
@@ -141,6 +158,7 @@ def test_a_rate_rescales_a_trace_and_num_requests_takes_a_prefix(tmp_path):
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--sweep", "workers=2,2.5"],
      "not an integer"),
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--plot", "out"], "--plot draws a sweep"),
+    (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--jobs", "0"], "--jobs"),
     (["--workload", "chat", "--workers", "1", "--policy", "e2", "--zipf", "1.2"], "the chat workload takes"),
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--option", "tools"], "expected KEY=VALUE"),
     (["--workload", "toolbench", "--workers", "1", "--policy", "e2", "--time-scale", "2"], "trace arrivals only"),
