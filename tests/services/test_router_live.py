@@ -13,6 +13,7 @@ from common.protocol import Status, StatusRequest, encode
 from services.client import AsyncClient, Client, Rejected
 from services.local_cluster import REPO, child_env
 from tests.services.test_faults import answer, raw_dealer
+from tests.services.test_router_store_live import metric
 
 PREFIX_TOKENS = 512  # 32 blocks: well over half of each prompt, so e2 exploits the holder
 SLO = {"ttft_s": 3.0, "tpot_s": 1.0}
@@ -69,6 +70,11 @@ def test_repeats_land_where_their_prefix_is_cached(e2_cluster):
                 assert repeat.num_cached_tokens >= PREFIX_TOKENS, (family, request)
         routed = {w.worker_id: w for w in client.status().workers}
     assert len(routed) == 3
+    # Each placement's time in the router is on its /metrics (port_base + 3, as /health).
+    placed = metric(e2_cluster.port_base + 3, "baton_router_requests_total", outcome="placed")
+    assert placed >= 12  # this test's, and any of the module's tests before it
+    assert metric(e2_cluster.port_base + 3, "baton_router_placement_seconds_count") == placed
+    assert 0 < metric(e2_cluster.port_base + 3, "baton_router_placement_seconds_sum") < placed * 0.05
 
 
 def test_with_one_family_flooding_the_others_still_land_and_complete(e2_cluster):
