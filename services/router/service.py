@@ -65,7 +65,7 @@ from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
-# From 10 µs (a placement at bench_router's pace) to 50 ms (one stalled behind a burst of events).
+# 10 µs to 50 ms: a placement takes ~0.1 ms at bench_router's sizes (docs/router.md §8), more behind a burst of events.
 PLACEMENT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05)
 MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
 # What each role may send the router; with CURVE off no role is proven and all may.
