@@ -122,7 +122,8 @@ def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_
 
     cluster = start_cluster(tiny_model_dir, kvstore=True,
                             extra=["--kv-cache-gb", "0.05", "--max-model-len", "1024", "--kvstore-dram-gb", "0.01",
-                                   "--kvstore-ssd-dir", str(tmp_path / "ssd"), "--kvstore-ssd-gb", "0.01"])
+                                   "--kvstore-ssd-dir", str(tmp_path / "ssd"), "--kvstore-ssd-gb", "0.01",
+                                   "--profile", "tiny-cpu"])  # no node profile to measure first
     try:
         health = cluster.kvstore_health()
         assert health["ok"] and health["blocks"] == 0
@@ -137,14 +138,16 @@ def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_
 
 def test_svc_up_prices_with_this_nodes_engine_measured_once(tiny_model_dir, tmp_path):
     """Without --profile, `svc up` measures the engine with the workers' settings, keeps
-    the profile in the cache, and hands it to the router; the next start reuses it."""
+    the profile in the cache, and hands it to the router; the next start reuses it.
+    float32: a CPU without native bf16 (AVX-512 BF16, AMX) measures bf16 for minutes."""
     from services.eval.profiler import node_profile_path
     from services.local_cluster import start_cluster
 
-    measured = node_profile_path(tmp_path, tiny_model_dir, "bfloat16", "cpu", 1)
+    measured = node_profile_path(tmp_path, tiny_model_dir, "float32", "cpu", 1)
     for start in ("first", "second"):
         cluster = start_cluster(tiny_model_dir, extra=["--kv-cache-gb", "0.05", "--max-model-len", "1024",
-                                                       "--threads", "1"], env={"BATON_CACHE_DIR": str(tmp_path)})
+                                                       "--threads", "1", "--dtype", "float32"],
+                                env={"BATON_CACHE_DIR": str(tmp_path)})
         try:
             text = "".join(cluster.lines)
             ready = [json.loads(line) for line in cluster.lines
