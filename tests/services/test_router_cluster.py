@@ -608,21 +608,26 @@ def utilization_by_loop(cluster: ClusterState, now: float) -> float:
 
 def added_latency_by_loop(request, cluster: ClusterState, now: float) -> dict[str, float]:
     """cost_aware's added_latency_s as a plain loop over the workers computes it."""
-    from services.router.policies.cost_aware import added_decode_step_s, recompute_weight
+    from services.router.policies.cost_aware import added_decode_step_s, recompute_weight, tail_weight
 
     blocks = -(-request.num_tokens // cluster.block_size)
     prefill = {w: cluster.prefill_s(request, w) for w in cluster.worker_ids}
     least_prefill_s = min(prefill.values(), default=0.0)
     weight = recompute_weight(cluster.prefill_utilization(now))
     queue_weight = 1.0 + weight * (1.0 - request.best_cached_tokens / max(request.num_tokens, 1))
+    fastest_step_s = min((cluster.tpot_s(request, w) for w in cluster.worker_ids), default=0.0)
     costs = {}
     for w in cluster.worker_ids:
         worker, prefill_s = cluster.workers[w], prefill[w]
         batch = len(worker.in_flight)
         step_s = added_decode_step_s(cluster.cost.decode, batch, worker.prompt_tokens_sum, request.num_tokens)
         waited_s = max(0.0, prefill_s - cluster.cost.prefill.a)
-        cost = queue_weight * cluster.queue_s(w, now) + prefill_s + batch * waited_s \
-            + cluster.expected_output(request) * step_s + weight * (prefill_s - least_prefill_s)
+        decode_s = cluster.expected_output(request) * step_s
+        if cluster.queue_s(w, now) > 0.0:
+            cost = queue_weight * cluster.queue_s(w, now) + prefill_s + batch * waited_s + decode_s
+        else:
+            cost = prefill_s + batch * waited_s + decode_s * tail_weight(cluster.tpot_s(request, w), fastest_step_s)
+        cost += weight * (prefill_s - least_prefill_s)
         if cluster.free_blocks[w] < blocks - request.matched.get(w, 0):
             cost += cluster.eviction_cost_s(request, w, now, per_hit=False)
         costs[w] = cost

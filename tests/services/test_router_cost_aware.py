@@ -16,6 +16,7 @@ from services.router.policies.cost_aware import (
     added_decode_step_s,
     added_latency_s,
     recompute_weight,
+    tail_weight,
 )
 from services.router.policies.e2 import E2
 from tests.services.test_router_policy import BLOCK, ROOT, cache, tokens
@@ -198,6 +199,61 @@ def test_a_busy_batch_costs_its_sequences_the_prefill_and_the_slower_step():
     costs = added_latency_s(request, cluster, 0.0)
     assert costs["a"] - costs["b"] > 20 * (cluster.prefill_s(request, "a") - cluster.cost.prefill.a)
     assert first(cluster, tokens(1, 64), max_tokens=64) == "b"
+
+
+def decoding(cluster: ClusterState, worker_id: str, sequences: int) -> None:
+    """`sequences` 64-token prompts placed on the worker, decoding (no queue)."""
+    for index in range(sequences):
+        request = request_for(cluster, tokens(10_000 + index, 64), request_id=f"{worker_id}-{index}")
+        cluster.place(request, worker_id, 0.0)
+    queued(cluster, worker_id, 0.0)
+
+
+def test_a_hot_prefix_leaves_a_holder_whose_step_is_the_slowest_sooner_than_the_sum_alone_would():
+    """A burst's hot prefix on a holder decoding 24 sequences, beside a worker decoding 8,
+    neither with a queue: moving the request stalls those 8 for its whole prefill, staying
+    slows the holder's 24 a little each step. The sum of latencies picks the holder; the
+    decode terms there weigh t = T_holder / T_other (the requests nearest the tail are the
+    ones slowed), and the request goes to the other worker."""
+    cluster = cluster_of("holder", "other", flat_decode=False)
+    shared = tokens(1, 2048)
+    cache(cluster, "holder", shared)
+    decoding(cluster, "holder", 24)
+    decoding(cluster, "other", 8)
+    prompt = np.concatenate([shared, tokens(2, 32)])
+    request = request_for(cluster, prompt, max_tokens=16)
+    weight = tail_weight(cluster.tpot_s(request, "holder"), cluster.tpot_s(request, "other"))
+    assert weight > 1.0
+    holder = cluster.workers["holder"]
+    decode_s = cluster.censored_expected_output(request, 0.0) * added_decode_step_s(
+        cluster.cost.decode, 24, holder.prompt_tokens_sum, request.num_tokens)
+    costs = added_latency_s(request, cluster, 0.0)
+    assert costs["holder"] - (weight - 1.0) * decode_s < costs["other"] < costs["holder"]  # the weight decides
+    assert first(cluster, prompt, max_tokens=16) == "other"
+
+    # With prefills queued on the holder its queue terms price the overload, and the
+    # decode terms there weigh 1
+    queue_s = 0.001
+    queued(cluster, "holder", queue_s)
+    request = request_for(cluster, prompt, max_tokens=16)
+    queue_weight = 1.0 + recompute_weight(cluster.prefill_utilization(0.0)) * (
+        1.0 - request.best_cached_tokens / request.num_tokens)
+    queued_costs = added_latency_s(request, cluster, 0.0)
+    assert abs(queued_costs["holder"] - costs["holder"] - (queue_weight * queue_s - (weight - 1.0) * decode_s)) < 1e-9
+    assert queued_costs["other"] == costs["other"]
+
+
+def test_the_tail_weight_is_the_step_over_the_fastest_and_at_least_one():
+    assert tail_weight(0.05, 0.05) == 1.0 and tail_weight(0.04, 0.05) == 1.0
+    assert tail_weight(0.375, 0.25) == 1.5 and tail_weight(0.5, 0.125) == 4.0
+    assert tail_weight(0.05, 0.0) == 1.0  # a profile without a step time weighs nothing
+    # Equal batches weigh alike: the weight orders only workers whose steps differ
+    cluster = cluster_of("a", "b", flat_decode=False)
+    decoding(cluster, "a", 10)
+    decoding(cluster, "b", 10)
+    request = request_for(cluster, tokens(3, 64), max_tokens=16)
+    costs = added_latency_s(request, cluster, 0.0)
+    assert costs["a"] == costs["b"]
 
 
 def test_eviction_is_priced_where_the_prompt_does_not_fit():
