@@ -86,7 +86,8 @@ class ClusterConfig(EngineSettings):
     step_log_dir: str = setting("", "each worker appends its engine steps (sizes, seconds) to "
                                 "DIR/worker-N.steps.jsonl (default: off)", check=NEW_OR_DIRECTORY)
 
-    policy: str = setting("round_robin", "how the router places requests", choices=ROUTER_POLICIES)
+    policy: str = setting("cost_aware", "how the router places requests (docs/router.md §4)",
+                          choices=ROUTER_POLICIES)
     heartbeat_interval_s: float = setting(0.5, "how often workers report", check=POSITIVE)
     worker_timeout_s: float = setting(3.0, "a worker silent this long is dropped", check=POSITIVE)
     worker_stall_timeout_s: float = setting(30.0, "a worker whose loop has not turned this long stops "

@@ -23,7 +23,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_need_no_file_and_ignore_unrelated_environment():
     config = load_config(env={"HOME": "/root", "BATON": "x"})
     assert config == ClusterConfig()
-    assert (config.port_base, config.policy, config.api_keys) == (7100, "round_robin", {})
+    assert (config.port_base, config.policy, config.api_keys) == (7100, "cost_aware", {})
 
 
 def test_each_source_overrides_the_one_before(tmp_path):

@@ -139,7 +139,7 @@ def check_summary(results: dict, key: str, sent: int) -> None:
 
 def test_bench_through_the_sdk_reports_every_request_under_the_router_policy(cluster):
     results = bench_json("--address", cluster.sdk)
-    check_summary(results, "round_robin", 20)
+    check_summary(results, "cost_aware", 20)  # the default policy
 
 
 def test_bench_through_the_http_api_reports_every_request(cluster):
