@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.cost_model import CostModel, StorePricing
+from common.cost_model import CostModel, LatencyFit, StorePricing
 from services.router.index import BlockKeys, BlockNode, Credit, PrefixIndex, window_hits
 from services.router.ranking import Ranking
 
@@ -132,6 +131,18 @@ class EvictionSample:
         return cumulative[to_evict - 1]
 
 
+class Fit:
+    """A LatencyFit's T(n, ctx) as compiled code: the router prices a prefill or a decode
+    step several times a decision, and the fit's own call runs in the interpreter. The
+    same terms summed in the same order, so the same doubles."""
+
+    def __init__(self, fit: LatencyFit):
+        self.a, self.b, self.c, self.d, self.e = float(fit.a), float(fit.b), float(fit.c), float(fit.d), float(fit.e)
+
+    def at(self, n: float, ctx: float) -> float:
+        return self.a + self.b * n + self.c * ctx + self.d * n * ctx + self.e * n * n
+
+
 @dataclass(slots=True)
 class WorkerState:
     worker_id: str
@@ -167,6 +178,7 @@ class ClusterState:
         prefill runs in chunks and is priced so (0: as one step)."""
         self.block_size = block_size
         self.cost = cost
+        self.prefill_fit, self.decode_fit = Fit(cost.prefill), Fit(cost.decode)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.store = store
         self.window_s = window_s
@@ -175,26 +187,28 @@ class ClusterState:
         self.worker_ids: list[str] = []  # sorted, for reproducible tie-breaks
         self.current_loads: dict[str, float] = {}  # load_s of each worker, kept current
         self.free_blocks: dict[str, int] = {}  # each worker's free_blocks, kept current
-        # current_loads and free_blocks again as flat arrays by worker slot (its place in
-        # self.workers): a decision reads them whole, and 64 doubles in a row are a few cache
-        # lines where 64 dict entries and their objects, scattered by the events between
-        # decisions, are 200 misses. `by_id` lists the slots in worker_ids order, for ranking
-        # (None while that is the slots' own order, as when workers join in id order).
+        # current_loads and free_blocks again as lists by worker slot (its place in
+        # self.workers): a decision reads them whole, 64 items in a row where 64 dict entries,
+        # scattered by the events between decisions, are 200 cache misses. Lists, not arrays:
+        # compiled code reads a list's float or int in place, where an array item is a generic
+        # call that makes a new object per read (docs/router.md §8.10). `by_id` lists the
+        # slots in worker_ids order, for ranking (None while that is the slots' own order, as
+        # when workers join in id order).
         self.slots: dict[str, int] = {}
         self.slot_ids: list[str] = []
-        self.load_array = array("d")
-        self.free_array = array("q")
+        self.loads_by_slot: list[float] = []
+        self.free_by_slot: list[int] = []
         self.by_id: list[int] | None = None
         self.rank_by_slot: list[int] = []
         # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
         # when empty), for prefill_utilization; its requests in flight and their prompt
         # tokens (len(in_flight), prompt_tokens_sum), for cost_aware.
-        self.window_prefill = array("d")
-        self.window_starts = array("d")
-        self.batch_array = array("q")
-        self.context_array = array("q")
-        self.idle_array = array("d")  # idle_since by slot, for cost_aware's wake price
-        self.prefill_free_array = array("d")  # prefill_free_at by slot, for cost_aware's queue term
+        self.window_prefill: list[float] = []
+        self.window_starts: list[float] = []
+        self.batch_by_slot: list[int] = []
+        self.context_by_slot: list[int] = []
+        self.idle_by_slot: list[float] = []  # idle_since by slot, for cost_aware's wake price
+        self.prefill_free_by_slot: list[float] = []  # prefill_free_at by slot, for cost_aware's queue term
         self.loads_expired_at = -float("inf")
         self.placements: dict[str, Placement] = {}
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_OUTPUTS)
@@ -218,17 +232,17 @@ class ClusterState:
     # ---- membership and reports --------------------------------------------------------
 
     def _reslot(self) -> None:
-        """Rebuild the arrays by slot after a worker joined or left."""
+        """Rebuild the lists by slot after a worker joined or left."""
         self.slot_ids = list(self.workers)
         self.slots = {worker_id: slot for slot, worker_id in enumerate(self.slot_ids)}
-        self.load_array = array("d", [self.current_loads[w] for w in self.slot_ids])
-        self.free_array = array("q", [self.free_blocks[w] for w in self.slot_ids])
-        self.window_prefill = array("d", [self.workers[w].window_prefill_s for w in self.slot_ids])
-        self.window_starts = array("d", [self._window_start(self.workers[w]) for w in self.slot_ids])
-        self.batch_array = array("q", [len(self.workers[w].in_flight) for w in self.slot_ids])
-        self.context_array = array("q", [self.workers[w].prompt_tokens_sum for w in self.slot_ids])
-        self.idle_array = array("d", [self.workers[w].idle_since for w in self.slot_ids])
-        self.prefill_free_array = array("d", [self.workers[w].prefill_free_at for w in self.slot_ids])
+        self.loads_by_slot = [self.current_loads[w] for w in self.slot_ids]
+        self.free_by_slot = [self.free_blocks[w] for w in self.slot_ids]
+        self.window_prefill = [self.workers[w].window_prefill_s for w in self.slot_ids]
+        self.window_starts = [self._window_start(self.workers[w]) for w in self.slot_ids]
+        self.batch_by_slot = [len(self.workers[w].in_flight) for w in self.slot_ids]
+        self.context_by_slot = [self.workers[w].prompt_tokens_sum for w in self.slot_ids]
+        self.idle_by_slot = [self.workers[w].idle_since for w in self.slot_ids]
+        self.prefill_free_by_slot = [self.workers[w].prefill_free_at for w in self.slot_ids]
         by_id = [self.slots[w] for w in self.worker_ids]
         self.by_id = None if by_id == sorted(by_id) else by_id
         self.rank_by_slot = [0] * len(by_id)  # each slot's place among the sorted ids, for ranking()
@@ -237,11 +251,11 @@ class ClusterState:
 
     def _set_load(self, worker_id: str, load_s: float) -> None:
         self.current_loads[worker_id] = load_s
-        self.load_array[self.slots[worker_id]] = load_s
+        self.loads_by_slot[self.slots[worker_id]] = load_s
 
     def _set_free(self, worker_id: str, free: int) -> None:
         self.free_blocks[worker_id] = free
-        self.free_array[self.slots[worker_id]] = free
+        self.free_by_slot[self.slots[worker_id]] = free
 
     def add_worker(self, worker_id: str, kv_blocks_total: int) -> None:
         self.workers[worker_id] = WorkerState(worker_id, kv_blocks_total)
@@ -363,7 +377,7 @@ class ClusterState:
             worker.new_blocks_sum -= placement.new_blocks
             self._update_decode_work(worker)
             if now is not None and not worker.in_flight:
-                worker.idle_since = self.idle_array[self.slots[worker.worker_id]] = now
+                worker.idle_since = self.idle_by_slot[self.slots[worker.worker_id]] = now
         if output_tokens:
             self._note_output(output_tokens)
         return placement
@@ -398,7 +412,7 @@ class ClusterState:
             batch = len(worker.in_flight)
             if not batch:
                 continue
-            step_s = self.cost.decode_step_s(batch, worker.prompt_tokens_sum / batch)
+            step_s = self.decode_fit.at(batch, worker.prompt_tokens_sum / batch)  # cost.decode_step_s
             for placement in worker.in_flight.values():
                 decoding_s = now - placement.placed_at - placement.predicted_ttft_s
                 made.append(int(decoding_s / step_s) if decoding_s > 0.0 else 0)
@@ -449,7 +463,7 @@ class ClusterState:
     def load_order(self, now: float) -> list[str]:
         """Every worker id by ascending loads(now), ties by id (as ranked() orders them)."""
         self.loads(now)
-        return self.order_by(self.load_array)
+        return self.order_by(self.loads_by_slot)
 
     def order_by(self, values: Sequence[float], then: Sequence[float] | None = None) -> list[str]:
         """Worker ids by ascending `values` (one per slot), ties by `then` (if given), then
@@ -470,13 +484,13 @@ class ClusterState:
         """`values`, one per slot, in worker_ids' order."""
         if self.by_id is not None:
             return [values[slot] for slot in self.by_id]
-        return values.tolist() if isinstance(values, array) else values  # an array makes a float per read
+        return values
 
     def _explore_costs_before_eviction(self, request: Request, now: float) -> tuple[list[float], list[int]]:
         """By slot (in self.workers' order), explore_costs' L + P, and the slots where M is
         priced (the prompt needs more blocks than the worker has free)."""
         self.loads(now)
-        loads = self.load_array
+        loads = self.loads_by_slot
         cold_prefill_s = self.held_prefill_s(request, 0)
         costs = [load + cold_prefill_s for load in loads]
         slots = self.slots
@@ -489,18 +503,18 @@ class ClusterState:
                     prefill_s = prefill_by_held[held] = self.held_prefill_s(request, held)
                 costs[slot] = loads[slot] + prefill_s
         blocks = -(-request.num_tokens // self.block_size)
-        return costs, [slot for slot, free in enumerate(self.free_array) if free < blocks]
+        return costs, [slot for slot, free in enumerate(self.free_by_slot) if free < blocks]
 
     def _update_decode_work(self, worker: WorkerState) -> None:
         """Σ over requests in flight of expected output × the batch's TPOT (docs/router.md §3).
         Called on every change of the worker's requests in flight: it copies their count
-        and prompt tokens where the arrays by slot keep them."""
+        and prompt tokens where the lists by slot keep them."""
         batch = len(worker.in_flight)
         slot = self.slots[worker.worker_id]
-        self.batch_array[slot] = batch
-        self.context_array[slot] = worker.prompt_tokens_sum
-        worker.decode_work_s = worker.expected_output_sum * self.cost.decode_step_s(
-            batch, worker.prompt_tokens_sum / batch) if batch else 0.0
+        self.batch_by_slot[slot] = batch
+        self.context_by_slot[slot] = worker.prompt_tokens_sum
+        worker.decode_work_s = worker.expected_output_sum * self.decode_fit.at(
+            batch, worker.prompt_tokens_sum / batch) if batch else 0.0  # cost.decode_step_s
         self._set_load(worker.worker_id, worker.window_prefill_s + worker.decode_work_s)
 
     def _note_output(self, output_tokens: int) -> None:
@@ -540,12 +554,14 @@ class ClusterState:
         in 8,192-token chunks take 8.70 s on a6000/mistral-7b, where one step would take
         5.66 s (docs/router.md §3)."""
         chunk = self.prefill_chunk_tokens
+        if new_tokens <= 0:  # as cost.prefill_s, which this computes by prefill_fit
+            return 0.0
         if not chunk or new_tokens <= chunk:
-            return self.cost.prefill_s(new_tokens, cached_tokens)
+            return self.prefill_fit.at(new_tokens, cached_tokens)
         total_s, start, end = 0.0, cached_tokens, cached_tokens + new_tokens
         while start < end:
             size = min(chunk, end - start)
-            total_s += self.cost.prefill_s(size, start)
+            total_s += self.prefill_fit.at(size, start)
             start += size
         return total_s
 
@@ -567,10 +583,10 @@ class ClusterState:
         (their predicted seconds over the window's span, shorter while the first window
         fills), below 1."""
         busy_s = 0.0
-        for prefill_s in self.window_prefill.tolist():  # summed in the workers' order
+        for prefill_s in self.window_prefill:  # summed in the workers' order
             busy_s += prefill_s
         start = now
-        for window_start in self.window_starts.tolist():
+        for window_start in self.window_starts:
             if window_start < start:
                 start = window_start
         span_s = max(1.0, min(self.window_s, now - start)) * max(1, len(self.workers))
@@ -616,13 +632,13 @@ class ClusterState:
 
     def set_prefill_free_at(self, worker_id: str, free_at: float) -> None:
         """The queue model: the prefills placed on the worker are done at `free_at`."""
-        self.workers[worker_id].prefill_free_at = self.prefill_free_array[self.slots[worker_id]] = free_at
+        self.workers[worker_id].prefill_free_at = self.prefill_free_by_slot[self.slots[worker_id]] = free_at
 
     def tpot_s(self, request: Request, worker_id: str) -> float:
         """The decode step time of the batch this request would join."""
         worker = self.workers[worker_id]
         batch = len(worker.in_flight) + 1
-        return self.cost.decode_step_s(batch, (worker.prompt_tokens_sum + request.num_tokens) / batch)
+        return self.decode_fit.at(batch, (worker.prompt_tokens_sum + request.num_tokens) / batch)  # cost.decode_step_s
 
     def eviction_cost_s(self, request: Request, worker_id: str, now: float, per_hit: bool = True) -> float:
         """M: recompute seconds that placing the request would cause, weighted by how often

@@ -643,11 +643,11 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
 
     assert cluster.slot_ids == list(cluster.workers)
     loads = cluster.loads(now)
-    assert list(cluster.load_array) == [loads[w] for w in cluster.slot_ids]
-    assert list(cluster.free_array) == [cluster.free_blocks[w] for w in cluster.slot_ids]
-    assert list(cluster.batch_array) == [len(cluster.workers[w].in_flight) for w in cluster.slot_ids]
-    assert list(cluster.context_array) == [cluster.workers[w].prompt_tokens_sum for w in cluster.slot_ids]
-    assert list(cluster.prefill_free_array) == [cluster.workers[w].prefill_free_at for w in cluster.slot_ids]
+    assert list(cluster.loads_by_slot) == [loads[w] for w in cluster.slot_ids]
+    assert list(cluster.free_by_slot) == [cluster.free_blocks[w] for w in cluster.slot_ids]
+    assert list(cluster.batch_by_slot) == [len(cluster.workers[w].in_flight) for w in cluster.slot_ids]
+    assert list(cluster.context_by_slot) == [cluster.workers[w].prompt_tokens_sum for w in cluster.slot_ids]
+    assert list(cluster.prefill_free_by_slot) == [cluster.workers[w].prefill_free_at for w in cluster.slot_ids]
     added = added_latency_s(request, cluster, now)
     assert added == added_latency_by_loop(request, cluster, now)
     chosen = make_policy("cost_aware").choose(request, cluster, now)

@@ -50,6 +50,7 @@ reaches the worker (the other terms bound its cost from below; docs/router.md §
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 from common.cost_model import LatencyFit
@@ -87,7 +88,7 @@ class CostAware(StatelessFeedback):
         # is priced only for the workers the order reaches (an eviction costs nothing
         # less than 0, so the other terms bound the cost from below).
         cluster.loads(now)
-        return cluster.ranking(bounds, cluster.load_array, evicting, price)
+        return cluster.ranking(bounds, cluster.loads_by_slot, evicting, price)
 
 
 def added_latency_s(request: Request, cluster: ClusterState, now: float) -> dict[str, float]:
@@ -120,7 +121,7 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
             helds[slot] = held
     step_s = cluster.cost.prefill.a  # a step's fixed cost: paid by the decode step the prefill joins
     prefill_by_held = {held: cluster.held_prefill_s(request, held) for held in set(helds)}
-    least_prefill_s = min(prefill_by_held.values(), default=0.0)
+    least_prefill_s = _least(prefill_by_held.values())
     weight = recompute_weight(cluster.prefill_utilization(now))
     queue_weight = 1.0 + weight * (1.0 - request.best_cached_tokens / max(request.num_tokens, 1))
     # Per held depth: the prefill, what each sequence in flight waits of it, its charge.
@@ -130,11 +131,9 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
     decode = cluster.cost.decode
     a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
     prompt = request.num_tokens
-    # The arrays as lists, one C call each: compiled, reading an array by item is a generic call per item.
-    batches, contexts = cluster.batch_array.tolist(), cluster.context_array.tolist()
-    free_ats = cluster.prefill_free_array.tolist()
+    batches, contexts, free_ats = cluster.batch_by_slot, cluster.context_by_slot, cluster.prefill_free_by_slot
     steps = [_joined_step_s(a, b, c, d, e, batch, context, prompt) for batch, context in zip(batches, contexts)]
-    fastest_step_s = min(steps, default=0.0)
+    fastest_step_s = _least(steps)
     costs = []
     cold = terms.get(0, (0.0, 0.0, 0.0))  # a worker holding none of it: most of them, one lookup
     for slot in range(len(helds)):
@@ -149,7 +148,7 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
             costs.append(prefill_s + batch * waited_s + decode_s * tail_weight(steps[slot], fastest_step_s)
                          + charge_s)
     blocks = -(-request.num_tokens // cluster.block_size)
-    evicting = [slot for slot, free in enumerate(cluster.free_array.tolist()) if free < blocks - helds[slot]]
+    evicting = [slot for slot, free in enumerate(cluster.free_by_slot) if free < blocks - helds[slot]]
     return costs, evicting
 
 
@@ -159,8 +158,18 @@ def wake_costs(cluster: ClusterState, now: float) -> dict[int, float]:
     cost = cluster.cost
     if not cost.wake:
         return {}
-    return {slot: cost.wake_s(now - idle_since) for slot, idle_since in enumerate(cluster.idle_array)
-            if not cluster.batch_array[slot]}
+    return {slot: cost.wake_s(now - idle_since) for slot, idle_since in enumerate(cluster.idle_by_slot)
+            if not cluster.batch_by_slot[slot]}
+
+
+def _least(values: Iterable[float]) -> float:
+    """min(values, default=0.0) without its call by keyword, which compiled code makes
+    generic (the same comparisons, so the same float)."""
+    least, found = 0.0, False
+    for value in values:
+        if not found or value < least:
+            least, found = value, True
+    return least
 
 
 def recompute_weight(utilization: float) -> float:
