@@ -3,13 +3,15 @@ eviction cost (docs/router.md §3, docs/evaluation.md §1), on constructed state
 import numpy as np
 import pytest
 
-from common.cost_model import TINY_CPU
+from common.cost_model import TINY_CPU, LatencyFit
 from common.hashing import chain_hashes, root_hash
+from common.profiles import analytic_profile
 from services.router.cluster import (
     CENSORED_REFRESH_S,
     RECENT_OUTPUTS,
     ClusterState,
     EvictionSample,
+    Fit,
     kaplan_meier_median,
 )
 
@@ -33,6 +35,19 @@ def cache(cluster: ClusterState, worker_id: str, prompt: np.ndarray, now: float 
     hashes = chain_hashes(ROOT, prompt, BLOCK)
     cluster.kv_stored(worker_id, hashes, now)
     return hashes
+
+
+# ---- the compiled fit -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fit", [TINY_CPU.prefill, TINY_CPU.decode, LatencyFit(2, 3, 0, 1, 0),
+                                 analytic_profile("h100/llama-3-70b").prefill])
+def test_fit_prices_exactly_as_the_cost_model(fit: LatencyFit):
+    """The router prices fits through Fit: every double must be the cost model's, or the
+    simulator's results and the bench's digests would drift (integer terms included)."""
+    compiled = Fit(fit)
+    for n, ctx in [(1, 0), (7, 3.5), (8192, 0), (4096, 12288), (63, 1234.75), (1, 1e6)]:
+        assert compiled.at(n, ctx) == fit(n, ctx)
 
 
 # ---- prepare ----------------------------------------------------------------------------
