@@ -328,12 +328,19 @@ class PrefixIndex:
         self.name_credits()
         nodes = self.nodes
         known = nodes.get
-        held = []
+        held: list[BlockNode] = []
+        node: BlockNode | None = None
         for block_hash in block_hashes:
-            node = known(block_hash)
-            if node is None:
-                node = nodes[block_hash] = BlockNode(block_hash)
-            held.append(node)
+            # An event names a chain, parent first, so a block is most often the previous
+            # block's one child: read there, it costs no probe of the table of every node
+            # (a few cold reads each). A linked child is always that table's node.
+            child = node.children if node is not None else None
+            if child is None or isinstance(child, dict) or child.block_hash != block_hash:
+                child = known(block_hash)
+                if child is None:
+                    child = nodes[block_hash] = BlockNode(block_hash)
+            held.append(child)
+            node = child
         self._hold(worker_id, held, now)
 
     def _hold(self, worker_id: str, held: list[BlockNode], now: float) -> None:
