@@ -105,6 +105,38 @@ def test_a_shorter_prompt_walks_only_its_full_blocks():
     assert index.walk(ROOT, as_bytes(prompt[:BLOCK - 1])) == []
 
 
+def test_a_stored_event_holds_the_named_nodes_down_linked_and_branching_chains():
+    """stored() reads a block from its predecessor's child where it can: along a linked
+    chain, past a branch (a node with two children), and for blocks never linked, it
+    must hold exactly the index's node of each hash and leave one node per hash."""
+    index = PrefixIndex(BLOCK)
+    shared = tokens(1, 6 * BLOCK)
+    left = np.concatenate([shared, tokens(2, 5 * BLOCK)])
+    right = np.concatenate([shared, tokens(3, 5 * BLOCK)])
+    for worker_id, prompt in (("a", left), ("b", right)):  # credits, named and linked by the walks
+        keys = as_bytes(prompt)
+        index.expect(worker_id, ROOT, keys, index.walk(ROOT, keys), 0, 0.0)
+    index.name_credits()
+    branch = index.nodes[hashes(shared)[-1]]
+    assert isinstance(branch.children, dict) and len(branch.children) == 2
+    unlinked = hashes(tokens(4, 3 * BLOCK), root=hashes(right)[-1])  # hashes only, never walked
+    skip = hashes(shared)[:3] + unlinked[1:2]  # a block whose predecessor's one child is another
+    events = [("c", hashes(left)), ("c", hashes(right)), ("c", hashes(right)[4:] + unlinked), ("d", unlinked),
+              ("e", skip)]
+    for worker_id, event in events:
+        index.stored(worker_id, event, 1.0)
+    named = hashes(left) + hashes(right)[6:] + unlinked
+    assert len(index) == len(set(named)) == len(named)
+    for block_hash in named:
+        node = index.nodes[block_hash]
+        assert node.block_hash == block_hash
+    assert {h for h, node in index.nodes.items() if "c" in node.holders} == set(named)
+    assert {h for h, node in index.nodes.items() if "d" in node.holders} == set(unlinked)
+    assert {h for h, node in index.nodes.items() if "e" in node.holders} == set(skip)
+    assert match(index, right) == {"a": 6, "b": 11, "c": 11, "e": 3}
+    assert match(index, left) == {"a": 11, "b": 6, "c": 11, "e": 3}
+
+
 # ---- match ----------------------------------------------------------------------------
 
 
