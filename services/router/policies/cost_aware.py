@@ -132,7 +132,8 @@ def costs_before_eviction(request: Request, cluster: ClusterState, now: float) -
     a, b, c, d, e = decode.a, decode.b, decode.c, decode.d, decode.e
     prompt = request.num_tokens
     batches, contexts, free_ats = cluster.batch_by_slot, cluster.context_by_slot, cluster.prefill_free_by_slot
-    steps = [_joined_step_s(a, b, c, d, e, batch, context, prompt) for batch, context in zip(batches, contexts)]
+    fit = cluster.decode_fit  # T(n+1) at the mean context with the prompt joined, as ClusterState.tpot_s
+    steps = [fit.at(batch + 1, (context + prompt) / (batch + 1)) for batch, context in zip(batches, contexts)]
     fastest_step_s = _least(steps)
     costs = []
     cold = terms.get(0, (0.0, 0.0, 0.0))  # a worker holding none of it: most of them, one lookup
@@ -210,11 +211,3 @@ def _added_step_s(a: float, b: float, c: float, d: float, e: float, n: int, cont
     every worker on every decision, and compiled, a call with unboxed numbers allocates
     nothing."""
     return a + b * (2 * n + 1) + c * prompt + d * (context + (n + 1) * prompt) + e * (3 * n * n + 3 * n + 1)
-
-
-def _joined_step_s(a: float, b: float, c: float, d: float, e: float, n: int, context: int, prompt: int) -> float:
-    """T(n+1) at the mean context with the prompt joined (ClusterState.tpot_s), on the
-    fit's terms as _added_step_s."""
-    joined = n + 1
-    mean = (context + prompt) / joined
-    return a + b * joined + c * mean + d * joined * mean + e * joined * joined
