@@ -460,10 +460,14 @@ class ClusterState:
 
         return self.ranking(costs, [0.0] * len(costs), evicting, price)
 
-    def load_order(self, now: float) -> list[str]:
-        """Every worker id by ascending loads(now), ties by id (as ranked() orders them)."""
+    def load_order(self, now: float, lead: str | None = None) -> Ranking:
+        """Every worker id by ascending loads(now), ties by id (as ranked() orders them), but
+        `lead` (if given) first: ranked as it is read, so a caller that takes the first
+        worker pays no sort of a thousand workers."""
         self.loads(now)
-        return self.order_by(self.loads_by_slot)
+        loads = self.loads_by_slot
+        return Ranking(self.worker_ids, self.rank_by_slot, loads, [0.0] * len(loads), (), float,
+                       self.slots[lead] if lead is not None else -1)
 
     def order_by(self, values: Sequence[float], then: Sequence[float] | None = None) -> list[str]:
         """Worker ids by ascending `values` (one per slot), ties by `then` (if given), then

@@ -17,19 +17,21 @@ class Ranking(Sequence[str]):
     cluster changes (a placement, an event), as admission does."""
 
     def __init__(self, worker_ids: list[str], ranks: list[int], costs: Sequence[float],
-                 then: Sequence[float], pending: Iterable[int], price: Callable[[int], float]):
-        """`ranks`: each slot's place in `worker_ids` (the sorted ids); read, never changed."""
+                 then: Sequence[float], pending: Iterable[int], price: Callable[[int], float],
+                 lead: int = -1):
+        """`ranks`: each slot's place in `worker_ids` (the sorted ids); read, never changed.
+        `lead`, a slot or -1: ranked first whatever its cost, the rest in order after it."""
         self.worker_ids = worker_ids
         self.price = price
         self.pending = set(pending)
         self.costs = list(costs)  # priced in place
         self.then = list(then)
         self.ranks = ranks
-        self.first = -1  # the slot ranked first
+        self.first = lead  # the slot ranked first, -1 until known
         # (cost, then, rank, slot) of the slots after the first, made when a second is read:
         # a caller that takes the first worker (admission, as a rule) pays a scan, not a heap
         self.heap: list[tuple[float, float, int, int]] | None = None
-        self.ranked: list[str] = []
+        self.ranked: list[str] = [worker_ids[ranks[lead]]] if lead >= 0 else []
 
     def __len__(self) -> int:
         return len(self.costs)

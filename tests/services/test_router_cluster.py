@@ -668,7 +668,10 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
     chosen = make_policy("cost_aware").choose(request, cluster, now)
     assert list(chosen) == ranked(cluster, lambda w: (added[w], loads[w]))
     assert cluster.free_blocks == {w: state.free_blocks for w, state in cluster.workers.items()}
-    assert cluster.load_order(now) == ranked(cluster, loads.__getitem__)
+    by_load = ranked(cluster, loads.__getitem__)
+    assert list(cluster.load_order(now)) == by_load
+    for lead in (by_load[-1], by_load[len(by_load) // 2], by_load[0]):
+        assert list(cluster.load_order(now, lead)) == [lead] + [w for w in by_load if w != lead]
     costs = cluster.explore_costs(request, now)
     assert list(costs) == list(cluster.workers)
     assert list(cluster.explore_order(request, now)) == ranked(cluster, costs.__getitem__)

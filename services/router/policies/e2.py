@@ -79,11 +79,7 @@ class E2:
             self._maybe_rebalance(cluster, cluster.loads(now), now)
         if request.best_cached_tokens > request.num_tokens - request.best_cached_tokens:
             loads = cluster.loads(now)
-            first = self._exploit(request, cluster, loads, now)
-            order = cluster.load_order(now)
-            order.remove(first)
-            order.insert(0, first)
-            return order
+            return cluster.load_order(now, lead=self._exploit(request, cluster, loads, now))
         return cluster.explore_order(request, now)
 
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
