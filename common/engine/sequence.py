@@ -21,9 +21,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """A request's tokens, KV blocks and progress.
+    """A request's tokens, KV blocks and progress. Equal only to itself: two requests with
+    the same fields are still two (and the scheduler's list removals compare identities,
+    not every field).
 
     `token_ids` holds the prompt followed by every generated token; the first
     `num_computed` of them have KV in `block_ids`. `block_hashes[i]` names block i once
