@@ -425,6 +425,13 @@ class ClusterState:
         self._expire_window(worker, now)
         return worker.window_prefill_s + worker.decode_work_s
 
+    def exact_loads(self, now: float) -> list[float]:
+        """load_s(w, now) of every worker, by slot (read-only): every window expired at
+        `now`, where loads() lets the oldest placements go at most once a window/180."""
+        for worker in self.workers.values():
+            self._expire_window(worker, now)
+        return self.loads_by_slot
+
     def loads(self, now: float) -> dict[str, float]:
         """load_s of every worker (read-only). Placements and finishes keep it current;
         the window's oldest placements are let go at most once a window/180 (1 s of 3 min)."""
@@ -478,8 +485,19 @@ class ClusterState:
         order = sorted(order, key=self._in_id_order(values).__getitem__)
         return list(map(self.worker_ids.__getitem__, order))
 
-    def ranking(self, costs: Sequence[float], then: Sequence[float], pending: Iterable[int],
-                price: Callable[[int], float]) -> Ranking:
+    def held_by_slot(self, request: Request) -> list[float]:
+        """Minus the blocks of the prompt each worker holds (request.matched), by slot: the
+        longest match first when ranked ascending."""
+        held = [0.0] * len(self.slot_ids)
+        slots = self.slots
+        for worker_id, blocks in request.matched.items():
+            slot = slots.get(worker_id)
+            if slot is not None:
+                held[slot] = -float(blocks)
+        return held
+
+    def ranking(self, costs: Sequence[float], then: Sequence[float], pending: Iterable[int] = (),
+                price: Callable[[int], float] = float) -> Ranking:
         """order_by(exact costs, then) as a Ranking: `costs` by slot, lower bounds where
         `pending`, which price(slot) makes exact when the order reaches them."""
         return Ranking(self.worker_ids, self.rank_by_slot, costs, then, pending, price)

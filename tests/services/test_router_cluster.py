@@ -14,6 +14,7 @@ from services.router.cluster import (
     Fit,
     kaplan_meier_median,
 )
+from services.router.policies import make_policy
 
 BLOCK = 16
 ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
@@ -649,11 +650,36 @@ def added_latency_by_loop(request, cluster: ClusterState, now: float) -> dict[st
     return costs
 
 
+def ranked(cluster: ClusterState, key) -> list[str]:
+    """The worker ids by ascending key, ties by id: the order every ranking must give."""
+    return sorted(cluster.worker_ids, key=key)
+
+
+def assert_baselines_rank_as_their_sorts(cluster: ClusterState, request, now: float) -> None:
+    """Each baseline's ranking is the sort of every worker by the key its rule states."""
+    from services.router.policies.cache_aware import CacheAware, CacheAwareConfig
+
+    chosen = {name: list(make_policy(name).choose(request, cluster, now)) for name in ("least_load", "lpm", "dynamo")}
+    matched = request.matched
+    in_flight = {w: len(state.in_flight) for w, state in cluster.workers.items()}
+    exact = {w: cluster.load_s(w, now) for w in cluster.worker_ids}  # (expires the windows: after choose)
+    logits = {w: request.blocks_needed(w) + state.kv_blocks_used + state.blocks_since_report
+              for w, state in cluster.workers.items()}
+    assert chosen["least_load"] == ranked(cluster, lambda w: (exact[w], in_flight[w]))
+    assert chosen["lpm"] == ranked(cluster, lambda w: (-matched.get(w, 0), in_flight[w]))
+    assert chosen["dynamo"] == ranked(cluster, logits.__getitem__)
+    by_load = ranked(cluster, in_flight.__getitem__)
+    by_match = ranked(cluster, lambda w: (-matched.get(w, 0), in_flight[w]))
+    for config, expected in [(CacheAwareConfig(cache_threshold=0.0), by_match),
+                             (CacheAwareConfig(cache_threshold=1.0), by_load),
+                             (CacheAwareConfig(balance_abs=0, balance_rel=1.0, cache_threshold=0.0),
+                              by_load if max(in_flight.values()) > min(in_flight.values()) else by_match)]:
+        assert list(CacheAware(config).choose(request, cluster, now)) == expected
+
+
 def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None:
     """The arrays by slot hold the dicts' values; the orders are ranked()'s, and
     cost_aware's costs by slot are the plain loop's, to the bit."""
-    from services.router.policies import make_policy
-    from services.router.policies.base import ranked
     from services.router.policies.cost_aware import added_latency_s
 
     assert cluster.slot_ids == list(cluster.workers)
@@ -676,6 +702,7 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
     assert list(costs) == list(cluster.workers)
     assert list(cluster.explore_order(request, now)) == ranked(cluster, costs.__getitem__)
     assert cluster.prefill_utilization(now) == utilization_by_loop(cluster, now)
+    assert_baselines_rank_as_their_sorts(cluster, request, now)
 
 
 @pytest.mark.parametrize("joined", [("a", "b", "c", "d", "e", "f"), ("f", "d", "b", "e", "c", "a")])
@@ -706,6 +733,24 @@ def test_a_ranking_orders_as_order_by_on_the_exact_costs_and_prices_only_what_it
         assert ranking[-1] == ranking[len(joined) - 1] and ranking[1:3] == list(ranking)[1:3]
     with pytest.raises(IndexError):
         cluster_of("a").ranking([0.0], [0.0], [], float)[1]
+
+
+@pytest.mark.parametrize("joined", [("a", "b", "c", "d"), ("d", "c", "b", "a")])
+def test_the_baselines_break_ties_by_requests_in_flight_and_price_load_at_the_instant(joined):
+    cluster = cluster_of(*joined, window_s=10.0)
+    shared = tokens(1, 8 * BLOCK)
+    for worker_id in ("a", "b", "c", "d"):
+        cache(cluster, worker_id, shared[:4 * BLOCK])  # every worker matches 4 blocks
+    cache(cluster, "c", shared)
+    placements = [("a", 0.0), ("d", 0.02), ("a", 0.5), ("c", 1.5), ("c", 1.7), ("a", 9.0), ("b", 9.5)]
+    for n, (worker_id, now) in enumerate(placements):  # in flight: a 3, c 2, b and d 1
+        cluster.place(cluster.prepare(f"r{n}", ROOT, tokens(10 + n, 40 * BLOCK), 8, now), worker_id, now)
+    probe = cluster.prepare("p", ROOT, np.concatenate([shared[:4 * BLOCK], tokens(3, 8 * BLOCK)]), 8, 10.0)
+    cluster.loads(10.0)  # loads() refreshed now; by 10.04 d's prefill has left the window
+    # lpm: equal matches, the fewest in flight (b, not a); least_load: d's load at 10.04
+    # is its decode alone, b's still counts its prefill
+    assert [make_policy(name).choose(probe, cluster, 10.04)[0] for name in ("lpm", "least_load")] == ["b", "d"]
+    assert_baselines_rank_as_their_sorts(cluster, probe, 10.04)
 
 
 @pytest.mark.parametrize("joined", [("a", "b", "c", "d"), ("d", "b", "c", "a")])  # slots in id order or not

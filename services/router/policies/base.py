@@ -5,13 +5,10 @@ the live router and the simulator run the same objects.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from services.router.cluster import ClusterState, Placement, Request
-
-if TYPE_CHECKING:
-    from _typeshed import SupportsRichComparison
 
 
 class PlacementPolicy(Protocol):
@@ -31,8 +28,3 @@ class StatelessFeedback:
     def finished(self, placement: Placement, ttft_s: float, now: float) -> None:
         return None
 
-
-def ranked(cluster: ClusterState, key: Callable[[str], SupportsRichComparison]) -> list[str]:
-    """The cluster's worker ids by ascending key, ties broken by id so decisions are
-    reproducible (the ids are kept sorted, and the sort is stable)."""
-    return sorted(cluster.worker_ids, key=key)

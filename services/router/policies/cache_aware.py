@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.router.cluster import ClusterState, Request
-from services.router.policies.base import StatelessFeedback, ranked
+from services.router.policies.base import StatelessFeedback
+from services.router.ranking import Ranking
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,13 @@ class CacheAware(StatelessFeedback):
     def __init__(self, config: CacheAwareConfig = CacheAwareConfig()):
         self.config = config
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        loads = {w: len(state.in_flight) for w, state in cluster.workers.items()}
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Ranking | list[str]:
+        loads = cluster.batch_by_slot  # requests in flight
         if not loads:
             return []
-        by_load = ranked(cluster, loads.__getitem__)
-        most, least = max(loads.values()), min(loads.values())
+        most, least = max(loads), min(loads)
         if most - least > self.config.balance_abs and most > least * self.config.balance_rel:
-            return by_load
+            return cluster.ranking(loads, [0.0] * len(loads))
         if cluster.store_share(request) > self.config.cache_threshold:
-            return ranked(cluster, lambda w: (-request.matched.get(w, 0), loads[w]))
-        return by_load
+            return cluster.ranking(cluster.held_by_slot(request), loads)
+        return cluster.ranking(loads, [0.0] * len(loads))

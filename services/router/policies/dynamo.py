@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass
 
 from services.router.cluster import ClusterState, Request
-from services.router.policies.base import StatelessFeedback, ranked
+from services.router.policies.base import StatelessFeedback
+from services.router.ranking import Ranking
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,15 @@ class Dynamo(StatelessFeedback):
         self.config = config
         self.random = random.Random(config.seed)
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        logits = {w: self.config.prefill_weight * request.blocks_needed(w)
-                  + state.kv_blocks_used + state.blocks_since_report
-                  for w, state in cluster.workers.items()}
-        order = ranked(cluster, logits.__getitem__)
-        if self.config.temperature <= 0 or len(order) < 2:
-            return order
-        scale = max(logits.values()) or 1.0
-        weights = [math.exp(-logits[w] / scale / self.config.temperature) for w in order]
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Ranking | list[str]:
+        logits = [self.config.prefill_weight * request.blocks_needed(w) + state.kv_blocks_used
+                  + state.blocks_since_report for w, state in cluster.workers.items()]  # by slot
+        ranking = cluster.ranking(logits, [0.0] * len(logits))
+        if self.config.temperature <= 0 or len(ranking) < 2:
+            return ranking
+        order = list(ranking)
+        logit_of = dict(zip(cluster.slot_ids, logits))
+        scale = max(logits) or 1.0
+        weights = [math.exp(-logit_of[w] / scale / self.config.temperature) for w in order]
         first = self.random.choices(order, weights)[0]
         return [first] + [w for w in order if w != first]

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from services.router.cluster import ClusterState, Request
-from services.router.policies.base import StatelessFeedback, ranked
+from services.router.policies.base import StatelessFeedback
+from services.router.ranking import Ranking
 
 
 class LeastLoad(StatelessFeedback):
     name = "least_load"
 
-    def choose(self, request: Request, cluster: ClusterState, now: float) -> list[str]:
-        return ranked(cluster, lambda w: (cluster.load_s(w, now), len(cluster.workers[w].in_flight)))
+    def choose(self, request: Request, cluster: ClusterState, now: float) -> Ranking:
+        return cluster.ranking(cluster.exact_loads(now), cluster.batch_by_slot)
