@@ -191,14 +191,11 @@ class ClusterState:
         # self.workers): a decision reads them whole, 64 items in a row where 64 dict entries,
         # scattered by the events between decisions, are 200 cache misses. Lists, not arrays:
         # compiled code reads a list's float or int in place, where an array item is a generic
-        # call that makes a new object per read (docs/router.md §8.10). `by_id` lists the
-        # slots in worker_ids order, for ranking (None while that is the slots' own order, as
-        # when workers join in id order).
+        # call that makes a new object per read (docs/router.md §8.10).
         self.slots: dict[str, int] = {}
         self.slot_ids: list[str] = []
         self.loads_by_slot: list[float] = []
         self.free_by_slot: list[int] = []
-        self.by_id: list[int] | None = None
         self.rank_by_slot: list[int] = []
         # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
         # when empty), for prefill_utilization; its requests in flight and their prompt
@@ -243,11 +240,9 @@ class ClusterState:
         self.context_by_slot = [self.workers[w].prompt_tokens_sum for w in self.slot_ids]
         self.idle_by_slot = [self.workers[w].idle_since for w in self.slot_ids]
         self.prefill_free_by_slot = [self.workers[w].prefill_free_at for w in self.slot_ids]
-        by_id = [self.slots[w] for w in self.worker_ids]
-        self.by_id = None if by_id == sorted(by_id) else by_id
-        self.rank_by_slot = [0] * len(by_id)  # each slot's place among the sorted ids, for ranking()
-        for rank, slot in enumerate(by_id):
-            self.rank_by_slot[slot] = rank
+        self.rank_by_slot = [0] * len(self.slot_ids)  # each slot's place among the sorted ids, for ranking()
+        for rank, worker_id in enumerate(self.worker_ids):
+            self.rank_by_slot[self.slots[worker_id]] = rank
 
     def _set_load(self, worker_id: str, load_s: float) -> None:
         self.current_loads[worker_id] = load_s
@@ -457,8 +452,8 @@ class ClusterState:
         return dict(zip(slot_ids, costs))
 
     def explore_order(self, request: Request, now: float) -> Ranking:
-        """Every worker id by ascending explore_costs, ties by id (as ranked() orders them),
-        M priced only for the workers the order reaches (L + P bounds C from below)."""
+        """Every worker id by ascending explore_costs, ties by id, M priced only for the
+        workers the order reaches (L + P bounds C from below)."""
         costs, evicting = self._explore_costs_before_eviction(request, now)
         slot_ids = self.slot_ids
 
@@ -468,22 +463,13 @@ class ClusterState:
         return self.ranking(costs, [0.0] * len(costs), evicting, price)
 
     def load_order(self, now: float, lead: str | None = None) -> Ranking:
-        """Every worker id by ascending loads(now), ties by id (as ranked() orders them), but
-        `lead` (if given) first: ranked as it is read, so a caller that takes the first
-        worker pays no sort of a thousand workers."""
+        """Every worker id by ascending loads(now), ties by id, but `lead` (if given) first:
+        ranked as it is read, so a caller that takes the first worker pays no sort of a
+        thousand workers."""
         self.loads(now)
         loads = self.loads_by_slot
         return Ranking(self.worker_ids, self.rank_by_slot, loads, [0.0] * len(loads), (), float,
                        self.slots[lead] if lead is not None else -1)
-
-    def order_by(self, values: Sequence[float], then: Sequence[float] | None = None) -> list[str]:
-        """Worker ids by ascending `values` (one per slot), ties by `then` (if given), then
-        by id: a stable sort of the sorted ids, as ranked() makes, on the same keys."""
-        order: Sequence[int] = range(len(values))
-        if then is not None:  # stable sorts by `then`, then by `values`: (value, then) pairs' order
-            order = sorted(order, key=self._in_id_order(then).__getitem__)
-        order = sorted(order, key=self._in_id_order(values).__getitem__)
-        return list(map(self.worker_ids.__getitem__, order))
 
     def held_by_slot(self, request: Request) -> list[float]:
         """Minus the blocks of the prompt each worker holds (request.matched), by slot: the
@@ -498,15 +484,10 @@ class ClusterState:
 
     def ranking(self, costs: Sequence[float], then: Sequence[float], pending: Iterable[int] = (),
                 price: Callable[[int], float] = float) -> Ranking:
-        """order_by(exact costs, then) as a Ranking: `costs` by slot, lower bounds where
-        `pending`, which price(slot) makes exact when the order reaches them."""
+        """The worker ids by ascending (exact cost, then, id) as a Ranking: `costs` and `then`
+        by slot, the costs lower bounds where `pending`, which price(slot) makes exact when
+        the order reaches them."""
         return Ranking(self.worker_ids, self.rank_by_slot, costs, then, pending, price)
-
-    def _in_id_order(self, values: Sequence[float]) -> Sequence[float]:
-        """`values`, one per slot, in worker_ids' order."""
-        if self.by_id is not None:
-            return [values[slot] for slot in self.by_id]
-        return values
 
     def _explore_costs_before_eviction(self, request: Request, now: float) -> tuple[list[float], list[int]]:
         """By slot (in self.workers' order), explore_costs' L + P, and the slots where M is

@@ -12,8 +12,8 @@ class Ranking(Sequence[str]):
     are known only as lower bounds (`pending`) until `price(slot)` gives the exact cost,
     which must be no lower: a slot is priced only when its bound comes first among those
     not yet ranked, so a caller that takes the first worker that admits prices only the
-    slots whose bounds fall below it. The order is the one ClusterState.order_by gives
-    on the exact costs. `price` reads the cluster as it is: read a Ranking before the
+    slots whose bounds fall below it. The order is a stable sort of the sorted ids by
+    (exact cost, then). `price` reads the cluster as it is: read a Ranking before the
     cluster changes (a placement, an event), as admission does."""
 
     def __init__(self, worker_ids: list[str], ranks: list[int], costs: Sequence[float],

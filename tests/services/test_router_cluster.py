@@ -706,7 +706,7 @@ def assert_kept_state_agrees(cluster: ClusterState, request, now: float) -> None
 
 
 @pytest.mark.parametrize("joined", [("a", "b", "c", "d", "e", "f"), ("f", "d", "b", "e", "c", "a")])
-def test_a_ranking_orders_as_order_by_on_the_exact_costs_and_prices_only_what_it_reaches(joined):
+def test_a_ranking_orders_as_the_sort_on_the_exact_costs_and_prices_only_what_it_reaches(joined):
     cluster = cluster_of(*joined)
     rng = np.random.default_rng(7)
     for _ in range(50):
@@ -728,7 +728,8 @@ def test_a_ranking_orders_as_order_by_on_the_exact_costs_and_prices_only_what_it
         # is it: the first worker's own)
         assert sorted(priced) == sorted(slot for slot in pending
                                         if (bounds[slot], then[slot], key[cluster.slot_ids[slot]][2]) <= key[first])
-        assert list(ranking) == cluster.order_by(exact, then) and len(ranking) == len(joined)
+        assert list(ranking) == sorted(cluster.worker_ids, key=key.__getitem__)  # (exact, then, id)
+        assert len(ranking) == len(joined)
         assert sorted(priced) == sorted(pending)  # all of them, once, for the whole order
         assert ranking[-1] == ranking[len(joined) - 1] and ranking[1:3] == list(ranking)[1:3]
     with pytest.raises(IndexError):
@@ -771,7 +772,7 @@ def test_the_kept_arrays_and_orders_agree_with_the_dicts_through_joins_places_an
     cluster.remove_worker("b")
     cluster.add_worker("e", 40)
     cluster.add_worker("b", 40)  # back, in a new slot: the slots leave id order
-    assert cluster.by_id is not None
+    assert cluster.slot_ids != cluster.worker_ids
     probe = cluster.prepare("p1", ROOT, np.concatenate([shared, tokens(2, 30 * BLOCK)]), 8, 13.0)
     assert_kept_state_agrees(cluster, probe, 13.0)
     assert_kept_state_agrees(cluster, probe, 40.0)  # every window empty
