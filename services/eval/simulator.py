@@ -718,9 +718,11 @@ class Simulator:
 
 class _PromptHashes:
     """A prompt's block hashes (common.hashing.chain_hashes from its root), memoised per
-    named span (WorkloadRequest.span_ids) where the workload names them and a span is
-    whole blocks: the same span after the same parent hash has the same hashes, so a
-    trace's shared prefixes are hashed once per run, not once per request.
+    named span (WorkloadRequest.span_ids) where the workload names them: the full blocks
+    of the same span after the same parent hash have the same hashes, so a trace's or a
+    generated shape's shared prefixes are hashed once per run, not once per request.
+    Spans of whole blocks are memoised one after another; where a span ends inside a
+    block, only the first span's full blocks are (the next span starts mid-block).
     docs/evaluation.md §3.3"""
 
     def __init__(self, block_size: int):
@@ -729,19 +731,20 @@ class _PromptHashes:
 
     def __call__(self, root: int, request: WorkloadRequest) -> list[int]:
         size, span, tokens = self.block_size, request.span_tokens, request.token_ids
-        if not request.span_ids or span < size or span % size:
+        if not request.span_ids or span < size:
             return chain_hashes(root, tokens, size)
         hashes: list[int] = []
         parent = root
         whole = min(len(request.span_ids), len(tokens) // span)
-        for index, span_id in enumerate(request.span_ids[:whole]):
+        named_tokens = span - span % size  # the span's full blocks
+        for index, span_id in enumerate(request.span_ids[:whole if span == named_tokens else min(whole, 1)]):
             named = self.spans.get((parent, span_id))
             if named is None:
-                named = self.spans[parent, span_id] = chain_hashes(parent, tokens[index * span:(index + 1) * span],
-                                                                   size)
+                start = index * span
+                named = self.spans[parent, span_id] = chain_hashes(parent, tokens[start:start + named_tokens], size)
             hashes.extend(named)
             parent = named[-1]
-        hashes.extend(chain_hashes(parent, tokens[whole * span:], size))  # the partial last span
+        hashes.extend(chain_hashes(parent, tokens[len(hashes) * size:], size))  # the rest, from a block boundary
         return hashes
 
 

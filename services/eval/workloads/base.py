@@ -7,6 +7,7 @@ Random content means two blocks are equal only where the generator meant them to
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,18 +29,22 @@ class WorkloadRequest:
     slo_class: str            # the class label (e.g. the shape name, or "interactive"/"batch")
     tenant: str = ""
     # Optional names of the prompt's leading `span_tokens`-token spans: span i's tokens are
-    # a function of span_ids[i] alone (a Mooncake trace's hash_ids), so a consumer may
-    # memoise per-span work such as block hashes (services/eval/simulator.py _PromptHashes).
+    # a function of span_ids[i] alone (a Mooncake trace's hash_ids; a generated shape's
+    # shared part, such as a tool's prompt, by its index), so a consumer may memoise
+    # per-span work such as block hashes (services/eval/simulator.py _PromptHashes).
     span_ids: tuple[int, ...] = ()
     span_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One generated request before it gets its id: prompt tokens and output length."""
+    """One generated request before it gets its id: prompt tokens and output length, and
+    the name of its shared leading part where it has one (WorkloadRequest.span_ids)."""
 
     token_ids: np.ndarray
     output_tokens: int
+    span_ids: tuple[int, ...] = ()
+    span_tokens: int = 0
 
 
 class Synth:
@@ -80,9 +85,10 @@ def shared_context_questions(synth: Synth, questions: float, context: Draw, ques
                              answer: Draw) -> Iterator[list[Prompt]]:
     """Endless groups: one shared context, then about `questions` (at least 2) prompts of
     that context followed by a question of their own, each with its answer length."""
-    while True:
+    for group in itertools.count():
         shared = synth.tokens(synth.length(*context))
-        yield [Prompt(np.concatenate([shared, synth.tokens(synth.length(*question))]), synth.length(*answer))
+        yield [Prompt(np.concatenate([shared, synth.tokens(synth.length(*question))]), synth.length(*answer),
+                      (group,), len(shared))
                for _ in range(synth.count(questions, 2))]
 
 
@@ -113,5 +119,6 @@ def interleave(groups: Iterator[list[Item]], num_items: int, rng: np.random.Gene
 def to_requests(prompts: list[Prompt], shape: str) -> list[WorkloadRequest]:
     """Requests named `<shape>-<index>`, class `shape`, all arriving at 0.0 (arrivals are
     assigned separately; services/eval/workloads/arrivals.py)."""
-    return [WorkloadRequest(f"{shape}-{index}", 0.0, prompt.token_ids, prompt.output_tokens, shape)
+    return [WorkloadRequest(f"{shape}-{index}", 0.0, prompt.token_ids, prompt.output_tokens, shape,
+                            span_ids=prompt.span_ids, span_tokens=prompt.span_tokens)
             for index, prompt in enumerate(prompts)]

@@ -24,6 +24,6 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
     popularity = np.arange(1, tools + 1, dtype=np.float64) ** -zipf_a
     choices = synth.rng.choice(tools, size=num_requests, p=popularity / popularity.sum())
     prompts = [Prompt(np.concatenate([tool_prompts[tool], synth.tokens(synth.length(100, 50, 10, 400))]),
-                      synth.length(38, 15, 4, 160))
+                      synth.length(38, 15, 4, 160), (int(tool),), len(tool_prompts[tool]))
                for tool in choices]
     return to_requests(prompts, "toolbench")

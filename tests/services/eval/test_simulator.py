@@ -142,14 +142,40 @@ def test_named_spans_hash_a_prompt_as_chain_hashes_does_and_simulate_the_same(tm
                for index, (length, ids) in enumerate([(1100, [0, 1, 2]), (1024, [0, 1]), (1500, [0, 1, 3]),
                                                       (600, [5, 6]), (1030, [0, 1, 7]), (1100, [0, 1, 2])])]
     trace.write_text("".join(json.dumps(record) + "\n" for record in records))
-    for scale in (1.0, 0.25, 0.3):  # 0.3: 154-token spans, not whole blocks: hashed whole
+    for scale in (1.0, 0.25, 0.3):  # 0.3: 154-token spans: only the first span's 9 full blocks are named
         requests = make_workload("mooncake", 10, seed=3, vocab_size=512, scale=scale, trace=str(trace))
         hashes = _PromptHashes(16)
         for request in requests:
             assert hashes(7, request) == chain_hashes(7, request.token_ids, 16)
-        assert bool(hashes.spans) == (scale != 0.3)
+        if scale == 0.3:
+            assert set(hashes.spans) == {(7, 0), (7, 5)}  # the first spans of the two distinct first hash_ids
+            assert {len(named) for named in hashes.spans.values()} == {154 // 16}
+        else:
+            assert len(hashes.spans) == 3  # the whole spans 0, 0-1 and 5, each after its parent, once
         unnamed = [dataclasses.replace(request, span_ids=()) for request in requests]
         config = SimConfig(workers=2, policy="e2", cost=load_cost_model("a6000/mistral-7b"), kv_blocks=200)
         named_run, unnamed_run = simulate(requests, config), simulate(unnamed, config)
         assert named_run.records == unnamed_run.records and named_run.steps == unnamed_run.steps
         assert named_run.totals == unnamed_run.totals
+
+
+@pytest.mark.parametrize("shape", ["toolbench", "loogle", "videoqa", "programming"])
+def test_generated_shapes_name_their_shared_part_and_simulate_as_if_unnamed(shape):
+    """A generated shape names each prompt's shared leading part (a tool's prompt, a
+    document, a video, the few-shot prefix): equal names lead equal tokens, the simulator
+    hashes that part once per run, and the results are those of hashing every prompt whole."""
+    requests = make_workload(shape, 40, seed=1, vocab_size=512, scale=0.05)
+    leading: dict[tuple[int, ...], bytes] = {}
+    for request in requests:
+        assert len(request.span_ids) == 1 and 16 <= request.span_tokens < len(request.token_ids)
+        part = request.token_ids[:request.span_tokens].tobytes()
+        assert leading.setdefault(request.span_ids, part) == part
+    hashes = _PromptHashes(16)
+    for request in requests:
+        assert hashes(7, request) == chain_hashes(7, request.token_ids, 16)
+    assert len(hashes.spans) == len(leading) < len(requests)
+    unnamed = [dataclasses.replace(request, span_ids=()) for request in requests]
+    config = SimConfig(workers=2, policy="e2", cost=load_cost_model("a6000/mistral-7b"), kv_blocks=400)
+    named_run, unnamed_run = simulate(poisson(requests, 2.0), config), simulate(poisson(unnamed, 2.0), config)
+    assert named_run.records == unnamed_run.records and named_run.steps == unnamed_run.steps
+    assert named_run.totals == unnamed_run.totals
