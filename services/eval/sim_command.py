@@ -141,6 +141,9 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
             click.echo(f"wrote {path}", err=True)
     if as_json:
         click.echo(runner.results_json(results, variable))
+    from services.cli import end_program
+
+    end_program(click.get_current_context())  # the runs' heap dies with the process
 
 
 def _workers(workers: int | None, sweep, pools: bool) -> int:

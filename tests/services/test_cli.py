@@ -32,6 +32,20 @@ def test_model_init_writes_a_loadable_checkpoint_and_refuses_to_overwrite(tmp_pa
     assert again.returncode != 0 and str(target) in again.stderr
 
 
+def test_sim_ends_its_process_with_every_line_written():
+    """`svc sim` ends without the interpreter's teardown (services.cli.end_program): what it
+    printed must all reach the pipe, and the exit status must be success."""
+    args = ("sim", "--workload", "toolbench", "--num-requests", "30", "--workers", "2", "--scale", "0.2",
+            "--policy", "lpm,e2")
+    table, with_json = svc(*args), svc(*args, "--json")
+    assert table.returncode == 0 and with_json.returncode == 0, table.stderr + with_json.stderr
+    rows = [line.split()[:2] for line in table.stdout.splitlines()]
+    assert ["lpm", "30"] in rows and ["e2", "30"] in rows
+    assert "simulated 30 requests on 2 workers in: lpm" in table.stdout
+    result = json.loads(with_json.stdout.splitlines()[-1])
+    assert [result[name]["overall"]["completed"] for name in ("lpm", "e2")] == [30, 30]
+
+
 def test_generate_json_matches_the_engine(tiny_model_dir):
     done = svc("generate", "--model", str(tiny_model_dir), "--prompt-ids", "5,6,7,8",
                "--max-tokens", "12", "--ignore-eos", "--dtype", "float32", "--json")

@@ -202,11 +202,19 @@ def test_pools_move_kv_over_the_named_link_and_report_it():
 def test_a_sweep_frees_each_run_before_the_next():
     """The simulator collects cycles rarely while it runs; what a run leaves must not
     outlive it, or a sweep of many runs holds all of them at once."""
-    spec = sim_runner.SimSpec(workload="toolbench", policies=("lpm",), workers=2,
+    spec = sim_runner.SimSpec(workload="toolbench", policies=("lpm", "e2", "round_robin"), workers=2,
                               cost=load_cost_model("a6000/mistral-7b"), num_requests=40)
     (point,) = sim_runner.prepare(spec)
     gc.collect()
     before = sum(isinstance(thing, Simulator) for thing in gc.get_objects())
-    summary = sim_runner.simulate_policy(point, "lpm")
-    assert summary["overall"]["completed"] == 40
-    assert sum(isinstance(thing, Simulator) for thing in gc.get_objects()) == before
+    done, alive_at_start = 0, []
+
+    def advance(count: int) -> None:
+        nonlocal done
+        if done % 40 == 0:  # a run's first requests: the one before it has ended
+            alive_at_start.append(sum(isinstance(thing, Simulator) for thing in gc.get_objects()) - before)
+        done += count
+
+    results = sim_runner.run_points([point], advance)
+    assert [summary["overall"]["completed"] for summary in results[""].values()] == [40, 40, 40]
+    assert alive_at_start == [1, 1, 1]  # its own simulator only
