@@ -197,6 +197,7 @@ class ClusterState:
         self.loads_by_slot: list[float] = []
         self.free_by_slot: list[int] = []
         self.rank_by_slot: list[int] = []
+        self.zeros_by_slot: list[float] = []
         # By slot too: each worker's window_prefill_s and its window's first placed_at (inf
         # when empty), for prefill_utilization; its requests in flight and their prompt
         # tokens (len(in_flight), prompt_tokens_sum), for cost_aware.
@@ -241,6 +242,7 @@ class ClusterState:
         self.idle_by_slot = [self.workers[w].idle_since for w in self.slot_ids]
         self.prefill_free_by_slot = [self.workers[w].prefill_free_at for w in self.slot_ids]
         self.rank_by_slot = [0] * len(self.slot_ids)  # each slot's place among the sorted ids, for ranking()
+        self.zeros_by_slot = [0.0] * len(self.slot_ids)  # a ranking's `then` where there is no second key
         for rank, worker_id in enumerate(self.worker_ids):
             self.rank_by_slot[self.slots[worker_id]] = rank
 
@@ -460,7 +462,7 @@ class ClusterState:
         def price(slot: int) -> float:
             return costs[slot] + self.eviction_cost_s(request, slot_ids[slot], now)
 
-        return self.ranking(costs, [0.0] * len(costs), evicting, price)
+        return self.ranking(costs, self.zeros_by_slot, evicting, price)
 
     def load_order(self, now: float, lead: str | None = None) -> Ranking:
         """Every worker id by ascending loads(now), ties by id, but `lead` (if given) first:
@@ -468,7 +470,7 @@ class ClusterState:
         thousand workers."""
         self.loads(now)
         loads = self.loads_by_slot
-        return Ranking(self.worker_ids, self.rank_by_slot, loads, [0.0] * len(loads), (), float,
+        return Ranking(self.worker_ids, self.rank_by_slot, loads, self.zeros_by_slot, (), float,
                        self.slots[lead] if lead is not None else -1)
 
     def held_by_slot(self, request: Request) -> list[float]:

@@ -20,12 +20,15 @@ class Ranking(Sequence[str]):
                  then: Sequence[float], pending: Iterable[int], price: Callable[[int], float],
                  lead: int = -1):
         """`ranks`: each slot's place in `worker_ids` (the sorted ids); read, never changed.
-        `lead`, a slot or -1: ranked first whatever its cost, the rest in order after it."""
+        `lead`, a slot or -1: ranked first whatever its cost, the rest in order after it.
+        Lists are read in place, not copied (a thousand workers' loads, where a caller
+        takes the first worker): `costs` is copied only where slots are `pending`, since
+        pricing writes into it."""
         self.worker_ids = worker_ids
         self.price = price
         self.pending = set(pending)
-        self.costs = list(costs)  # priced in place
-        self.then = list(then)
+        self.costs = costs if isinstance(costs, list) and not self.pending else list(costs)
+        self.then = then if isinstance(then, list) else list(then)
         self.ranks = ranks
         self.first = lead  # the slot ranked first, -1 until known
         # (cost, then, rank, slot) of the slots after the first, made when a second is read:

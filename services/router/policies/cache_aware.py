@@ -36,7 +36,7 @@ class CacheAware(StatelessFeedback):
             return []
         most, least = max(loads), min(loads)
         if most - least > self.config.balance_abs and most > least * self.config.balance_rel:
-            return cluster.ranking(loads, [0.0] * len(loads))
+            return cluster.ranking(loads, cluster.zeros_by_slot)
         if cluster.store_share(request) > self.config.cache_threshold:
             return cluster.ranking(cluster.held_by_slot(request), loads)
-        return cluster.ranking(loads, [0.0] * len(loads))
+        return cluster.ranking(loads, cluster.zeros_by_slot)

@@ -32,7 +32,7 @@ class Dynamo(StatelessFeedback):
     def choose(self, request: Request, cluster: ClusterState, now: float) -> Ranking | list[str]:
         logits = [self.config.prefill_weight * request.blocks_needed(w) + state.kv_blocks_used
                   + state.blocks_since_report for w, state in cluster.workers.items()]  # by slot
-        ranking = cluster.ranking(logits, [0.0] * len(logits))
+        ranking = cluster.ranking(logits, cluster.zeros_by_slot)
         if self.config.temperature <= 0 or len(ranking) < 2:
             return ranking
         order = list(ranking)
