@@ -686,8 +686,8 @@ class Simulator:
 
     def _sample(self, worker: SimWorker, seq: Sequence) -> bool:
         """Append a stand-in token (_stand_in); True when the request is done."""
-        record = self.records[seq.request_id]
         if seq.first_token_time is None:
+            record = self.records[seq.request_id]  # read at the first token and the last only: a million-entry table
             seq.first_token_time = self.now
             record.first_token_s = self.now + self.config.network_s + self.config.first_token_extra_s
             scheduled = seq.first_scheduled_time
@@ -704,6 +704,7 @@ class Simulator:
             self._hand_off(worker, seq)
             return False
         worker.scheduler.finish(seq, "length")
+        record = self.records[seq.request_id]
         assert record.first_token_s is not None and seq.first_token_time is not None  # set at its first token
         assert seq.first_scheduled_time is not None  # _start_step set it when it scheduled the chunk
         record.finish_s = max(self.now + self.config.network_s, record.first_token_s)
