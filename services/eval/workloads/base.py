@@ -8,7 +8,7 @@ Random content means two blocks are equal only where the generator meant them to
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -67,6 +67,15 @@ class Synth:
         """A normal draw clipped to [low, high], then scaled."""
         return self.scaled(min(max(round(self.rng.normal(mean, sd)), low), high))
 
+    def lengths(self, draws: Sequence[Draw], count: int) -> np.ndarray:
+        """`count` rows (shape count × len(draws)) of length(*draw) for each draw, the
+        same values as calling length row by row, in one call: the generator draws a
+        normal element by element, and numpy rounds half to even as round() does."""
+        means, sds, lows, highs = (np.array([draw[field] for draw in draws], dtype=np.float64) for field in range(4))
+        values = self.rng.normal(np.tile(means, count), np.tile(sds, count)).reshape(count, len(draws))
+        clipped = np.minimum(np.maximum(np.rint(values), lows), highs)
+        return np.maximum(1.0, np.rint(clipped * self.scale)).astype(np.int64)
+
     def scaled(self, length: int) -> int:
         return max(1, round(length * self.scale))
 
@@ -76,6 +85,12 @@ class Synth:
 
     def tokens(self, length: int) -> np.ndarray:
         return self._content.integers(FIRST_TOKEN_ID, self.vocab_size, length, dtype=np.uint32)
+
+    def token_runs(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """tokens(length) for each length in turn, in one draw: the generator draws 32-bit
+        values one after another, carrying the spare half of a 64-bit draw across calls,
+        so the runs are the ones separate calls give."""
+        return np.split(self.tokens(int(lengths.sum())), np.cumsum(lengths)[:-1])
 
 
 Draw = tuple[float, float, int, int]  # Synth.length's (mean, sd, low, high)

@@ -23,7 +23,9 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
     tool_prompts = [synth.tokens(synth.length(1800, 500, 600, 4000)) for _ in range(tools)]
     popularity = np.arange(1, tools + 1, dtype=np.float64) ** -zipf_a
     choices = synth.rng.choice(tools, size=num_requests, p=popularity / popularity.sum())
-    prompts = [Prompt(np.concatenate([tool_prompts[tool], synth.tokens(synth.length(100, 50, 10, 400))]),
-                      synth.length(38, 15, 4, 160), (int(tool),), len(tool_prompts[tool]))
-               for tool in choices]
+    # Per request, a query's length then an output's, drawn in one call (the same values).
+    lengths = synth.lengths([(100, 50, 10, 400), (38, 15, 4, 160)], num_requests)
+    queries = synth.token_runs(lengths[:, 0])
+    prompts = [Prompt(np.concatenate([tool_prompts[tool], query]), output, (tool,), len(tool_prompts[tool]))
+               for tool, query, output in zip(choices.tolist(), queries, lengths[:, 1].tolist())]
     return to_requests(prompts, "toolbench")

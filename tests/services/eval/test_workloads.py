@@ -13,7 +13,7 @@ import pytest
 from common.cost_model import TINY_CPU
 from services.eval.workloads import WORKLOADS, make_workload, workload_stats
 from services.eval.workloads.arrivals import bursty, poisson, rate_for_load, trace
-from services.eval.workloads.base import WorkloadRequest
+from services.eval.workloads.base import Synth, WorkloadRequest
 
 GENERATED = ["toolbench", "agent", "programming", "videoqa", "loogle", "chat"]
 SHARED_TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -72,6 +72,21 @@ def test_preble_shapes_fall_in_the_seed_ranges(name):
     assert RATIO_RANGE[0] <= stats["prompt_output_ratio"] <= RATIO_RANGE[1], stats
     assert SHARED_RANGE[0] <= stats["shared_fraction"] <= SHARED_RANGE[1], stats
     assert REUSE_RANGE[0] <= stats["reuse_count"] <= REUSE_RANGE[1], stats
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.3])
+def test_synth_draws_in_one_call_what_it_draws_one_by_one(scale):
+    """Synth.lengths and token_runs give the values that length() and tokens() give one
+    call at a time, and leave both streams where those calls would (scale 0.5 rounds
+    halves: to even, as round() does)."""
+    draws = [(100, 50, 10, 400), (38, 15, 4, 160), (7, 9, 1, 12)]
+    batched, single = Synth(3, 512, scale), Synth(3, 512, scale)
+    lengths = batched.lengths(draws, 300)
+    assert lengths.tolist() == [[single.length(*draw) for draw in draws] for _ in range(300)]
+    runs = batched.token_runs(lengths[:, 2])
+    assert all(np.array_equal(run, single.tokens(int(length))) for run, length in zip(runs, lengths[:, 2]))
+    assert batched.length(50, 20, 1, 99) == single.length(50, 20, 1, 99)
+    assert np.array_equal(batched.tokens(33), single.tokens(33))
 
 
 def test_toolbench_zipf_exponent_concentrates_popularity():
