@@ -90,12 +90,13 @@ class Scheduler:
     def complete(self, plan: SchedulePlan) -> None:
         """Record that the plan ran: advance progress and name newly full blocks."""
         size = self.block_size
+        caching = self.config.enable_prefix_caching
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.num_new
-            if self.config.enable_prefix_caching:
-                self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids,
-                                          chunk.start // size, seq.num_computed // size, seq.root_hash)
+            first, last = chunk.start // size, seq.num_computed // size
+            if caching and last > first:  # most decode steps fill no block
+                self.block_manager.commit(seq.block_ids, seq.block_hashes, seq.token_ids, first, last, seq.root_hash)
 
     def finish(self, seq: Sequence, reason: str, hold: bool = False) -> list[int]:
         """End a sequence (stopped, aborted, failed) and release its blocks, or with
