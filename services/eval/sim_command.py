@@ -132,7 +132,8 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
         raise click.ClickException(str(error)) from error
     # disable=None: a bar on a terminal, nothing in logs and pipes.
     with tqdm(total=runner.total_requests(points), desc="sim", unit="req", disable=None) as progress:
-        results = runner.run_points(points, progress.update, jobs)
+        # No bar (not a terminal): no progress callback, which a run would call per event.
+        results = runner.run_points(points, None if progress.disable else progress.update, jobs)
     variable = sweep.variable if sweep is not None else None
     runner.print_results(points, results, variable)
     if plot_dir is not None:
