@@ -507,7 +507,7 @@ def _free_last_run() -> None:
     simulator's rare collection (simulator._rare_gc) may leave uncollected: freed before
     the next run, or a sweep holds every run's (~1.9 GB each on the Mooncake trace at 16
     workers). Not after the last run: a collection traverses every object alive, half a
-    minute after a million requests, and `svc sim` then ends without one (services.cli.run)."""
+    minute after a million requests, and `svc sim` then ends without one (services.cli.end_program)."""
     gc.collect()
 
 
