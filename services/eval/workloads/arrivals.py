@@ -57,9 +57,16 @@ def rate_for_load(requests: Sequence[WorkloadRequest], load: float, workers: int
         raise ValueError(f"load must be >= 0, got {load}")
     if workers < 1 or batch_size < 1:
         raise ValueError(f"workers and batch_size must be >= 1, got {workers} and {batch_size}")
-    service_s = [cost_model.prefill_s(len(request.token_ids), 0)
-                 + request.output_tokens * cost_model.decode_step_s(batch_size, len(request.token_ids)) / batch_size
-                 for request in requests]
+    # The model's prices by prompt length, each made once (a million requests have a few
+    # thousand lengths); the sum is over requests in order, as before.
+    prices: dict[int, tuple[float, float]] = {}
+    service_s = []
+    for request in requests:
+        length = len(request.token_ids)
+        price = prices.get(length)
+        if price is None:
+            price = prices[length] = (cost_model.prefill_s(length, 0), cost_model.decode_step_s(batch_size, length))
+        service_s.append(price[0] + request.output_tokens * price[1] / batch_size)
     return load * workers * len(service_s) / sum(service_s)
 
 
