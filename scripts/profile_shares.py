@@ -72,6 +72,10 @@ def main() -> None:
     if not total:
         sys.exit(f"{args.profile}: no sample passes through {args.within!r}")
     free = [name for name in args.free.split(",") if name]
+    unknown = [name for name in free if name not in by_component]
+    if unknown:  # a misspelt name would count as free at no cost and hide in the bound
+        sys.exit(f"--free names no component of this profile: {', '.join(unknown)} "
+                 f"(it has {', '.join(by_component)})")
     left = 1.0 - sum(by_component.get(name, 0.0) for name in free)
     if args.json:
         print(json.dumps({"samples": total, "shares": by_component, "free": free, "left": left}))

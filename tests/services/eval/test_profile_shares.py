@@ -56,3 +56,6 @@ def test_the_bound_is_the_share_left_when_the_named_parts_are_free(tmp_path):
     missing = subprocess.run([sys.executable, "scripts/profile_shares.py", str(profile), "--within", "nowhere"],
                              capture_output=True, text=True, cwd=REPO, timeout=60)
     assert missing.returncode != 0 and "no sample passes through 'nowhere'" in missing.stderr
+    misspelt = subprocess.run([sys.executable, "scripts/profile_shares.py", str(profile), "--free", "compiled:indx"],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert misspelt.returncode != 0 and "--free names no component of this profile: compiled:indx" in misspelt.stderr
