@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,23 @@ from common.engine.default_model import write_default_model
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_default_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path) -> Path:
+    """An empty Baton cache but for this machine's build of the C++ kernels, copied from
+    the session's cache (built there first if need be): a test of what a first start
+    writes (a default model, a node profile) need not compile them again, ~30 s here.
+    tests/kernels/test_native.py builds them in an empty cache."""
+    from common.cache_root import baton_cache_root
+    from kernels.native import load_native_ops
+
+    cache = tmp_path / "cache"
+    built = baton_cache_root() / "kernels"
+    if load_native_ops() and built.is_dir():
+        shutil.copytree(built, cache / "kernels")
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")

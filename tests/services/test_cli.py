@@ -57,11 +57,11 @@ def test_generate_json_matches_the_engine(tiny_model_dir):
     assert output["text"] == expected.text and output["finish_reason"] == "length"
 
 
-def test_generate_without_model_uses_the_default_in_the_cache(tmp_path):
-    done = svc("generate", "--prompt", "hello", "--max-tokens", "4", "--ignore-eos", "--json", cache=tmp_path)
+def test_generate_without_model_uses_the_default_in_the_cache(fresh_cache):
+    done = svc("generate", "--prompt", "hello", "--max-tokens", "4", "--ignore-eos", "--json", cache=fresh_cache)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]) == 4
-    assert (tmp_path / "models" / "tiny-seed0" / "config.json").is_file()
+    assert (fresh_cache / "models" / "tiny-seed0" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -150,18 +150,18 @@ def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_
     assert not any("Traceback" in line for line in cluster.lines)
 
 
-def test_svc_up_prices_with_this_nodes_engine_measured_once(tiny_model_dir, tmp_path):
+def test_svc_up_prices_with_this_nodes_engine_measured_once(tiny_model_dir, fresh_cache):
     """Without --profile, `svc up` measures the engine with the workers' settings, keeps
     the profile in the cache, and hands it to the router; the next start reuses it.
     float32: a CPU without native bf16 (AVX-512 BF16, AMX) measures bf16 for minutes."""
     from services.eval.profiler import node_profile_path
     from services.local_cluster import start_cluster
 
-    measured = node_profile_path(tmp_path, tiny_model_dir, "float32", "cpu", 1)
+    measured = node_profile_path(fresh_cache, tiny_model_dir, "float32", "cpu", 1)
     for start in ("first", "second"):
         cluster = start_cluster(tiny_model_dir, extra=["--kv-cache-gb", "0.05", "--max-model-len", "1024",
                                                        "--threads", "1", "--dtype", "float32"],
-                                env={"BATON_CACHE_DIR": str(tmp_path)})
+                                env={"BATON_CACHE_DIR": str(fresh_cache)})
         try:
             text = "".join(cluster.lines)
             ready = [json.loads(line) for line in cluster.lines
