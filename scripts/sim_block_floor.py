@@ -12,7 +12,11 @@ both keep their state per KV block (16 tokens). This script
    (the dictionary, list and object operations only: no scheduling, no matching, no
    policy), each over a million blocks with the cycle collector off, best of three;
 3. prints their product: the seconds no per-block implementation of these two objects
-   can go below on this trace, the requests per second that allows, and the run's own.
+   can go below on this trace, the requests per second that allows, and the run's own;
+4. prints, per operation, the chains its calls' blocks formed (blocks each the parent or
+   the child of the one before): about what state per run of blocks would handle
+   instead, were runs split nowhere else. (The index links a block that only an event
+   named to nothing, so such a block is a chain of its own: its counts are high.)
 
     PYTHONPATH=. .venv/bin/python scripts/sim_block_floor.py [--load 0.8] [--json]
 """
@@ -23,6 +27,7 @@ import collections
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import os
 import sys
@@ -55,10 +60,48 @@ COUNTED: dict[str, tuple[type, str, Callable[..., int]]] = {
 }
 
 
+def _chains(linked: Callable[[int], bool], count: int) -> int:
+    """Chains in `count` blocks where linked(i) says block i continues block i - 1's."""
+    return sum(1 for i in range(count) if i == 0 or not linked(i))
+
+
+def _node_chains(nodes: list[BlockNode | None]) -> int:
+    """Chains of index nodes, parent first (a credit, an event) or child first (evictions)."""
+    def linked(i: int) -> bool:
+        before, node = nodes[i - 1], nodes[i]
+        return (node is not None and before is not None
+                and (node.parent is before or before.parent is node))
+    return _chains(linked, len(nodes))
+
+
+def _evicted_chains(manager: BlockManager, count: int) -> int:
+    """Chains of the `count` cached blocks `_evict` is about to take, least recent first."""
+    taken = list(itertools.islice(manager.cached_blocks, count))
+    names, parents = manager.block_hash, manager.block_parent
+
+    def linked(i: int) -> bool:
+        before, block = taken[i - 1], taken[i]
+        return parents[before] == names[block] or parents[block] == names[before]
+    return _chains(linked, len(taken))
+
+
+# Per operation in COUNTED, the chains one call's blocks form (read before the call runs).
+CHAINS: dict[str, Callable[..., int]] = {
+    "index_named": lambda index, root, keys, path: int(keys.count > len(path)),
+    "index_held": lambda index, worker, held, now: _node_chains(held),
+    "index_removed": lambda index, worker, hashes: _node_chains([index.nodes.get(h) for h in hashes]),
+    "engine_committed": lambda manager, ids, hashes, tokens, first, last, *rest: int(last > first),
+    "engine_evicted": _evicted_chains,
+    "engine_released": lambda manager, ids: int(len(ids) > 0),  # a sequence's table, in order
+}
+
+
 @contextlib.contextmanager
-def counting_blocks(counts: collections.Counter[str]) -> Iterator[None]:
-    """Count, per operation in COUNTED, the blocks its calls handle (restored after).
-    Only on the source modules: compiled code calls the index's methods directly."""
+def counting_blocks(counts: collections.Counter[str],
+                    chains: collections.Counter[str] | None = None) -> Iterator[None]:
+    """Count, per operation in COUNTED, the blocks its calls handle (restored after), and
+    in `chains` the chains they form (CHAINS). Only on the source modules: compiled code
+    calls the index's methods directly."""
     if compiled():
         raise RuntimeError(f"counting blocks needs the router's source modules: run with {DISABLE_ENV}=0")
     originals = {name: getattr(owner, method) for name, (owner, method, _) in COUNTED.items()}
@@ -67,6 +110,8 @@ def counting_blocks(counts: collections.Counter[str]) -> Iterator[None]:
         @functools.wraps(original)
         def wrapper(*args):
             counts[name] += blocks(*args)
+            if chains is not None:
+                chains[name] += CHAINS[name](*args)
             return original(*args)
         return wrapper
 
@@ -79,17 +124,18 @@ def counting_blocks(counts: collections.Counter[str]) -> Iterator[None]:
             setattr(owner, method, originals[name])
 
 
-def simulate_trace(load: float) -> tuple[collections.Counter[str], int, float]:
-    """Block counts, requests and wall seconds of the trace simulated under e2, set up as
-    `svc sim --trace TRACE --workers 16 --profile h100/llama-3-70b --policy e2 --load LOAD`."""
+def simulate_trace(load: float) -> tuple[collections.Counter[str], collections.Counter[str], int, float]:
+    """Block counts, chain counts, requests and wall seconds of the trace simulated under e2,
+    set up as `svc sim --trace TRACE --workers 16 --profile h100/llama-3-70b --policy e2 --load LOAD`."""
     spec = runner.SimSpec(workload="mooncake", policies=("e2",), workers=16,
                           cost=load_cost_model("h100/llama-3-70b"), trace=str(TRACE), load=load)
     point = runner.prepare(spec)[0]
     counts: collections.Counter[str] = collections.Counter()
+    chains: collections.Counter[str] = collections.Counter()
     started = time.perf_counter()
-    with counting_blocks(counts):
+    with counting_blocks(counts, chains):
         simulate(point.requests, runner.sim_config(point.spec, "e2", point.slos, False))
-    return counts, len(point.requests), time.perf_counter() - started
+    return counts, chains, len(point.requests), time.perf_counter() - started
 
 
 def _best_ns(run: Callable[[], float]) -> float:
@@ -189,17 +235,18 @@ def main() -> None:
     args = parser.parse_args()
     if compiled():  # the counting wraps methods that compiled code calls directly: run the sources
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, DISABLE_ENV: "0"})
-    counts, requests, wall_s = simulate_trace(args.load)
+    counts, chains, requests, wall_s = simulate_trace(args.load)
     costs = primitive_ns()
     floor_s = sum(counts[operation] * costs[operation] for operation in costs) / 1e9
     for operation in costs:
         print(f"{operation:17} {counts[operation]:>10,} blocks × {costs[operation]:6.0f} ns = "
-              f"{counts[operation] * costs[operation] / 1e9:5.2f} s")
+              f"{counts[operation] * costs[operation] / 1e9:5.2f} s; in {chains[operation]:>9,} chains "
+              f"({counts[operation] / max(chains[operation], 1):5.1f} blocks each)")
     print(f"floor {floor_s:.2f} s for {requests:,} requests: at most {requests / floor_s:,.0f} requests/s; "
           f"the run itself took {wall_s:.1f} s ({requests / wall_s:,.0f} requests/s, counting included)")
     if args.json:
-        print(json.dumps({"counts": counts, "ns_per_block": costs, "floor_s": floor_s, "requests": requests,
-                          "max_requests_per_s": requests / floor_s, "run_wall_s": wall_s}))
+        print(json.dumps({"counts": counts, "chains": chains, "ns_per_block": costs, "floor_s": floor_s,
+                          "requests": requests, "max_requests_per_s": requests / floor_s, "run_wall_s": wall_s}))
 
 
 if __name__ == "__main__":
