@@ -16,4 +16,6 @@ ENV BATON_CACHE_DIR=/cache PYTHONUNBUFFERED=1
 # The router's hot modules compiled (services/router/native.py), into /cache: a fresh named
 # volume mounted there starts with them. Where this fails the router runs its sources.
 RUN python -m services.router.native_build || true
+# The KV store's SSD tier must be private (docs/kvstore.md §3): a new volume mounted here takes this mode.
+RUN install -d -m 0700 /var/lib/baton/kvstore
 ENTRYPOINT ["svc"]

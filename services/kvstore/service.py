@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +116,22 @@ class StoreOptions:
 
 
 class StoreMetrics:
-    def __init__(self, registry: Registry, service: StoreService):
+    """The store's counters, made before its tiers (the SSD tier counts the damage it meets);
+    `watch` adds the gauges read from the running service at scrape time."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
         self.requests = registry.counter("baton_kvstore_requests_total", "Store requests, by op and outcome",
                                          labels=("op", "outcome"))
-        index = service.index
+        self.damaged_records = registry.counter(
+            "baton_kvstore_damaged_records_total",
+            "SSD records that failed their checks and were dropped, by when: restart (the warm-up's scan) "
+            "or read (while serving)", labels=("found",))
+        for found in ("restart", "read"):
+            self.damaged_records.inc(0, found=found)  # both series from the first scrape
+
+    def watch(self, service: StoreService) -> None:
+        registry, index = self.registry, service.index
         registry.gauge("baton_kvstore_blocks", "Committed blocks held",
                        collect=lambda: float(service.stats()["blocks"]))
         for number, tier in enumerate(index.tiers):
@@ -145,6 +158,8 @@ class StoreService:
         self.options = StoreOptions.from_config(config, layout)
         self.instance_id = uuid.uuid4().hex[:16]
         self.block_bytes = self.options.block_bytes
+        self.registry = Registry()
+        self.metrics = StoreMetrics(self.registry)
         self.dram = ShmDramTier(self.options.dram_slots, self.block_bytes, self.instance_id, shm_dir)
         self.ssd: SsdIndexTier | None = None
         self.recovered = Recovered(0, 0, 0, 0, 0.0)
@@ -152,11 +167,13 @@ class StoreService:
             tiers: list = [self.dram]
             if self.options.ssd_dir is not None:
                 self.ssd = SsdIndexTier(SsdTier(ssd_config(self.options.ssd_dir, self.options.ssd_gb,
-                                                           self.block_bytes)), self.block_bytes)
+                                                           self.block_bytes)), self.block_bytes,
+                                        on_damaged=partial(self.metrics.damaged_records.inc, found="read"))
                 tiers.append(self.ssd)
             self.index = KVIndex(self.options.index, tiers, crc32c)
             if self.ssd is not None:
                 self.recovered = rebuild(self.index, 1, self.ssd)
+                self.metrics.damaged_records.inc(self.recovered.damaged, found="restart")
         except BaseException:
             self._close_tiers()
             raise
@@ -169,8 +186,7 @@ class StoreService:
         self.staging_used = np.zeros(self.options.staging_blocks, dtype=bool)
         self.staged: dict[int, Staged] = {}  # by lease id, until the transport reports its exposure ended
         self.quarantined: list[tuple[float, np.ndarray]] = []  # (free at, blocks) of unsettled exposures
-        self.registry = Registry()
-        self.metrics = StoreMetrics(self.registry, self)
+        self.metrics.watch(self)
         self.context: zmq.Context = zmq.Context()
         self.security: Security = Security(self.context, config, "kvstore")
         self.control = self.security.server(zmq.ROUTER, config.kvstore_control, accept=ENGINE_ROLES)
@@ -561,7 +577,8 @@ class StoreService:
         of blocks moves as one piece per plane) serving the engine roles at kvstore_kv_address;
         (it, the address engines dial)."""
         geometry = PoolGeometry(self.layout, self.options.staging_blocks)
-        options = TransferOptions(puller_roles=ENGINE_ROLES, send_pause_s=self.config.kv_send_pause_s)
+        options = TransferOptions(puller_roles=ENGINE_ROLES, send_pause_s=self.config.kv_send_pause_s,
+                                  host=self.config.host)
         transport = make_transport(self.config.kv_transport, self.staging, geometry, model_fingerprint,
                                    self.security, f"{STORE_ID}-{self.instance_id}", options)
         try:

@@ -41,6 +41,13 @@ there (fsync failures are not retried: the kernel may have dropped the dirty pag
 Not thread-safe: the store serialises calls into one tier. One process at a time may
 open a tier directory (an exclusive flock on its `lock` file; the kernel drops it when
 the holder dies, even by SIGKILL).
+
+Privacy. Records hold prompts' KV, from which a prompt's tokens can be recovered, so the
+tier is the opening process's alone: its directory is created mode 0700 and every file in
+it (slots, lock, temporaries) 0600, each made with that mode (no chmod window; a umask
+only removes bits). A directory or file that has any group or other permission bit, or
+that another user owns (an earlier Baton made them 0755 and 0644), is refused with
+TierExposed naming the path and its mode: the operator fixes it or removes it.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import errno
 import fcntl
 import heapq
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -74,6 +82,9 @@ FILE_VERSION = 1
 FILE_HEADER_BYTES = 4096  # keeps slots 4 KiB aligned when slot_bytes is a multiple of 4 KiB
 _FILE_BODY = struct.Struct("<8sHxxQQII")  # magic, version, slot_bytes, num_slots, files, file index
 _MAX_PAYLOAD = 2**32 - 1  # the header's payload length is a u32
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+_OTHERS = 0o077  # group and other permission bits
 
 
 class SsdTierError(Exception):
@@ -103,6 +114,11 @@ class LayoutMismatch(SsdTierError):
 
 class TierLocked(SsdTierError):
     """Another process holds the tier directory open."""
+
+
+class TierExposed(SsdTierError):
+    """The tier's directory or one of its files is open to other users (a group or other
+    permission bit is set) or owned by another user."""
 
 
 class SyncPolicy(enum.Enum):
@@ -207,6 +223,45 @@ def _crc_matches(raw: bytes, payload: bytes, crc: int) -> bool:
 def _encode_file_header(config: SsdTierConfig, index: int) -> bytes:
     body = _FILE_BODY.pack(FILE_MAGIC, FILE_VERSION, config.slot_bytes, config.num_slots, config.files, index)
     return (body + _CRC.pack(google_crc32c.value(body))).ljust(FILE_HEADER_BYTES, b"\0")
+
+
+def _make_private_directory(directory: Path) -> None:
+    """Creates the tier directory mode 0700 (its parents as the umask says), or checks that
+    the one there is a directory private to this user."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(directory, DIRECTORY_MODE)
+    except FileExistsError:
+        pass
+    status = os.stat(directory)
+    if not stat.S_ISDIR(status.st_mode):
+        raise SsdTierError(f"ssd tier: {directory} is not a directory")
+    _require_private(directory, status, DIRECTORY_MODE)
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """A descriptor of `path` (created mode 0600 under O_CREAT), checked private through
+    the descriptor itself, so what is checked is what is used. Symbolic links are refused."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        _require_private(path, os.fstat(fd), FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _require_private(path: Path, status: os.stat_result, wanted: int) -> None:
+    """TierExposed, naming the path, unless this user owns it and no one else has any bit."""
+    if status.st_uid != os.geteuid():
+        raise TierExposed(f"ssd tier: {path} is owned by uid {status.st_uid}, not by this process's uid "
+                          f"{os.geteuid()}; chown it or remove it")
+    mode = stat.S_IMODE(status.st_mode)
+    if mode & _OTHERS:
+        exposure = "readable by other users" if mode & 0o044 else "open to other users"
+        files = f" and {FILE_MODE:o} the files in it" if stat.S_ISDIR(status.st_mode) else ""
+        advice = f"chmod {wanted:o} it{files}"
+        raise TierExposed(f"ssd tier: {path} is mode {mode:04o}, {exposure}; {advice}, or remove it")
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -413,8 +468,8 @@ class SsdTier:
     # ---- opening
 
     def _lock(self) -> None:
-        self.config.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.config.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        _make_private_directory(self.config.directory)
+        self._lock_fd = _open_private(self.config.directory / "lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -432,7 +487,7 @@ class SsdTier:
             raise LayoutMismatch(f"{self.config.directory} holds {[p.name for p in present]}, "
                                  f"expected {[p.name for p in expected]}")
         for index, path in enumerate(expected):
-            self._fds.append(os.open(path, os.O_RDWR))
+            self._fds.append(_open_private(path, os.O_RDWR))
             self._check_file(index, path)
 
     def _create_files(self) -> None:
@@ -440,7 +495,9 @@ class SsdTier:
         renamed: a crash mid-creation leaves no half-made file under a real name."""
         for index in range(self.config.files):
             temporary = self._path(index).with_suffix(".tmp")
-            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            # A crash's leftover keeps its old mode under O_TRUNC: make a new file instead.
+            temporary.unlink(missing_ok=True)
+            fd = _open_private(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
                 _preallocate(fd, self.config.file_bytes(index))
                 _pwrite_all(fd, _encode_file_header(self.config, index), 0)

@@ -10,12 +10,14 @@ import fcntl
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
 import numpy as np
 
+from common.logs import get_logger
 from services.kvstore.dram import DramTier, SlottedTier, TierError
 from services.kvstore.index import BlockKey, KVIndex, Namespace
 from services.kvstore.ssd import HEADER_BYTES, DamagedRecord, SsdTier, SsdTierConfig, SyncPolicy
@@ -27,6 +29,8 @@ PAGE = 4096
 # flag (1: has a parent; 0: first block of its chain).
 _PARENT = struct.Struct("<QB7x")
 PARENT_BYTES = _PARENT.size
+
+log = get_logger("kvstore")
 
 
 def crc32c(data: memoryview | bytes) -> int:
@@ -124,15 +128,20 @@ def ssd_config(directory: Path, ssd_gb: float, block_bytes: int) -> SsdTierConfi
 class SsdIndexTier(SlottedTier):
     """The SSD tier behind the index's Tier protocol. The SsdTier picks its own slot on
     each write, so the index's slots here are virtual, mapped to the record's real slot.
-    Each record's payload is the parent prefix, then the block's value."""
+    Each record's payload is the parent prefix, then the block's value.
 
-    def __init__(self, ssd: SsdTier, block_bytes: int):
+    A record found damaged by a read is logged (`kvstore_ssd_record_damaged`, naming the
+    block and the reason), counted (`damaged_reads`, and `on_damaged` is called) and freed;
+    the read raises DamagedBlock, and the caller drops the block from the index."""
+
+    def __init__(self, ssd: SsdTier, block_bytes: int, on_damaged: Callable[[], None] | None = None):
         if ssd.config.max_payload < PARENT_BYTES + block_bytes:
             raise ValueError(f"SSD slots of {ssd.config.slot_bytes} bytes cannot hold {block_bytes}-byte blocks")
         super().__init__("ssd", ssd.config.num_slots, block_bytes)
         self.ssd = ssd
         self._real: dict[int, int] = {}  # virtual slot -> the SsdTier slot of its record
         self._labels: dict[int, tuple[bytes, int, int | None]] = {}
+        self._on_damaged = on_damaged
         self.damaged_reads = 0
 
     def free(self, slot: int) -> None:
@@ -166,10 +175,18 @@ class SsdIndexTier(SlottedTier):
         try:
             _, _, payload = self.ssd.read(real)
         except DamagedRecord as error:  # the SsdTier freed the record; the index drops the block
-            self.damaged_reads += 1
             del self._real[slot]
+            self._damaged(slot, error)
             raise DamagedBlock(str(error)) from None
         return memoryview(payload)[PARENT_BYTES: PARENT_BYTES + nbytes]
+
+    def _damaged(self, slot: int, error: DamagedRecord) -> None:
+        self.damaged_reads += 1
+        ns, key, _ = self._labels.get(slot, (b"", 0, None))
+        log.warning("kvstore_ssd_record_damaged", namespace=f"{int.from_bytes(ns, 'little'):#x}", key=f"{key:#x}",
+                    ssd_slot=error.slot, reason=error.reason, action="dropped")
+        if self._on_damaged is not None:
+            self._on_damaged()
 
     def adopt(self, real: int, ns: bytes, key: int, parent: int | None) -> int:
         """A virtual slot for a record the rebuild found in real slot `real`."""

@@ -1,18 +1,22 @@
 """The kvstore role as a real process: its socket, shared-memory pool, SSD tier and client."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import ClusterConfig, load_config
 from common.engine.checkpoint import load_model_config
@@ -20,7 +24,7 @@ from common.engine.kv_layout import KVLayout
 from common.protocol import StoreEvents, StoreReply, StoreRequest, decode, encode
 from common.sockets import Security
 from services.kvstore.client import StoreClient, StoreUnavailable
-from services.kvstore.ssd import FILE_HEADER_BYTES, SsdTier
+from services.kvstore.ssd import FILE_HEADER_BYTES, HEADER_BYTES, RECORD_MAGIC, SsdTier
 from services.kvstore.tiers import ssd_config
 from services.local_cluster import REPO, _health, child_env, free_port_base
 
@@ -395,6 +399,73 @@ def test_a_corrupted_ssd_record_is_dropped_with_its_descendants(stores, scratch)
     assert stats["warmup_dropped_damaged"] == 1
     assert stats["warmup_dropped_orphans"] == len(keys) - victim - 1
     assert stats["warmup_blocks"] == victim
+    assert _damaged_records(store) == {"restart": 1, "read": 0}
+
+
+def _damaged_records(store: Store) -> dict[str, float]:
+    """baton_kvstore_damaged_records_total by its `found` label, from the store's /metrics."""
+    url = f"http://127.0.0.1:{store.config.kvstore_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {sample.labels["found"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "baton_kvstore_damaged_records_total"}
+
+
+def _record_offset(store: Store, namespace: int, key: int) -> int:
+    """Where in slots-000.bkv the live record of (namespace, key) starts, read off the
+    record headers (docs: ssd.py's layout) while the store holds the tier open."""
+    config = ssd_config(Path(store.config.kvstore_ssd_dir), store.config.kvstore_ssd_gb, store.layout.bytes_per_block)
+    wanted = namespace.to_bytes(8, "little").ljust(16, b"\0")
+    with open(Path(store.config.kvstore_ssd_dir) / "slots-000.bkv", "rb") as file:
+        for slot in range(config.num_slots):
+            offset = FILE_HEADER_BYTES + slot * config.slot_bytes
+            file.seek(offset)
+            head = file.read(HEADER_BYTES)
+            # magic 4s | version u16 | namespace length u8 | reserved u8 | namespace 16s | key u64
+            if head[:4] == RECORD_MAGIC and head[8:24] == wanted and struct.unpack_from("<Q", head, 24)[0] == key:
+                return offset
+    raise AssertionError(f"no record of key {key:#x} on the SSD")
+
+
+def test_a_record_damaged_while_the_store_runs_is_logged_counted_dropped_and_the_rest_serve(stores, scratch):
+    store = stores(kvstore_ssd_dir=str(scratch / "ssd"), kvstore_ssd_gb=0.004)
+    bb = store.layout.bytes_per_block
+    client = _client(stores, store)
+    keys_a, keys_b = chain(1, 40), chain(1000, 40)
+    values_a, values_b = values_for(keys_a, bb), values_for(keys_b, bb)
+    client.put(NS_A, keys_a, parents_of(NS_A, keys_a), values_a)
+    client.put(NS_B, keys_b, parents_of(NS_B, keys_b), values_b)  # 80 blocks, 30 DRAM slots: NS_A demotes
+    victim = 5
+    assert client.lookup(NS_A, keys_a)[: victim + 1] == [1] * (victim + 1)
+    assert _damaged_records(store) == {"restart": 0, "read": 0}
+    with open(Path(store.config.kvstore_ssd_dir) / "slots-000.bkv", "r+b") as file:
+        file.seek(_record_offset(store, NS_A, keys_a[victim]) + HEADER_BYTES + 1000)  # into its value
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    assert _fetch_check(client, NS_A, keys_a, values_a, store.layout) == victim  # the blocks before it only
+    assert _damaged_records(store) == {"restart": 0, "read": 1}
+    damage = [json.loads(line) for line in store.log.read_text().splitlines() if "kvstore_ssd_record_damaged" in line]
+    assert [(d["level"], d["namespace"], d["key"], d["reason"]) for d in damage] == \
+        [("warning", f"{NS_A:#x}", f"{keys_a[victim]:#x}", "CRC32C mismatch")]
+    assert len(client.lookup(NS_A, keys_a)) == victim  # dropped from the index, with the blocks under it
+    assert _fetch_check(client, NS_A, keys_a, values_a, store.layout) == victim  # not met again
+    assert _fetch_check(client, NS_B, keys_b, values_b, store.layout) == len(keys_b)  # the store goes on
+    assert _damaged_records(store) == {"restart": 0, "read": 1}
+
+
+def test_a_store_refuses_an_ssd_directory_other_users_can_read(tiny_model_dir, scratch):
+    ssd_dir = scratch / "ssd"
+    ssd_dir.mkdir()
+    ssd_dir.chmod(0o755)  # as an earlier Baton made it
+    store = Store(tiny_model_dir, scratch, kvstore_ssd_dir=str(ssd_dir), kvstore_ssd_gb=0.004)
+    # A store that wrongly came up would outlive the timeout: run() kills it and the test fails.
+    result = subprocess.run([sys.executable, "-m", "services.cli", "start", "kvstore", "--config",
+                             str(store.config_path)], capture_output=True, text=True, env=child_env(), cwd=REPO,
+                            timeout=120)
+    assert result.returncode != 0
+    assert f"ssd tier: {ssd_dir} is mode 0755, readable by other users" in result.stdout + result.stderr
+    assert list(ssd_dir.iterdir()) == []
 
 
 # ---- who may talk, and what ------------------------------------------------------------

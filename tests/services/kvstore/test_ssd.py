@@ -1,14 +1,19 @@
 """The SSD tier on real files: round trips, rebuild on reopen, damaged and half-written
 records dropped and counted, a writer killed with SIGKILL mid-run, freed slots staying
-free, the newest of two records of a key winning, preallocation and argument checks."""
+free, the newest of two records of a key winning, preallocation and argument checks, and
+files private to their user."""
 from __future__ import annotations
 
 import inspect
 import os
+import pwd
 import random
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,7 @@ from services.kvstore.ssd import (
     SsdTier,
     SsdTierConfig,
     SyncPolicy,
+    TierExposed,
     TierFull,
     TierLocked,
 )
@@ -360,3 +366,134 @@ def test_bad_calls_are_refused(tmp_path):
         tier.write(NS, 2, b"x")
     with pytest.raises(TypeError, match="SsdTierConfig"):
         SsdTier(tmp_path)
+
+
+# ---- the files are their user's alone ------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_fresh_tier_is_private_even_under_a_permissive_umask(tmp_path):
+    directory = tmp_path / "parent" / "ssd"
+    previous = os.umask(0)  # the modes must come from creation, not from the umask
+    try:
+        SsdTier(_config(directory, files=3)).close()
+    finally:
+        os.umask(previous)
+    assert _mode(directory) == 0o700
+    names = sorted(path.name for path in directory.iterdir())
+    assert names == ["lock", "slots-000.bkv", "slots-001.bkv", "slots-002.bkv"]  # no temporary left
+    assert {name: _mode(directory / name) for name in names} == {name: 0o600 for name in names}
+
+
+def test_a_crashs_leftover_temporary_is_not_reused_with_its_mode(tmp_path):
+    directory = tmp_path / "ssd"
+    os.mkdir(directory, 0o700)
+    leftover = directory / "slots-000.tmp"
+    leftover.write_bytes(b"half made")
+    leftover.chmod(0o644)
+    SsdTier(_config(directory)).close()
+    assert _mode(directory / "slots-000.bkv") == 0o600 and not leftover.exists()
+
+
+@pytest.mark.parametrize("name,mode,exposure", [("slots-000.bkv", 0o644, "readable by other users"),
+                                                ("slots-001.bkv", 0o604, "readable by other users"),
+                                                ("lock", 0o620, "open to other users")])
+def test_a_file_open_to_other_users_is_refused_naming_it(tmp_path, name, mode, exposure):
+    config = _config(tmp_path / "ssd", files=2)
+    with SsdTier(config) as tier:
+        tier.write(NS, 1, b"prompt")
+    (config.directory / name).chmod(mode)
+    with pytest.raises(TierExposed) as refusal:
+        SsdTier(config)
+    assert str(refusal.value) == (f"ssd tier: {config.directory / name} is mode {mode:04o}, {exposure}; "
+                                  f"chmod 600 it, or remove it")
+    (config.directory / name).chmod(0o600)
+    with SsdTier(config) as tier:  # once fixed, the records are all there
+        assert [tier.read(slot)[2] for slot in tier.entries().values()] == [b"prompt"]
+
+
+def test_a_directory_an_earlier_baton_made_0755_is_refused_naming_it(tmp_path):
+    directory = tmp_path / "ssd"
+    directory.mkdir()
+    directory.chmod(0o755)
+    with pytest.raises(TierExposed) as refusal:
+        SsdTier(_config(directory))
+    assert str(refusal.value) == (f"ssd tier: {directory} is mode 0755, readable by other users; "
+                                  f"chmod 700 it and 600 the files in it, or remove it")
+    assert list(directory.iterdir()) == []  # refused before anything was made in it
+
+
+def test_a_symbolic_link_in_place_of_a_file_is_refused(tmp_path):
+    config = _config(tmp_path / "ssd")
+    SsdTier(config).close()
+    real = tmp_path / "elsewhere.bkv"
+    (config.directory / "slots-000.bkv").rename(real)
+    (config.directory / "slots-000.bkv").symlink_to(real)
+    with pytest.raises(OSError):
+        SsdTier(config)
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user")
+
+
+def _nobody() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' here")
+
+
+@ROOT_ONLY
+def test_a_file_another_user_owns_is_refused_naming_it(tmp_path):
+    nobody = _nobody()
+    config = _config(tmp_path / "ssd")
+    SsdTier(config).close()
+    os.chown(config.directory / "slots-000.bkv", nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(TierExposed, match=f"slots-000.bkv is owned by uid {nobody.pw_uid}, not by this process"):
+        SsdTier(config)
+
+
+# Run as root, then become the other user for good, then try to read each path.
+_READ_AS = """
+import os, sys
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+for path in sys.argv[3:]:
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb") as file:
+                file.read(1)
+        print("read", path)
+    except PermissionError:
+        print("denied", path)
+"""
+
+
+@ROOT_ONLY
+def test_another_user_cannot_read_the_tier():
+    nobody = _nobody()
+    # Under a parent every user may pass through (pytest's own is root's alone, which would
+    # hide what the tier's modes do), beside a file anyone may read that shows they can.
+    parent = Path(tempfile.mkdtemp(prefix="baton-ssd-privacy-"))
+    try:
+        parent.chmod(0o755)
+        control = parent / "anyone-may-read"
+        control.write_bytes(b"x")
+        control.chmod(0o644)
+        config = _config(parent / "ssd", files=2)
+        with SsdTier(config) as tier:
+            tier.write(NS, 1, b"prompt tokens")
+        paths = [control, config.directory, *sorted(config.directory.iterdir())]
+        result = subprocess.run([sys.executable, "-c", _READ_AS, str(nobody.pw_uid), str(nobody.pw_gid),
+                                 *map(str, paths)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [f"read {control}"] + [f"denied {path}" for path in paths[1:]]
+    finally:
+        shutil.rmtree(parent)

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.kvstore.dram import TierError
 from services.kvstore.index import IndexConfig, KVIndex
@@ -31,8 +32,9 @@ def value(key: int) -> bytes:
     return key.to_bytes(8, "little") * (BB // 8)
 
 
-def open_store(shm: Path, ssd_dir: Path, dram: int = 4) -> tuple[KVIndex, ShmDramTier, SsdIndexTier]:
-    ssd = SsdIndexTier(SsdTier(ssd_config(ssd_dir, 0.0002, BB)), BB)
+def open_store(shm: Path, ssd_dir: Path, dram: int = 4,
+               on_damaged=None) -> tuple[KVIndex, ShmDramTier, SsdIndexTier]:
+    ssd = SsdIndexTier(SsdTier(ssd_config(ssd_dir, 0.0002, BB)), BB, on_damaged)
     pool = ShmDramTier(dram, BB, uuid.uuid4().hex, shm)
     return KVIndex(IndexConfig(demote_min_hits=0), [pool, ssd], crc32c), pool, ssd
 
@@ -116,18 +118,22 @@ def test_a_broken_chain_is_dropped_below_the_break_and_counted(tmp_path):
 
 
 def test_a_record_damaged_while_open_fails_the_get_without_leaking_a_lease(tmp_path):
-    index, pool, ssd = open_store(tmp_path, tmp_path / "ssd")
+    found: list[str] = []
+    index, pool, ssd = open_store(tmp_path, tmp_path / "ssd", on_damaged=lambda: found.append("damaged"))
     put_chain(index, [1, 2])
     index.empty_tier(0)
     real = ssd.ssd.entries()[(NS, 1)]
     with open(tmp_path / "ssd" / "slots-000.bkv", "r+b") as file:
         file.seek(FILE_HEADER_BYTES + real * ssd.ssd.config.slot_bytes + HEADER_BYTES + 50)
         file.write(b"\x00\xff\x00")
-    with pytest.raises(DamagedBlock):
+    with capture_logs() as logs, pytest.raises(DamagedBlock):
         index.get(NS, [1, 2], 0.0)
     assert index.stats()["leases"] == 0
     index.check_integrity()
-    assert ssd.damaged_reads == 1
+    assert ssd.damaged_reads == 1 and found == ["damaged"]
+    assert logs == [{"event": "kvstore_ssd_record_damaged", "log_level": "warning", "namespace": "0xabcd",
+                     "key": "0x1", "ssd_slot": real, "reason": "CRC32C mismatch", "action": "dropped"}]
+    assert ssd.ssd.entries() == {(NS, 2): ssd.ssd.entries()[(NS, 2)]}  # its record is freed, the other kept
     close(pool, ssd)
 
 
