@@ -163,13 +163,13 @@ class StoreProcess:
         import zmq
 
         from common.engine.checkpoint import fingerprints
-        from common.kv_transfer import PoolGeometry, make_transport
+        from common.kv_transfer import PoolGeometry, TransferOptions, make_transport
         from common.sockets import Security
 
         security: Security = Security(zmq.Context.instance(), self.config, "worker")
         geometry = PoolGeometry(layout, pool.size // layout.bytes_per_block)
         return make_transport(self.config.kv_transport, pool, geometry, fingerprints(Path(self.config.model))[0],
-                              security, "bench")
+                              security, "bench", TransferOptions(host=self.config.host))
 
     def stop(self) -> None:
         self.process.terminate()

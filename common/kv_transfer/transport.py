@@ -58,7 +58,7 @@ from common.protocol import (
     encode,
     peek_request_id,
 )
-from common.sockets import Security, check_endpoint
+from common.sockets import Security, check_bind_address, check_endpoint
 
 if TYPE_CHECKING:
     import torch  # only for the annotation: the transports import it only for a CUDA pool
@@ -75,6 +75,14 @@ MAX_ID_CHARS = 256
 MAX_CLIENTS = 1024  # pullers one server keeps a handshake (and UCX endpoint) for
 IDLE_POLL_S = 0.05
 MESSAGES_PER_TURN = 256  # per socket and loop turn, so that one busy peer cannot starve timers
+
+
+def host_endpoint(host: str) -> str:
+    """tcp://HOST:0, an IPv6 address in brackets: how check_bind_address takes a host."""
+    bare = host.strip("[]") if isinstance(host, str) else ""
+    if not bare or any(c.isspace() or c in "/;@" for c in bare):
+        raise ValueError(f"host: {host!r} is not a host name or address")
+    return f"tcp://[{bare}]:0" if ":" in bare else f"tcp://{bare}:0"
 
 
 class HandshakeRefused(ConnectionError):
@@ -99,6 +107,7 @@ class TransferOptions:
     send_pause_s: float = 0.0  # tests only: the server waits this long before each piece/message
     ignore_puller_end: bool = False  # tests only: the server goes on sending after a cancel
     puller_roles: tuple[str, ...] = ("decode",)  # the roles a server hands KV to (the store's: every engine role)
+    host: str = "127.0.0.1"  # the host the role's sockets bind (ClusterConfig.host): the data plane's only one
 
 
 @dataclass
@@ -230,6 +239,8 @@ class KvTransport:
             self.options = replace(self.options, max_piece_bytes=self.default_piece_bytes)
         if not MIN_PIECE_BYTES <= self.options.max_piece_bytes <= MAX_PIECE_BYTES:
             raise ValueError(f"max_piece_bytes must be in [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}]")
+        # The data plane listens too (UCX's TCP transport), so the control socket's rule holds for it.
+        check_bind_address(host_endpoint(self.options.host), security.curve, security.insecure)
         self.huge_pages = self.pool.advise_huge_pages() if self.options.huge_pages else "off"
         self.geometry = geometry
         self.compat = compat_of(geometry, model_fingerprint)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from common.kv_transfer.netdev import interface_addresses, ucx_device_options
 from common.kv_transfer.plan import MAX_PIECES
 from common.kv_transfer.transport import MAX_PIECE_BYTES, KvTransport, TransferEvent, _Pull, _Serve, log
 from common.protocol import ErrorCode, KvHello
@@ -53,7 +54,12 @@ class UcxTransport(KvTransport):
         from ucxx._lib.arr import Array
 
         self._api, self._array = ucx_api, Array
-        self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        # UCX's TCP transport listens on every interface it uses: keep it to the host's. Given
+        # in the context's config rather than as UCX_* variables, which would reach every UCX
+        # context of the process and its children, and stay after this transport.
+        device_options = ucx_device_options(self.options.host, interface_addresses())
+        self._context = ucx_api.UCXContext(config_dict=device_options,
+                                           feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         if self.pool.on_device and not self._context.cuda_support:
             raise RuntimeError("this UCX has no CUDA support (a UCX built without CUDA, or UCX_TLS without "
                                "cuda_copy), so it cannot move a GPU pool: kv_transport = zmq stages it "
@@ -69,7 +75,8 @@ class UcxTransport(KvTransport):
         self._poison: list = []  # empty sends to ourselves, kept until complete
         self._drains: list = []  # (receive, scratch) of unexpected messages
         log.info("kv_transport_started", transport=self.name, ucx_version=".".join(map(str, ucx_api.get_ucx_version())),
-                 tls=self._context.config.get("TLS", ""), huge_pages=self.huge_pages)
+                 tls=self._context.config.get("TLS", ""), net_devices=self._context.config.get("NET_DEVICES", ""),
+                 host=self.options.host, huge_pages=self.huge_pages)
 
     def _stop_data_plane(self) -> None:
         for client in self._clients.values():

@@ -7,6 +7,7 @@ only with BATON_TEST_DEVICE=cuda (scripts/check_cuda.sh, stage kv-transfer).
 """
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing
 import os
 import time
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from common.config import ClusterConfig
+from common.config import ClusterConfig, ConfigError
 from common.engine.kv_layout import KVLayout
 from common.kv_transfer import (
     HandshakeRefused,
@@ -29,9 +30,11 @@ from common.kv_transfer import (
     pool_bytes,
     ucx_available,
 )
-from common.kv_transfer.plan import group_pieces, paired_runs
-from common.protocol import ErrorCode, KvEnd, decode, encode
+from common.kv_transfer.netdev import interface_addresses, ucx_device_options
+from common.kv_transfer.plan import compat_hash, compat_of, group_pieces, paired_runs
+from common.protocol import PROTOCOL_VERSION, ErrorCode, KvEnd, KvHello, KvPull, KvWelcome, decode, encode
 from common.sockets import Security
+from tests.services.test_listeners import listening_sockets, socket_inodes
 
 UCX_MISSING = ucx_available()
 TRANSPORTS = ["zmq", pytest.param("ucx", marks=pytest.mark.skipif(
@@ -82,8 +85,9 @@ def block_bytes(pool, geometry: PoolGeometry, block: int) -> bytes:
                     for plane in range(geometry.num_planes))
 
 
-def _security(keys_dir: str = "", role: str = "decode") -> Security:
-    config = ClusterConfig(curve_enabled=True, curve_keys_dir=keys_dir) if keys_dir else ClusterConfig()
+def _security(keys_dir: str = "", role: str = "decode", insecure: bool = False) -> Security:
+    config = ClusterConfig(curve_enabled=True, curve_keys_dir=keys_dir) if keys_dir else ClusterConfig(
+        insecure=insecure)
     return Security(zmq.Context.instance(), config, role)
 
 
@@ -234,6 +238,90 @@ def test_selection_by_setting_and_fallback(monkeypatch):
         assert isinstance(chosen, ZmqTransport)
     with pytest.raises(RuntimeError, match="kv_transport = ucx"):
         make_transport("ucx", pool, GEOMETRY, FINGERPRINT, _security(), "x")
+
+
+# ---- where the data plane listens (docs/kv-transfer.md §5) ------------------------------------
+
+INTERFACES = {"lo": {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")},
+              "eth0": {ipaddress.ip_address("192.0.2.2"), ipaddress.ip_address("fd00::2")},
+              "docker0": {ipaddress.ip_address("172.17.0.1")}}
+
+
+def test_ucx_is_kept_to_the_interfaces_owning_the_host():
+    assert ucx_device_options("127.0.0.1", INTERFACES) == {"NET_DEVICES": "^docker0,eth0", "TCP_AF_PRIO": "inet"}
+    assert ucx_device_options("[::1]", INTERFACES) == {"NET_DEVICES": "^docker0,eth0", "TCP_AF_PRIO": "inet6"}
+    assert ucx_device_options("fd00::2", INTERFACES) == {"NET_DEVICES": "^docker0,lo", "TCP_AF_PRIO": "inet6"}
+    assert ucx_device_options("localhost", INTERFACES)["NET_DEVICES"] == "^docker0,eth0"  # a name is resolved
+    assert ucx_device_options("0.0.0.0", INTERFACES) == {}  # every interface, as ZeroMQ binds it
+    assert ucx_device_options("127.0.0.1", {"lo": INTERFACES["lo"]}) == {"TCP_AF_PRIO": "inet"}
+    with pytest.raises(ValueError, match="'198.51.100.7'.*not an address of any network interface"):
+        ucx_device_options("198.51.100.7", INTERFACES)
+    with pytest.raises(ValueError, match="host"):
+        ucx_device_options("", INTERFACES)
+
+
+def test_the_machine_interfaces_are_read_with_their_addresses():
+    assert ipaddress.ip_address("127.0.0.1") in interface_addresses()["lo"]
+
+
+def test_without_curve_the_data_plane_refuses_a_host_beyond_loopback():
+    pool, beyond = seeded_pool(GEOMETRY, 1), TransferOptions(host="198.51.100.7")
+    with pytest.raises(ConfigError, match="refusing to bind"):
+        make_transport("zmq", pool, GEOMETRY, FINGERPRINT, _security(), "x", beyond)
+    with pytest.raises(ValueError, match="host"):
+        make_transport("zmq", pool, GEOMETRY, FINGERPRINT, _security(), "x", TransferOptions(host="a b"))
+    with make_transport("zmq", pool, GEOMETRY, FINGERPRINT, _security(insecure=True), "x", beyond) as transport:
+        assert transport.options.host == "198.51.100.7"
+
+
+@pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucxx does not import: {UCX_MISSING}")
+def test_a_ucx_transport_listens_on_its_host_only():
+    """UCX's TCP transport opens a listener on each interface it uses: here only loopback's,
+    and a host that no interface owns is an error naming it."""
+    before = socket_inodes(os.getpid())
+    with puller("ucx")[0]:
+        listening = listening_sockets()
+        added = [listening[inode] for inode in socket_inodes(os.getpid()) - before if inode in listening]
+    assert added, "UCX opened no TCP listener: nothing was checked"
+    assert all(address.startswith("127.0.0.1:") for address in added), added
+    with pytest.raises(RuntimeError, match="198.51.100.7.*not an address of any network interface"):
+        make_transport("ucx", seeded_pool(GEOMETRY, 1), GEOMETRY, FINGERPRINT, _security(insecure=True), "x",
+                       TransferOptions(host="198.51.100.7"))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_pull_without_an_accepted_handshake_is_refused_and_serves_nothing(spawn_server, transport):
+    """A peer that skipped the handshake, or whose handshake was refused, gets KvEnd
+    `refused` for a pull of an exposed transfer, which stays for the peer that handshakes."""
+    server = spawn_server(transport)
+    server.ask("expose", "req-9", [3, 4], 30.0)
+    pull = KvPull("req-9", 77, [3, 4], [3, 4], WAIT_S, 4 << 10)
+    stranger = _security().client(zmq.DEALER, server.address, "prefill")
+    try:
+        stranger.send_multipart(encode(pull))
+        assert stranger.poll(WAIT_S * 1000), "no answer to a pull without a handshake"
+        answer, _ = decode(stranger.recv_multipart())
+        assert isinstance(answer, KvEnd) and answer.code == ErrorCode.REFUSED, answer
+        assert "no accepted handshake" in answer.reason
+        other = compat_of(GEOMETRY, "model-b")
+        stranger.send_multipart(encode(KvHello(PROTOCOL_VERSION, "decode-9", transport, other,
+                                               compat_hash(other), GEOMETRY.num_blocks, b"\x01" * 64)))
+        assert stranger.poll(WAIT_S * 1000)
+        welcome, _ = decode(stranger.recv_multipart())
+        assert isinstance(welcome, KvWelcome) and not welcome.accepted and welcome.field == "model_fingerprint"
+        stranger.send_multipart(encode(pull))
+        assert stranger.poll(WAIT_S * 1000)
+        answer, _ = decode(stranger.recv_multipart())
+        assert isinstance(answer, KvEnd) and "no accepted handshake" in answer.reason, answer
+    finally:
+        stranger.close(0)
+    client, pool = puller(transport)
+    with client:
+        peer = client.connect(server.address)
+        assert client.pull(peer, "req-9", [3, 4], [8, 9], time.monotonic() + WAIT_S).wait(WAIT_S).status == "done"
+        source = seeded_pool(GEOMETRY, SERVER_SEED)
+        assert block_bytes(pool, GEOMETRY, 9) == block_bytes(source, GEOMETRY, 4)
+    assert server.event()[:2] == ("req-9", "done")
 
 
 # ---- transfers between processes -------------------------------------------------------------
