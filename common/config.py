@@ -73,6 +73,12 @@ class ClusterConfig(EngineSettings):
     port_base: int = setting(7100, "first of the cluster's ZeroMQ ports", check=PORT_BASE)
     http_host: str = setting("127.0.0.1", "address the HTTP gateway binds")
     http_port: int = setting(8000, "port of the HTTP gateway", check=PORT)
+    http_max_connections_per_client: int = setting(
+        256, "HTTP connections one client address (an IPv6 client's /64) may hold; at the cap its longest-idle "
+        "one is closed for a new one, else 429 (0: no cap; raise it behind a proxy, whose clients share its "
+        "address)", check=NOT_NEGATIVE)
+    max_prompt_bytes: int = setting(0, "a text prompt of more UTF-8 bytes is refused before it is tokenized (0: "
+                                    "only the bound the tokenizer and the context length prove)", check=NOT_NEGATIVE)
     router_address: str = setting("", "the router's ZeroMQ endpoint (default: tcp://host:port_base)",
                                   check=ENDPOINT)
     sdk_address: str = setting("", "the client SDK's endpoint (default: tcp://host:port_base+1)", check=ENDPOINT)

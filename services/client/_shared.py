@@ -86,11 +86,27 @@ def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
     submit = Submit(request_id=request_id, sampling=sampling_from_params(params), prompt=prompt,
                     api_key=api_key, timeout_s=timeout_s, slo_class=slo_class)
     payloads = None if token_ids is None else [_token_ids(token_ids)]
-    frames = encode(submit, payloads)
+    try:
+        frames = encode(submit, payloads)
+    except UnicodeEncodeError:  # msgpack carries UTF-8, which has no lone surrogates
+        fields = {"prompt": prompt or "", "api_key": api_key, "slo_class": slo_class,
+                  **{f"stop[{index}]": stop for index, stop in enumerate(params.stop)}}
+        raise _lone_surrogate(fields) from None
     if len(frames[1]) > MAX_BODY_BYTES:
         raise InvalidRequest(f"prompt: the request's message is {len(frames[1])} bytes, over the "
                              f"protocol's limit of {MAX_BODY_BYTES}")
     return request_id, frames
+
+
+def _lone_surrogate(fields: dict[str, str]) -> InvalidRequest:
+    """InvalidRequest naming the first field whose text UTF-8 cannot encode."""
+    for name, text in fields.items():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return InvalidRequest(f"{name}: is not valid Unicode: it holds a lone surrogate "
+                                  f"(U+{ord(text[error.start]):04X} at index {error.start})")
+    return InvalidRequest("the request holds text that is not valid Unicode")
 
 
 def _token_ids(token_ids) -> list[int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.sampling_params import SamplingParams
+from services.tokenizer.text_prompts import PromptByteLimit
 
 
 @dataclass
@@ -28,9 +29,12 @@ class StreamEvent:
 class FrontendApi(Protocol):
     model_name: str
     max_model_len: int
+    prompt_byte_limit: PromptByteLimit  # a longer text prompt is refused before tokenize()
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of a prompt text (with the tokenizer's special tokens)."""
+        """Token ids of a prompt text (with the tokenizer's special tokens). Called from a
+        TokenizePool thread for long texts: it must be thread-safe, and should release
+        the GIL for a long text."""
 
     def decode(self, token_ids: list[int]) -> str: ...
 

@@ -9,7 +9,11 @@ proxy is not part of every deployment):
 - a request head larger than `max_header_bytes`, or with more than `max_headers` fields,
   is answered 431; one not complete within `header_timeout_s` of its first byte, 408;
 - a body over `max_body_bytes`, declared or sent (chunked), is answered 413;
-- a connection beyond `max_connections` is answered 503 and closed at once;
+- connections are capped in total (`max_connections`) and per client address
+  (`max_connections_per_client`; an IPv6 client counts by its /64): a connection over
+  either cap closes the longest-idle connection it competes with (the same address's,
+  or any) instead of being refused, and only when none is idle is it answered 503 (total)
+  or 429 (per address) and closed at once, so idle connections cannot lock others out;
 - a fresh connection that sends nothing for `idle_timeout_s` is closed (uvicorn arms its
   keep-alive timer only after a first response);
 - protocol errors are answered in the app's JSON error shape (`error_body`), not text;
@@ -22,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import uvicorn
 from starlette.requests import ClientDisconnect, Request
@@ -54,6 +59,7 @@ class HttpLimits:
     body_timeout_s: float = 60.0  # the whole body
     write_timeout_s: float = 60.0  # one write to drain (a client that stopped reading)
     max_connections: int = 1024
+    max_connections_per_client: int = 256  # per client address (an IPv6 client's /64); 0: no cap
     shutdown_grace_s: float = 10.0  # busy connections may finish this long after stop
 
 
@@ -61,13 +67,31 @@ class _HeadRefused(Exception):
     """Raised from a parser callback to stop parsing a request that breaks a limit."""
 
 
+def client_key(client: tuple[str, int] | None) -> str:
+    """What the per-client cap counts by: the client's IP address, an IPv6 one by its /64
+    (one host is given a whole /64), an IPv4-mapped one as IPv4."""
+    if not client:
+        return ""
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return client[0]
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address.packed, 64), strict=False))
+    return str(address)
+
+
 class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the head limits, connection cap, idle deadline
-    and JSON protocol errors described in the module docstring. `limits` and `error_body`
-    are set on a subclass per server (uvicorn builds protocols from a class)."""
+    """uvicorn's httptools protocol with the head limits, connection caps, idle deadline
+    and JSON protocol errors described in the module docstring. `limits`, `error_body`
+    and `by_client` are set on a subclass per server (uvicorn builds protocols from a
+    class)."""
 
     limits: HttpLimits = HttpLimits()
     error_body: ErrorBody = staticmethod(lambda status, message: message.encode())
+    by_client: ClassVar[dict[str, set[GuardedProtocol]]]  # the server's open connections by client_key
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -79,10 +103,18 @@ class GuardedProtocol(HttpToolsProtocol):
         self._app_started = False  # the current request reached the app
         self._head_deadline: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
+        self._client_key = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        self._client_key = client_key(self.client)
+        peers = self.by_client.setdefault(self._client_key, set())
+        peers.add(self)
+        per_client = self.limits.max_connections_per_client
+        if per_client and len(peers) > per_client and not self._close_longest_idle(peers):
+            self._refuse(429, f"this client address holds {per_client} connections, the limit per client")
+            return
+        if len(self.connections) > self.limits.max_connections and not self._close_longest_idle(self.connections):
             self._refuse(503, f"the server is at its limit of {self.limits.max_connections} connections")
             return
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.idle_timeout_s,
@@ -90,7 +122,30 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._leave()
         super().connection_lost(exc)
+
+    def _close_longest_idle(self, candidates: Iterable[Any]) -> bool:  # uvicorn's set is of its protocols
+        """Close the candidate idle longest (no request in progress: its keep-alive timer
+        runs), to make room for this connection; False when none is idle."""
+        idle = [peer for peer in candidates if peer is not self and peer.timeout_keep_alive_task is not None
+                and not peer.transport.is_closing()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda peer: peer.timeout_keep_alive_task.when())
+        victim.timeout_keep_alive_handler()
+        victim._leave()  # its slot is free now, not when the close completes
+        log.info("http_idle_closed", client=victim._client_key, for_client=self._client_key)
+        return True
+
+    def _leave(self) -> None:
+        """Stop counting this connection against the caps (it is closing)."""
+        self.connections.discard(self)
+        peers = self.by_client.get(self._client_key)
+        if peers is not None:
+            peers.discard(self)
+            if not peers:
+                del self.by_client[self._client_key]
 
     def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's: True keeps writing
         # A client may half-close once its request is sent (HTTP allows it; `nc -N` does):
@@ -179,12 +234,13 @@ class GuardedProtocol(HttpToolsProtocol):
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
             self.transport.write(head + body)
         self.transport.close()
+        self._leave()
         log.info("http_refused", status=status, reason=message)
 
 
 def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedProtocol]:
     return type("BoundGuardedProtocol", (GuardedProtocol,),
-                {"limits": limits, "error_body": staticmethod(error_body)})
+                {"limits": limits, "error_body": staticmethod(error_body), "by_client": {}})
 
 
 class _EmbeddedServer(uvicorn.Server):

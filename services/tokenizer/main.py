@@ -25,6 +25,7 @@ def model_dir(config: ClusterConfig) -> Path:
 
 async def serve(config: ClusterConfig) -> None:
     from services.tokenizer.chat import ChatTemplate
+    from services.tokenizer.http_server import HttpLimits
     from services.tokenizer.openai_api import OpenAIGateway
 
     stop = asyncio.Event()
@@ -33,7 +34,8 @@ async def serve(config: ClusterConfig) -> None:
         loop.add_signal_handler(signum, stop.set)
     checkpoint = model_dir(config)
     service = TokenizerService(config, checkpoint)
-    gateway = OpenAIGateway(service, ChatTemplate.from_model_dir(checkpoint))
+    limits = HttpLimits(max_connections_per_client=config.http_max_connections_per_client)
+    gateway = OpenAIGateway(service, ChatTemplate.from_model_dir(checkpoint), limits, pool=service.pool)
 
     async def serve_http(stop_event: asyncio.Event) -> None:
         await gateway.serve(config.http_host, config.http_port, stop_event)

@@ -7,11 +7,15 @@ Contract with clients (what the openai SDK relies on):
 - responses and stream chunks in OpenAI's shapes; streams are SSE `data: {chunk}` events
   ending with `data: [DONE]`; chat streams open with a role delta;
 - every failure is `{"error": {"message", "type", "param", "code"}}` with the status of
-  its cause (400 bad parameter, naming it; 401 bad key; 404; 405; 413 body too large; 429
-  overloaded with Retry-After; 503; 504; 500). A stream's first event is awaited before
+  its cause (400 bad parameter, naming it; 401 bad key; 404; 405; 413 body too large; 415
+  a body not sent as JSON; 429 overloaded with Retry-After; 503; 504; 500). A stream's first event is awaited before
   the response head is sent, so admission failures keep their status; a failure after that
   arrives as a `data: {"error": ...}` event that ends the stream;
 - a client that disconnects has its request's event iterator closed, which aborts it.
+
+A text prompt is checked against the frontend's byte limit before it is tokenized, and
+long ones are templated and tokenized on a TokenizePool, off the event loop
+(services/tokenizer/text_prompts.py), so no prompt holds up other clients or /health.
 
 Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
 `stop_token_ids`, and an SLO class, named by the `X-Baton-SLO-Class` header or the body's
@@ -47,6 +51,7 @@ from services.tokenizer.openai_params import (
     CompletionRequest,
     as_api_error,
     chat_logprobs_param,
+    check_content_type,
     error_body,
     finite_logprob,
     parse_request,
@@ -57,11 +62,11 @@ from services.tokenizer.openai_params import (
     slo_class_param,
     stream_flags,
 )
+from services.tokenizer.text_prompts import INLINE_PROMPT_CHARS, TokenizePool
 
 log = get_logger("openai_api")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenised off the event loop
 DONE_EVENT = b"data: [DONE]\n\n"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -136,13 +141,16 @@ def sse_json(value: Any) -> bytes:
 
 class OpenAIGateway:
     """OpenAI's HTTP API on a FrontendApi, as an ASGI app (`app`) that `serve` runs on
-    uvicorn until a stop event."""
+    uvicorn until a stop event. Long prompts are templated and tokenized on `pool` (one
+    of its own, closed when `serve` ends, if none is given)."""
 
     def __init__(self, frontend: FrontendApi, chat_template: ChatTemplate | None = None,
-                 limits: HttpLimits | None = None):
+                 limits: HttpLimits | None = None, pool: TokenizePool | None = None):
         self.frontend = frontend
         self.chat_template = chat_template or ChatTemplate()
         self.limits = limits or HttpLimits()
+        self.pool = pool or TokenizePool()
+        self._owns_pool = pool is None
         self.created = int(time.time())
         self._tokenizer_adds_bos: bool | None = None
         self.app = Starlette(routes=[
@@ -157,7 +165,11 @@ class OpenAIGateway:
                     ready: Callable[[int], None] | None = None) -> None:
         """Listen on (host, port) until `stop` is set; `ready(bound_port)` once listening
         (port 0 picks a free port)."""
-        await http_server.serve(self.app, host, port, stop, self.limits, error_body, ready)
+        try:
+            await http_server.serve(self.app, host, port, stop, self.limits, error_body, ready)
+        finally:
+            if self._owns_pool:
+                self.pool.close()
 
     @staticmethod
     def _api(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -186,6 +198,7 @@ class OpenAIGateway:
 
     async def _completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
+        check_content_type(request.headers.get("content-type"))
         body = parse_request(await read_body(request, self.limits.body_timeout_s), CompletionRequest)
         model = self._model(body.model)
         refuse_unsupported(body)
@@ -201,7 +214,9 @@ class OpenAIGateway:
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        body = parse_request(await read_body(request, self.limits.body_timeout_s), ChatCompletionRequest)
+        check_content_type(request.headers.get("content-type"))
+        raw = await read_body(request, self.limits.body_timeout_s)
+        body = parse_request(raw, ChatCompletionRequest)
         model = self._model(body.model)
         refuse_unsupported(body)
         slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
@@ -210,10 +225,7 @@ class OpenAIGateway:
         requested_max_tokens("max_tokens", body.max_tokens)  # checked even when the newer name wins
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested_max = requested_max_tokens(max_name, getattr(body, max_name))
-        rendered = self.chat_template.render(body.messages)
-        text = self.chat_template.text_for_tokenizer(rendered, self._adds_bos())
-        prompt_ids = await self._tokenize(text)
-        self._check_context(prompt_ids, "messages")
+        prompt_ids = await self._chat_prompt(body.messages, long=len(raw) > INLINE_PROMPT_CHARS)
         params = replace(params, max_tokens=self._max_tokens(max_name, requested_max,
                                                              len(prompt_ids), None))
         return await self._run(request, Job(True, f"chatcmpl-{os.urandom(16).hex()}", model, prompt_ids, params,
@@ -265,7 +277,7 @@ class OpenAIGateway:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = await self._tokenize(prompt)
+            prompt_ids = await self._tokenize(prompt, "prompt")
         elif isinstance(prompt, list):
             prompt_ids = prompt_token_ids(prompt)
         else:
@@ -273,9 +285,23 @@ class OpenAIGateway:
         self._check_context(prompt_ids, "prompt")
         return prompt_ids
 
-    async def _tokenize(self, text: str) -> list[int]:
-        if len(text) > LONG_PROMPT_CHARS:
-            return await asyncio.to_thread(self.frontend.tokenize, text)
+    async def _chat_prompt(self, messages: Any, long: bool) -> list[int]:
+        """The rendered conversation's token ids; `long`: render it off the loop too."""
+        if long:
+            rendered = await self.pool.run(self.chat_template.render, messages)
+        else:
+            rendered = self.chat_template.render(messages)
+        text = self.chat_template.text_for_tokenizer(rendered, self._adds_bos())
+        prompt_ids = await self._tokenize(text, "messages")
+        self._check_context(prompt_ids, "messages")
+        return prompt_ids
+
+    async def _tokenize(self, text: str, param: str) -> list[int]:
+        """Token ids of a text prompt: refused by its byte length before tokenizing when
+        that already rules it out; a long one tokenized on the pool."""
+        self.frontend.prompt_byte_limit.check(text, param)
+        if len(text) > INLINE_PROMPT_CHARS:
+            return await self.pool.run(self.frontend.tokenize, text)
         return self.frontend.tokenize(text)
 
     def _adds_bos(self) -> bool:

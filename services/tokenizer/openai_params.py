@@ -6,10 +6,13 @@ dependency already, and faster than json + pydantic), strictly (no "7" for an in
 true for a number); a value of the wrong type is a 400 whose `param` is the field's path
 (`stream_options.include_usage`, `stop[0]`). Absent and null fields take the default;
 unknown fields are ignored, as OpenAI does. NaN, Infinity, invalid UTF-8 and lone
-surrogate escapes are not JSON and are refused as such.
+surrogate escapes are not JSON and are refused as such (a lone surrogate naming the field
+that holds it). A body must be sent as application/json (or a +json type, or with no
+Content-Type, as vLLM takes it): anything else is a 415.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, TypeVar
@@ -70,7 +73,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc), param=exc.param)
+        return ApiError(400, str(exc), param=exc.param, code=getattr(exc, "code", None))
     if isinstance(exc, BodyRefused):
         return ApiError(exc.status, exc.message)
     if isinstance(exc, BatonError):
@@ -154,9 +157,64 @@ def parse_request(body: bytes, model: type[RequestModel]) -> RequestModel:
         param = path.lstrip(".").replace("[...]", "")
         raise ApiError(400, f"{param}: {_described(message)}", param=param) from None
     except msgspec.DecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        raise _lone_surrogate_error(body) or ApiError(400, f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
+
+
+def check_content_type(header: str | None) -> None:
+    """415 for a body that is not declared as JSON (see the module docstring)."""
+    media_type, _, parameters = (header or "").partition(";")
+    media_type = media_type.strip().lower()
+    if media_type and media_type != "application/json" and not (
+            media_type.startswith("application/") and media_type.endswith("+json")):
+        raise ApiError(415, f"the request body must be JSON sent as Content-Type: application/json, "
+                       f"not {media_type!r}")
+    charset = re.search(r"charset\s*=\s*\"?([^\";\s]*)", parameters, re.IGNORECASE)
+    if charset and charset.group(1).lower() not in ("utf-8", "utf8"):
+        raise ApiError(415, f"the request body must be JSON in UTF-8 (Content-Type: application/json), "
+                       f"not charset {charset.group(1)!r}")
+
+
+# msgspec refuses a lone surrogate escape as "Input data was truncated"; the standard
+# library's parser takes it, so the field that holds it can be named.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_error(body: bytes) -> ApiError | None:
+    """A 400 naming the field whose string holds a lone surrogate escape, if one does."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        path = _surrogate_path(json.loads(body), "")
+    except (ValueError, RecursionError):
+        return None
+    if path is None:
+        return None
+    where = f"{path}:" if path else "the request body"
+    return ApiError(400, f"{where} is not valid Unicode: it holds a lone surrogate (a \\uD800-\\uDFFF "
+                    "escape without its pair)", param=path or None)
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path (`stop[0]`, `messages[1].content`) of the first string holding a lone
+    surrogate, in a key or a value; None if none does."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, list):
+        items: Any = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    elif isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else key, item) for key, item in value.items())
+    else:
+        return None
+    for item_path, item in items:
+        if _SURROGATE.search(item_path):
+            return path
+        found = _surrogate_path(item, item_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _described(message: str) -> str:

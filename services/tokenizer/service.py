@@ -16,6 +16,10 @@ Tokens for a request this tokenizer does not know (it restarted, or the request 
 here first) make it abort that request upstream, so no worker computes for nobody.
 The timings workers attach to a disaggregated request's Tokens (its queue, prefill, decode
 wait and KV transfer) are checked, merged over its stream and sent on its final Chunk.
+A text prompt is held to `prompt_byte_limit` before it is tokenized, and a long one is
+tokenized on `pool`, off the event loop, on either door (services/tokenizer/text_prompts.py).
+An empty text prompt is tokenized like any other, as the HTTP gateway and vLLM do: served
+when the tokenizer adds a BOS token, refused as empty when it adds nothing.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ from common.protocol import (
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from common.sockets import ENGINE_ROLES, Security, split_routed
 from services.tokenizer.frontend_api import StreamEvent
+from services.tokenizer.text_prompts import INLINE_PROMPT_CHARS, TokenizePool, prompt_byte_limit, token_byte_bound
 
 log = get_logger("tokenizer")
 MAX_TRANSPARENT_RETRIES = 2
@@ -144,6 +149,9 @@ class TokenizerService:
         model_config = load_model_config(model_dir)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(config.max_model_len or model_config.context_limit, model_config.context_limit)
+        self.prompt_byte_limit = prompt_byte_limit(token_byte_bound(self.tokenizer.to_str()), self.max_model_len,
+                                                   config.max_prompt_bytes)
+        self.pool = TokenizePool()
         self.model_name = config.model_name
         self.model_dir = model_dir
         self.registry = Registry()
@@ -152,6 +160,7 @@ class TokenizerService:
                             collect=lambda: len(self.last_status.workers) if self.last_status else 0)
         self.requests: dict[str, RequestState] = {}
         self.sdk_requests: dict[tuple[bytes, str], RequestState] = {}  # (client, its id) -> request
+        self.sdk_tokenizing: dict[tuple[bytes, str], asyncio.Task] = {}  # long text prompts on the pool
         self.outbox: dict[bytes, list[Chunk]] = {}
         self.last_status: Status | None = None
         self.last_status_at = 0.0
@@ -167,6 +176,8 @@ class TokenizerService:
     # ---- FrontendApi ---------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
+        if len(text) > INLINE_PROMPT_CHARS:  # encode_batch releases the GIL while it works; encode does not
+            return self.tokenizer.encode_batch([text])[0].ids
         return self.tokenizer.encode(text).ids
 
     def decode(self, token_ids: list[int]) -> str:
@@ -459,7 +470,8 @@ class TokenizerService:
             tasks.append(asyncio.create_task(serve_http(stop)))
         await self._await_router(ROUTER_WAIT_S)
         log.info("ready", role="tokenizer", sdk=self.config.sdk, stream=self.config.stream,
-                 router=self.config.router, router_reachable=self.last_status is not None)
+                 router=self.config.router, router_reachable=self.last_status is not None,
+                 max_prompt_bytes=self.prompt_byte_limit.max_bytes)
         print(f"baton tokenizer ready: sdk {self.config.sdk}", flush=True)
         try:
             stopper = asyncio.create_task(stop.wait())
@@ -483,6 +495,9 @@ class TokenizerService:
             log.warning("router_not_reachable_yet", router=self.config.router)
 
     def close(self) -> None:
+        for task in self.sdk_tokenizing.values():
+            task.cancel()
+        self.pool.close()
         self.security.stop()
         self.context.destroy(linger=0)  # closes every socket first, so this cannot block
 
@@ -566,27 +581,47 @@ class TokenizerService:
 
     def _on_submit(self, identity: bytes, submit: Submit, payloads: list) -> None:
         """Admit a client's request; its events are turned into Chunks by `_on_sdk_event`
-        as they arrive, with no task per request."""
+        as they arrive, with no task per request (but one while a long text prompt is
+        tokenized on the pool)."""
         key = (identity, submit.request_id)
         try:
-            if key in self.sdk_requests:
+            if key in self.sdk_requests or key in self.sdk_tokenizing:
                 raise InvalidRequest(f"request_id: {submit.request_id!r} is already in flight")
             tenant = self.tenant_for(submit.api_key)
             if submit.prompt is not None:
-                if not submit.prompt:
-                    raise InvalidRequest("prompt: is empty")
+                self._check_prompt_bytes(submit.prompt)
+                if len(submit.prompt) > INLINE_PROMPT_CHARS:
+                    self.sdk_tokenizing[key] = asyncio.ensure_future(self._submit_long_text(key, submit, tenant))
+                    return
                 prompt_ids = self.tokenize(submit.prompt)
             elif payloads:
                 prompt_ids = payloads[0].astype("int64").tolist()
             else:
                 raise InvalidRequest("prompt: give text or token ids")
-            params = params_from_sampling(submit.sampling)
-            state = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant, submit.timeout_s,
-                                sink=lambda item: self._on_sdk_event(key, item), slo_class=submit.slo_class)
+            self._admit_sdk(key, submit, prompt_ids, tenant)
         except Exception as error:  # typed for the client; the loop serves the others
             self._send_error(identity, submit.request_id, self._typed(error))
-            return
-        self.sdk_requests[key] = state
+
+    def _check_prompt_bytes(self, text: str) -> None:
+        try:
+            self.prompt_byte_limit.check(text, "prompt")
+        except InvalidRequestError as error:
+            raise InvalidRequest(str(error)) from None
+
+    async def _submit_long_text(self, key: tuple[bytes, str], submit: Submit, tenant: str) -> None:
+        try:
+            prompt_ids = await self.pool.run(self.tokenize, cast(str, submit.prompt))
+            self._admit_sdk(key, submit, prompt_ids, tenant)
+        except Exception as error:  # typed for the client; cancelled (aborted) ends quietly
+            self._send_error(key[0], submit.request_id, self._typed(error))
+        finally:
+            self.sdk_tokenizing.pop(key, None)
+
+    def _admit_sdk(self, key: tuple[bytes, str], submit: Submit, prompt_ids: list[int], tenant: str) -> None:
+        params = params_from_sampling(submit.sampling)
+        self.sdk_requests[key] = self._admit(f"sdk-{uuid.uuid4().hex}", prompt_ids, params, tenant,
+                                             submit.timeout_s, sink=lambda item: self._on_sdk_event(key, item),
+                                             slo_class=submit.slo_class)
 
     def _on_sdk_event(self, key: tuple[bytes, str], item) -> None:
         identity, client_id = key
@@ -609,6 +644,9 @@ class TokenizerService:
         self._release(state)
 
     def _abort_sdk_request(self, key: tuple[bytes, str]) -> None:
+        tokenizing = self.sdk_tokenizing.pop(key, None)
+        if tokenizing is not None:
+            tokenizing.cancel()
         state = self.sdk_requests.pop(key, None)
         if state is not None:
             self._release(state)

@@ -20,8 +20,9 @@ from common.errors import BatonError, Rejected, Unauthorized
 from common.sampling_params import InvalidRequestError, SamplingParams
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.frontend_api import StreamEvent
-from services.tokenizer.http_server import EventStream, HttpLimits
+from services.tokenizer.http_server import EventStream, HttpLimits, client_key
 from services.tokenizer.openai_api import OpenAIGateway
+from services.tokenizer.text_prompts import prompt_byte_limit, token_byte_bound
 
 API_KEY = "sk-test"
 MODEL = "baton-tiny"
@@ -39,6 +40,8 @@ class EngineFrontend:
     def __init__(self, engine, api_keys: dict[str, str]):
         self.engine = engine
         self.max_model_len = engine.max_model_len
+        self.prompt_byte_limit = prompt_byte_limit(token_byte_bound(engine.tokenizer.to_str()),
+                                                   self.max_model_len, 0)
         self.api_keys = api_keys
         self.reject: BatonError | None = None  # raised by generate() when set
         self.healthy = True
@@ -445,6 +448,90 @@ def test_invalid_json_is_a_400(server, body):
     assert status == 400 and "JSON" in json.loads(response)["error"]["message"]
 
 
+@pytest.mark.parametrize("content_type, status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("application/json; charset=latin-1", 415),
+    ("application/json; charset=utf-8", 200), ("application/vnd.baton+json", 200), (None, 200),
+])
+def test_a_body_not_sent_as_json_is_a_415_naming_the_type(server, content_type, status):
+    """No Content-Type is taken as JSON (as vLLM does; http.client sends none); `curl -d`
+    without -H sends form-urlencoded and is refused, naming application/json."""
+    for path, body in [("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        data = json.dumps({"model": MODEL, "max_tokens": 1, **body}).encode()
+        request = request_bytes("POST", path, data, content_type=content_type)
+        got, _, response = parse_response(raw_exchange(server.port, request, shutdown=False))
+        assert got == status, response
+        if status == 415:
+            assert "application/json" in json.loads(response)["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["ok", "a\\udc00b"]}', "stop[1]"),
+    ("/v1/completions", b'{"prompt": "\\ud83d", "max_tokens": 1}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    status, _, response = http_post(server.port, path, body)
+    error = json.loads(response)["error"]
+    assert status == 400 and error["param"] == param, error
+    assert "lone surrogate" in error["message"] and "truncated" not in error["message"]
+
+
+def test_an_empty_text_prompt_is_served_as_the_tokenizer_encodes_it(client, frontend):
+    """As vLLM does: "" becomes the tokenizer's BOS token here (the SDK does the same,
+    test_tokenizer_service.py); a tokenizer that adds nothing would make it a 400."""
+    assert frontend.tokenize("") == [0]
+    completion = client.completions.create(model=MODEL, prompt="", max_tokens=2, **GREEDY)
+    assert completion.usage.prompt_tokens == 1 and completion.usage.completion_tokens == 2
+
+
+def test_huge_text_prompts_are_refused_by_bytes_while_health_answers(frontend):
+    """The issue's case: 3 prompts of 7.9 MB at once (within the default 8 MiB body limit)
+    are refused (400 naming the field and the limit) without being tokenized, and /health
+    answers promptly meanwhile."""
+    with GatewayThread(frontend, limits=HttpLimits()) as gateway:
+        check_huge_prompts_refused(gateway.port, frontend.prompt_byte_limit.max_bytes)
+
+
+def check_huge_prompts_refused(port: int, limit: int) -> None:
+    huge = "x" * 7_900_000
+    assert 0 < limit < 100_000
+    requests = [("/v1/completions", {"model": MODEL, "prompt": huge}),
+                ("/v1/completions", {"model": MODEL, "prompt": [huge]}),
+                ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": huge}]})]
+    answers: list[tuple[str, int, bytes]] = []
+
+    def send(path: str, body: dict) -> None:
+        status, _, response = http_post(port, path, body)
+        answers.append((path, status, response))
+
+    senders = [threading.Thread(target=send, args=request) for request in requests]
+    probes = probe_health_while(port, senders)
+    assert len(answers) == 3
+    for path, status, response in answers:
+        error = json.loads(response)["error"]
+        assert status == 400 and error["param"] == ("prompt" if path == "/v1/completions" else "messages")
+        assert f"limit of {limit} bytes" in error["message"] and error["code"] == "context_length_exceeded"
+    assert len(probes) >= 3 and sorted(probes)[len(probes) // 2] < 0.1 and max(probes) < 1.0, probes
+
+
+def probe_health_while(port: int, workers: list[threading.Thread], expected_status: int = 200) -> list[float]:
+    """Start `workers` and probe /health until they end: each probe's seconds."""
+    for worker in workers:
+        worker.start()
+    probes: list[float] = []
+    while any(worker.is_alive() for worker in workers) or len(probes) < 3:
+        began = time.perf_counter()
+        status = http_get(port, "/health")[0]
+        probes.append(time.perf_counter() - began)
+        assert status == expected_status
+        time.sleep(0.005)
+    for worker in workers:
+        worker.join(60)
+    return probes
+
+
 def test_a_chunked_body_is_read(server):
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
     head = request_bytes("POST", "/v1/completions").replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
@@ -503,13 +590,62 @@ def test_an_http10_client_gets_the_stream_without_chunked_framing(server):
     assert events[-1] == b"data: [DONE]" and len(events) >= 2
 
 
-def test_connections_over_the_limit_are_refused_with_503(frontend):
+def test_connections_over_the_limit_are_refused_with_503_when_none_is_idle(frontend):
     limits = HttpLimits(max_connections=1, idle_timeout_s=5.0)
     with GatewayThread(frontend, limits=limits) as gateway:
-        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as first:
-            first.sendall(b"GET /health HTTP/1.1\r\n\r\n")
-            assert ResponseReader(first).next()[0] == 200
-            assert parse_response(raw_exchange(gateway.port, b"", shutdown=False))[0] == 503
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as busy:
+            start_request_without_body(busy)
+            status, _, body = parse_response(raw_exchange(gateway.port, b"", shutdown=False))
+            assert status == 503 and "limit of 1 connections" in json.loads(body)["error"]["message"]
+
+
+def test_at_the_total_cap_the_longest_idle_connection_makes_room(frontend):
+    limits = HttpLimits(max_connections=4, max_connections_per_client=0, idle_timeout_s=30.0)
+    with GatewayThread(frontend, limits=limits) as gateway, contextlib.ExitStack() as stack:
+        idle = [stack.enter_context(connect_from("127.0.0.2", gateway.port)) for _ in range(4)]
+        for sock in idle:  # idle in order: a served request each, kept alive
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ResponseReader(sock).next()[0] == 200
+            time.sleep(0.01)
+        with connect_from("127.0.0.3", gateway.port) as newcomer:
+            newcomer.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ResponseReader(newcomer).next()[0] == 200
+        assert idle[0].recv(1) == b""  # the longest idle was closed for the newcomer
+        for sock in idle[1:]:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ResponseReader(sock).next()[0] == 200
+
+
+def test_one_address_holding_idle_connections_locks_no_one_out(frontend):
+    """The issue's case, scaled down: one address opens connections up to the total cap
+    and sends nothing; other clients are still served, and that address cannot take more
+    than its share while its connections are busy."""
+    limits = HttpLimits(max_connections=8, max_connections_per_client=4, idle_timeout_s=30.0)
+    with GatewayThread(frontend, limits=limits) as gateway, contextlib.ExitStack() as stack:
+        hoard = [stack.enter_context(connect_from("127.0.0.2", gateway.port)) for _ in range(12)]
+        for client in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            with connect_from(client, gateway.port) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert ResponseReader(sock).next()[0] == 200, client
+        open_hoard = [sock for sock in hoard if not closed_by_server(sock)]
+        assert len(open_hoard) <= 4  # the others were closed, the oldest first
+        assert all(closed_by_server(sock) for sock in hoard[:8])
+        for sock in open_hoard:  # now busy: a request under way each
+            start_request_without_body(sock)
+        status, _, body = parse_response(raw_exchange_from("127.0.0.2", gateway.port))
+        assert status == 429 and "per client" in json.loads(body)["error"]["message"]
+        with connect_from("127.0.0.3", gateway.port) as other:
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ResponseReader(other).next()[0] == 200
+
+
+@pytest.mark.parametrize("address, key", [
+    (("127.0.0.2", 5), "127.0.0.2"), (("::ffff:10.1.2.3", 5), "10.1.2.3"),
+    (("2001:db8::1", 5), "2001:db8::/64"), (("2001:db8::ffff:1", 5), "2001:db8::/64"),
+    (("2001:db8:0:1::1", 5), "2001:db8:0:1::/64"), (None, ""),
+])
+def test_the_per_client_cap_counts_an_ipv6_client_by_its_64(address, key):
+    assert client_key(address) == key
 
 
 def test_fuzzed_requests_never_break_the_server(server):
@@ -674,15 +810,51 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def request_bytes(method: str, path: str, body: bytes = b"", api_key: str | None = API_KEY,
-                  close: bool = True, extra_headers: dict[str, str] | None = None) -> bytes:
-    headers = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
-               "Content-Type: application/json"]
+                  close: bool = True, extra_headers: dict[str, str] | None = None,
+                  content_type: str | None = "application/json") -> bytes:
+    headers = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}"]
+    if content_type is not None:
+        headers.append(f"Content-Type: {content_type}")
     if api_key is not None:
         headers.append(f"Authorization: Bearer {api_key}")
     if close:
         headers.append("Connection: close")
     headers += [f"{name}: {value}" for name, value in (extra_headers or {}).items()]
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+def connect_from(address: str, port: int, timeout: float = 5.0) -> socket.socket:
+    """A connection to the gateway from `address` (any of 127/8 is loopback on Linux)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(address, 0))
+
+
+def raw_exchange_from(address: str, port: int, data: bytes = b"") -> bytes:
+    """What the server sends a connection from `address` until it closes it."""
+    with connect_from(address, port) as sock:
+        sock.sendall(data)
+        return b"".join(iter(lambda: sock.recv(65536), b""))
+
+
+def start_request_without_body(sock: socket.socket) -> None:
+    """Make a connection busy: a request whose body the server waits for (it has asked
+    for it, 100 Continue, so it has the head)."""
+    sock.sendall(request_bytes("POST", "/v1/completions", close=False,
+                               extra_headers={"Expect": "100-continue"}).replace(b"Content-Length: 0",
+                                                                                  b"Content-Length: 10"))
+    assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue")
+
+
+def closed_by_server(sock: socket.socket, wait_s: float = 1.0) -> bool:
+    """Whether the server has closed `sock` (read EOF within `wait_s`); it sent nothing."""
+    sock.settimeout(wait_s)
+    try:
+        data = sock.recv(1)
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+    assert data == b"", data
+    return True
 
 
 def raw_exchange(port: int, data: bytes, shutdown: bool = True, timeout: float = 10.0) -> bytes:

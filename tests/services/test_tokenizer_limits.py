@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import shutil
+import threading
 import time
 
 import pytest
@@ -15,7 +18,12 @@ from common.errors import BatonError, RequestTimeout
 from common.protocol import Abort, Generate, Status, StatusRequest, Tokens, TokensBatch, decode, encode
 from common.sampling_params import SamplingParams
 from services.local_cluster import free_port_base
+from services.tokenizer.chat import ChatTemplate
+from services.tokenizer.http_server import HttpLimits
+from services.tokenizer.openai_api import OpenAIGateway
 from services.tokenizer.service import TokenizerService
+from services.tokenizer.text_prompts import PromptTooLong, prompt_byte_limit, token_byte_bound
+from tests.services.test_http_gateway import http_post, probe_health_while
 
 
 class StandIn:
@@ -131,3 +139,95 @@ def test_first_token_timeout_is_validated():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ConfigError, match="first_token_timeout_s"):
             ClusterConfig(first_token_timeout_s=bad)
+
+
+# ---- text prompts: a byte bound before tokenizing, tokenizing off the loop ------------------
+
+
+def _tokenizer_spec(normalizer=None, pre_tokenizer=None, fuse_unk=False) -> str:
+    return json.dumps({
+        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": {"a": 0, "abcd": 1, "ĠĠĠ": 2}, "fuse_unk": fuse_unk},
+        "added_tokens": [{"content": "<|endoftext|>"}]})
+
+
+@pytest.mark.parametrize("spec, bound", [
+    (_tokenizer_spec(), 13),  # the longest token: the added one's 13 bytes
+    (_tokenizer_spec(normalizer={"type": "NFC"}), 13 * 4),  # a normal form shrinks a text at most 4x
+    (_tokenizer_spec(normalizer={"type": "Sequence", "normalizers": [{"type": "NFKC"}]}), 13 * 4),
+    (_tokenizer_spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "behavior": "Isolated"}, {"type": "ByteLevel"}]}), 13),  # Llama 3's shape
+    (_tokenizer_spec(normalizer={"type": "Lowercase"}), None),  # not proven to keep every byte
+    (_tokenizer_spec(normalizer={"type": "Strip"}), None),  # drops whitespace: no bound
+    (_tokenizer_spec(pre_tokenizer={"type": "Whitespace"}), None),
+    (_tokenizer_spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "behavior": "Removed"}, {"type": "ByteLevel"}]}), None),
+    (_tokenizer_spec(fuse_unk=True), None),  # one unknown token can stand for any run
+])
+def test_the_byte_bound_holds_only_for_tokenizers_that_keep_every_byte(spec, bound):
+    assert token_byte_bound(spec) == bound
+
+
+def test_the_prompt_byte_limit_is_the_tighter_of_the_proven_and_the_configured():
+    assert prompt_byte_limit(12, 1024, 0).max_bytes == 12 * 1023
+    assert prompt_byte_limit(12, 1024, 5000).max_bytes == 5000
+    assert prompt_byte_limit(None, 1024, 0).max_bytes == 0  # no bound: only the body limit
+    limit = prompt_byte_limit(2, 11, 0)
+    limit.check("é" * 10, "prompt")  # 20 bytes: 10 tokens could hold them
+    with pytest.raises(PromptTooLong, match=r"^prompt: is 21 bytes of UTF-8, over the limit of 20 bytes"):
+        limit.check("é" * 10 + "x", "prompt")
+    with pytest.raises(ConfigError, match="max_prompt_bytes"):
+        ClusterConfig(max_prompt_bytes=-1)
+
+
+def test_the_service_refuses_by_bytes_what_its_tokenizer_could_not_fit(tiny_model_dir):
+    service = TokenizerService(ClusterConfig(port_base=free_port_base()), tiny_model_dir)
+    try:
+        limit = service.prompt_byte_limit.max_bytes
+        assert limit == 12 * (service.max_model_len - 1)  # the tiny model's longest token is 12 bytes
+        vocab = service.tokenizer.get_vocab()
+        densest = service.decode([vocab[max(vocab, key=len)]])  # the longest token's text
+        text = (densest * (limit // len(densest.encode()) + 1))[:limit + 1]
+        assert len(text.encode()) > limit and len(service.tokenize(text)) >= service.max_model_len
+    finally:
+        service.close()
+
+
+def test_long_prompts_are_tokenized_off_the_loop_while_health_answers(tiny_model_dir, tmp_path):
+    """With a tokenizer whose byte bound cannot be proven (it lowercases), long prompts are
+    tokenized in full, on the pool: /health, on the same loop, stays prompt meanwhile; the
+    prompts are then refused for their token count."""
+    model_dir = tmp_path / "lowercasing"
+    shutil.copytree(tiny_model_dir, model_dir)
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    (model_dir / "tokenizer.json").write_text(json.dumps({**spec, "normalizer": {"type": "Lowercase"}}))
+    prompt = "Hello World " * 125_000  # 1.5 MB, ~2 s to tokenize here
+
+    async def run():
+        async with running_tokenizer(model_dir) as (service, _), serving_gateway(service) as port:
+            assert service.prompt_byte_limit.max_bytes == 0
+            answers: list[tuple[int, bytes]] = []
+            senders = [threading.Thread(target=lambda: answers.append(
+                http_post(port, "/v1/completions", {"prompt": prompt})[::2])) for _ in range(3)]
+            probes = await asyncio.to_thread(probe_health_while, port, senders, 503)  # 503: no workers here
+            return answers, probes
+
+    answers, probes = asyncio.run(run())
+    assert len(answers) == 3
+    for status, response in answers:
+        assert status == 400 and json.loads(response)["error"]["code"] == "context_length_exceeded", response
+    assert len(probes) >= 3 and sorted(probes)[len(probes) // 2] < 0.1 and max(probes) < 1.0, probes
+
+
+@contextlib.asynccontextmanager
+async def serving_gateway(service: TokenizerService):
+    """The service's HTTP gateway on a free loopback port, as the role runs it."""
+    gateway = OpenAIGateway(service, ChatTemplate(), HttpLimits(), pool=service.pool)
+    stop = asyncio.Event()
+    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    serving = asyncio.create_task(gateway.serve("127.0.0.1", 0, stop, bound.set_result))
+    try:
+        yield await asyncio.wait_for(bound, 10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 15)

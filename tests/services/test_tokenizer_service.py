@@ -20,6 +20,7 @@ from common.sampling_params import SamplingParams
 from services.client import AsyncClient, StreamChunk
 from services.local_cluster import free_port_base
 from services.tokenizer.service import TokenizerService
+from services.tokenizer.text_prompts import INLINE_PROMPT_CHARS
 
 SLO_CLASSES = (SloClass("interactive", 1.0, 0.1), SloClass("tenant-a", 2.0, 0.2), SloClass("batch", 30.0, 1.0))
 
@@ -286,6 +287,61 @@ async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Token
         for task in [reading, *loops]:
             task.cancel()
         await asyncio.gather(reading, *loops, return_exceptions=True)
+        await client.close()
+        service.close()
+        context.destroy(linger=0)
+
+
+# ---- text prompts on the SDK socket: as over HTTP ------------------------------------------
+
+
+def test_an_empty_text_prompt_is_tokenized_as_over_http(tiny_model_dir):
+    """"" is served as the tokenizer encodes it (its BOS token here), as the HTTP gateway
+    and vLLM do (test_http_gateway.py); only an empty token list is refused."""
+    config = ClusterConfig(port_base=free_port_base())
+    assert asyncio.run(_routed_prompt_ids(config, tiny_model_dir, "")) == [0]
+
+
+def test_a_long_text_prompt_is_tokenized_on_the_pool_and_sent(tiny_model_dir):
+    config = ClusterConfig(port_base=free_port_base())
+    service = TokenizerService(config, tiny_model_dir)
+    vocab = service.tokenizer.get_vocab()
+    prompt = service.decode([vocab[max(vocab, key=len)]]) * 375  # past the inline size, fewer tokens
+    expected = service.tokenizer.encode(prompt).ids
+    service.close()
+    assert len(prompt) > INLINE_PROMPT_CHARS and len(expected) < service.max_model_len
+    assert asyncio.run(_routed_prompt_ids(config, tiny_model_dir, prompt)) == expected
+
+
+def test_a_text_prompt_over_the_byte_limit_is_refused_naming_it(tiny_model_dir):
+    config = ClusterConfig(port_base=free_port_base(), max_prompt_bytes=1000)
+    with pytest.raises(InvalidRequest, match=r"^prompt: is 1001 bytes of UTF-8, over the limit of 1000 bytes "
+                                             r"\(the server's max_prompt_bytes\)"):
+        asyncio.run(_routed_prompt_ids(config, tiny_model_dir, "x" * 1001))
+
+
+async def _routed_prompt_ids(config: ClusterConfig, model_dir, prompt: str) -> list[int]:
+    """The prompt token ids of the Generate the tokenizer sends for an SDK client's text
+    prompt (or the error the client gets)."""
+    context, router = _stand_in_router(config)
+    service = TokenizerService(config, model_dir)
+    service.last_status = Status(policy="round_robin", workers=[], requests_routed=0, kv_events_received=0)
+    service.last_status_at = time.monotonic()
+    sdk_loop = asyncio.ensure_future(service._sdk_loop())
+    client = AsyncClient(config.advertised(config.sdk), timeout_s=10)
+    generating = asyncio.ensure_future(client.generate(prompt, max_tokens=1))
+    receiving = asyncio.ensure_future(router.recv_multipart())
+    try:
+        await asyncio.wait({generating, receiving}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if generating.done():
+            generating.result()  # the client's error
+        generate, payloads = decode((await asyncio.wait_for(receiving, 10))[1:])
+        assert isinstance(generate, Generate)
+        return payloads[0].tolist()
+    finally:
+        for task in (generating, receiving, sdk_loop):
+            task.cancel()
+        await asyncio.gather(generating, receiving, sdk_loop, return_exceptions=True)
         await client.close()
         service.close()
         context.destroy(linger=0)
