@@ -20,7 +20,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
@@ -115,6 +115,7 @@ class Hello(msgspec.Struct, forbid_unknown_fields=True):
     adapter_id: str = ""
     running: list[RunningRequest] = []
     kv_address: str = ""  # prefill role: where its KV transport serves the leased blocks
+    session: str = ""  # a rejoin from a new connection: its registration's secret (Welcome.session)
 
 
 class Welcome(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,6 +127,10 @@ class Welcome(msgspec.Struct, forbid_unknown_fields=True):
     rehello: bool = False  # the router does not know this worker (any more): say hello again
     beat_seq: int = 0  # with rehello: the heartbeat it answers
     abort: list[str] = []  # of the hello's running requests, those the router already failed over
+    # accepted: the secret the worker's heartbeats carry, which binds its heartbeat
+    # connection to this registration (docs/architecture.md §3)
+    session: str = ""
+    retry_after_s: float = 0.0  # refused for now (another live connection holds the id): retry after this
 
 
 class FinishedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -146,6 +151,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     prefix_hit_tokens: int = 0
     computed_tokens: int = 0
     seq: int = 0  # numbers the heartbeats of one worker process
+    session: str = ""  # the registration's secret from its Welcome; a beat without it is refused
 
 
 class RequestsFinished(msgspec.Struct, forbid_unknown_fields=True):

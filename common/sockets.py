@@ -14,6 +14,7 @@ operator passes `insecure` (see `check_bind_policy`).
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket as stdlib_socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,18 +95,34 @@ def _read_certificate(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
 
 
 def generate_curve_keys(keys_dir: Path) -> list[Path]:
-    """Write a fresh key pair for every role into `keys_dir`; refuses to overwrite one."""
-    keys_dir.mkdir(parents=True, exist_ok=True)
+    """Write a fresh key pair for every role into `keys_dir` (made 0700 if new), each
+    secret created 0600; refuses to overwrite one."""
+    keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     existing = [keys_dir / f"{role}.{suffix}" for role in ROLES for suffix in ("key", "key_secret")
                 if (keys_dir / f"{role}.{suffix}").exists()]
     if existing:
         raise FileExistsError(f"{existing[0]} exists; remove the old set first")
     written = []
     for role in ROLES:
-        public, secret = zmq.auth.create_certificates(keys_dir, role)
-        Path(secret).chmod(0o600)
-        written += [Path(public), Path(secret)]
+        public, secret = zmq.curve_keypair()
+        written += [_write_certificate(keys_dir / f"{role}.key", public, None),
+                    _write_certificate(keys_dir / f"{role}.key_secret", public, secret)]
     return written
+
+
+def _write_certificate(path: Path, public: bytes, secret: bytes | None) -> Path:
+    """A certificate in the format zmq.auth.load_certificate reads. Written here rather
+    than by zmq.auth.create_certificates, which opens with the default mode: a secret is
+    created 0600 (public 0644), so no other user ever sees it readable."""
+    lines = ["#   ZeroMQ CURVE " + ("**Secret** Certificate: keep it to this role's host" if secret
+                                   else "Public Certificate"),
+             "metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write("\n".join(lines) + "\n")
+    return path
 
 
 class _RoleAuthenticator(zmq.auth.thread.ThreadAuthenticator):
@@ -159,7 +176,8 @@ class Security(Generic[SocketT]):
             socket.curve_publickey = self.keys.public
             socket.curve_secretkey = self.keys.secret
         if kind == zmq.ROUTER:
-            socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
+            # No ROUTER_HANDOVER: a connection never takes over another's routing id, so an id
+            # names one connection for its life (docs/architecture.md §3).
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not drops
         try:
             socket.bind(address)

@@ -10,13 +10,19 @@ back to the tokenizer that sent it (WORKER_LOST), which retries it elsewhere whe
 was streamed yet.
 
 Peers prove their role with their CURVE key (common/sockets.py): only workers may say
-Hello, heartbeat or report KV, only tokenizers may send Generate and Abort. Tokens never
-pass through the router, so a restarted router loses no stream: each worker rejoins with
-the requests it is serving and its whole prefix cache, and the router rebuilds its state.
+Hello, heartbeat or report KV, only tokenizers may send Generate and Abort. An engine is
+the connection it joined on, not the id its messages name (docs/architecture.md §3): a
+Hello binds the worker id to that connection's routing id, which the router assigns and
+no other connection can take; what an engine sends later is believed only from that
+connection, its heartbeats (from a second connection) only with the registration's secret
+session, and its KV events only from the publisher its Hello named. Tokens never pass
+through the router, so a restarted router loses no stream: each worker rejoins with the
+requests it is serving and its whole prefix cache, and the router rebuilds its state.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -65,6 +71,7 @@ from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
+PARKED_LEASE_SHARE = 0.5  # how much of a prefill lease a hand-off may wait for a decode worker
 # 10 µs to 50 ms: a placement takes ~0.1 ms at bench_router's sizes (docs/router.md §8), more behind a burst of events.
 PLACEMENT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05)
 MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
@@ -77,10 +84,14 @@ ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
 
 @dataclass
 class Member:
-    """A connected worker: how to reach it and when it last spoke."""
+    """A registered worker: the connection it joined on (its routing id: the only one
+    believed to speak for it), the secret its heartbeats carry, its KV events subscriber,
+    and when it last spoke."""
 
     hello: Hello
     identity: bytes
+    session: str
+    events: zmq.Socket
     last_seen: float
     heartbeat: Heartbeat | None = None
 
@@ -92,6 +103,19 @@ class Handoff:
     request: Generate
     prompt: Any  # the prompt's token id array (payload 0)
     prefill_worker_id: str
+
+
+@dataclass
+class ParkedHandoff:
+    """A prefilled request that no decode worker could take when its KV was ready (the
+    decode pool is restarting, say): tried again as decode workers join, until `deadline`,
+    well within the prefill worker's lease."""
+
+    request: Generate
+    prompt: Any
+    ready: KvReady
+    prefill_identity: bytes
+    deadline: float
 
 
 class RouterMetrics:
@@ -113,6 +137,13 @@ class RouterMetrics:
                                           "Malformed or unexpected messages on the KV store's events socket")
         self.store_blocks = registry.gauge("baton_router_store_blocks",
                                            "Blocks the KV store holds, as far as the router knows")
+        self.identity_refused = registry.counter(
+            "baton_router_identity_refused_total", "Messages speaking for an engine from a connection that is not "
+            "its registration (a Hello naming a live engine, a heartbeat without its session, KV events or "
+            "reports from elsewhere), refused", labels=("message",))
+        self.handoffs_parked = registry.counter(
+            "baton_router_handoffs_parked_total", "Prefilled requests that waited for a decode worker, by outcome",
+            labels=("outcome",))
         self.placement_seconds = registry.histogram(
             "baton_router_placement_seconds", "A placed request's time in the router: Generate received to "
             "sent on to its worker (index match, policy, admission, forwarding)", PLACEMENT_BUCKETS)
@@ -138,6 +169,7 @@ class RouterService:
         self.store_tiers = len(store.tiers) if store else 0
         self.store_id = ""  # the store instance whose events the index holds
         self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off
+        self.parked: dict[str, ParkedHandoff] = {}  # request id -> a prefilled request waiting for a decode worker
         self.prefill_pool: set[str] = set()  # the prefill workers among self.cluster's
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
@@ -145,6 +177,7 @@ class RouterService:
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry)
         self.members: dict[str, Member] = {}
+        self.engine_of: dict[bytes, str] = {}  # routing id of a member's connection -> its worker id
         self.origins: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.hash_root: HashRoot | None = None  # what names blocks: set by the first worker
         self.root_hashes: dict[str, int] = {}  # tenant -> root of its hash chains
@@ -155,10 +188,11 @@ class RouterService:
         self.context = zmq.Context()
         self.security = Security(self.context, config, "router")
         self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
-        # One subscriber per role: a CURVE client pins one server key.
-        self.events = {role: self.security.subscriber(role) for role in ENGINE_ROLES}
-        self.subscribed: set[str] = set()
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
         self.store_events = self._subscribe_store() if store is not None else None
+        if self.store_events is not None:
+            self.poller.register(self.store_events, zmq.POLLIN)
         self.metrics_server = MetricsServer(config.host, config.router_metrics_port, self.registry, self.health)
         # message type -> handler(identity, message of that type, payloads)
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
@@ -169,27 +203,22 @@ class RouterService:
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        for events in self.events.values():
-            poller.register(events, zmq.POLLIN)
-        if self.store_events is not None:
-            poller.register(self.store_events, zmq.POLLIN)
         log.info("ready", role="router", address=self.config.router, policy=self.policy.name,
                  profile=self.cluster.cost.name, compiled=compiled(),
                  metrics=f"http://{self.config.host}:{self.metrics_server.port}/metrics")
         print(f"baton router ready on {self.config.router}", flush=True)
         try:
             while not stop.is_set():
-                ready = dict(poller.poll(100))
+                ready = dict(self.poller.poll(100))
                 if self.socket in ready:
                     self._drain(self.socket, self._on_routed)
-                for events in self.events.values():
-                    if events in ready:
-                        self._drain(events, self._on_event)
+                for worker_id, member in list(self.members.items()):
+                    if member.events in ready:
+                        self._drain(member.events, lambda frames, w=worker_id: self._on_event(w, frames))
                 if self.store_events is not None and self.store_events in ready:
                     self._drain(self.store_events, self._on_store_event)
                 self._drop_silent_workers()
+                self._retry_parked(time.monotonic())
         finally:
             self.close()
 
@@ -240,17 +269,29 @@ class RouterService:
             return
         handler(identity, message, payloads)
 
-    def _on_event(self, frames: list[zmq.Frame]) -> None:
+    def _on_event(self, worker_id: str, frames: list[zmq.Frame]) -> None:
+        """A message from the KV events publisher that `worker_id`'s Hello named: only its
+        own events are applied."""
         try:
             message, _ = decode([frame.bytes for frame in frames])
         except ProtocolError as error:
             log.warning("bad_kv_event", error=str(error))
             return
-        if isinstance(message, KvEvents):
-            self._apply_kv_events(message)
+        if not isinstance(message, KvEvents):
+            return
+        if message.worker_id != worker_id:
+            self._identity_refused("KvEvents", message.worker_id, f"published by {worker_id}'s events")
+            return
+        self._apply_kv_events(message)
 
-    def _on_kv_report(self, _identity: bytes, message: KvEvents, _payloads) -> None:
+    def _on_kv_report(self, identity: bytes, message: KvEvents, _payloads) -> None:
         """A rejoining worker's prefix cache, sent on the router socket after its Hello."""
+        member = self._member_on(identity, "KvEvents")
+        if member is None:
+            return
+        if message.worker_id != member.hello.worker_id:
+            self._identity_refused("KvEvents", message.worker_id, f"sent on {member.hello.worker_id}'s connection")
+            return
         self._apply_kv_events(message)
 
     def _apply_kv_events(self, message: KvEvents) -> None:
@@ -262,6 +303,23 @@ class RouterService:
             pool.kv_removed(message.worker_id, message.removed)
             pool.kv_stored(message.worker_id, message.stored, time.monotonic())
         self.metrics.index_blocks.set(len(self.cluster.index) + len(self.decode_pool.index))
+
+    # ---- who speaks for an engine (docs/architecture.md §3) ---------------------------
+
+    def _member_on(self, identity: bytes, message: str) -> Member | None:
+        """The member registered on this connection; None (refused, counted, and the sender
+        told to say Hello) if none is."""
+        worker_id = self.engine_of.get(identity)
+        if worker_id is not None:
+            return self.members[worker_id]
+        self._identity_refused(message, "", "from a connection that has not joined")
+        self._reply(identity, Welcome(accepted=False, rehello=True,
+                                      reason=f"{message} from a connection that has not joined: say Hello"))
+        return None
+
+    def _identity_refused(self, message: str, worker_id: str, why: str) -> None:
+        self.metrics.identity_refused.inc(message=message)
+        log.warning("identity_refused", message=message, worker_id=worker_id, why=why)
 
     # ---- the KV store's events (docs/router.md §7) ------------------------------------
 
@@ -322,25 +380,35 @@ class RouterService:
             send(self.socket, message, payloads, identity=identity)
             return True
         except zmq.ZMQError as error:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
-            log.warning("reply_failed", peer=identity.decode(errors="replace"), error=str(error))
+            log.warning("reply_failed", peer=self.engine_of.get(identity) or identity.decode(errors="replace"),
+                        error=str(error))
             return False
 
     # ---- workers -------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, hello: Hello, _payloads) -> None:
-        refusal = self._refusal(hello) or self._subscribe(hello.events_address, hello.role)
-        if refusal:
-            log.error("worker_refused", worker_id=hello.worker_id, reason=refusal)
-            self._reply(identity, Welcome(accepted=False, reason=refusal))
+        if self._claim_refused(identity, hello):
+            return
+        previous = self.members.get(hello.worker_id)
+        events = self._refusal(hello) or self._events_of(hello, previous)
+        if isinstance(events, str):  # the refusal's reason
+            log.error("worker_refused", worker_id=hello.worker_id, reason=events)
+            self._reply(identity, Welcome(accepted=False, reason=events))
             return
         self.model_fingerprint = self.model_fingerprint or hello.model_fingerprint
         self.hash_root = self.hash_root or _hash_root(hello)
-        previous = self.members.pop(hello.worker_id, None)
-        self.members[hello.worker_id] = Member(hello, identity, time.monotonic())
+        if previous is not None:
+            self.engine_of.pop(previous.identity, None)
+        # The secret stays with the registration while the same process rejoins, so its
+        # heartbeats in flight stay good; a new registration gets a new one.
+        same_process = previous is not None and previous.hello.instance_id == hello.instance_id
+        session = previous.session if same_process and previous is not None else secrets.token_hex(16)
+        self.members[hello.worker_id] = Member(hello, identity, session, events, time.monotonic())
+        self.engine_of[identity] = hello.worker_id
         pool = self._pool_for(hello.role)
         if hello.role == "prefill":
             self.prefill_pool.add(hello.worker_id)
-        if previous is None or previous.hello.instance_id != hello.instance_id:
+        if not same_process:
             # A new process, or one this router has not met: what an old one held is gone.
             self._fail_requests(pool.remove_worker(hello.worker_id), hello.worker_id, "the worker restarted")
             pool.add_worker(hello.worker_id, hello.kv_blocks)
@@ -348,17 +416,53 @@ class RouterService:
         self.metrics.workers.set(len(self.members))
         log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks,
                  resumed=len(hello.running) - len(abort), aborted=len(abort))
-        self._reply(identity, Welcome(accepted=True, abort=abort))
+        self._reply(identity, Welcome(accepted=True, abort=abort, session=session))
+        if hello.role == "decode":
+            self._retry_parked(time.monotonic())
 
-    def _subscribe(self, events_address: str, role: str) -> str:
-        """Subscribe to a worker's KV events; the refusal's reason if its address is bad."""
-        if events_address not in self.subscribed:
-            try:
-                connect(self.events[role], events_address)
-            except ValueError as error:
-                return f"events_address: {error}"
-            self.subscribed.add(events_address)
-        return ""
+    def _claim_refused(self, identity: bytes, hello: Hello) -> bool:
+        """Refuse (and count) a Hello that would take over another engine: one naming a
+        live member registered on another connection, unless it carries that member's
+        session (the same engine, reconnected), or one from a connection already serving
+        another engine. The live member is never displaced; a dead one is dropped after
+        `worker_timeout_s` of silence, so the refusal says when to try again."""
+        bound = self.engine_of.get(identity)
+        if bound is not None and bound != hello.worker_id:
+            why = f"this connection is registered as {bound}; one connection serves one engine"
+        else:
+            member = self.members.get(hello.worker_id)
+            if member is not None and member.hello.role != hello.role:
+                why = f"{hello.worker_id} is registered as a {member.hello.role} engine, not {hello.role}"
+            elif member is None or member.identity == identity or \
+                    (hello.session and secrets.compare_digest(hello.session, member.session)):
+                return False
+            else:
+                why = (f"{hello.worker_id} is registered on another connection that is still live; a worker id is "
+                       f"taken over only once its connection has been silent for {self.config.worker_timeout_s} s")
+        self._identity_refused("Hello", hello.worker_id, why)
+        self._reply(identity, Welcome(accepted=False, reason=why, retry_after_s=self.config.worker_timeout_s))
+        return True
+
+    def _events_of(self, hello: Hello, previous: Member | None) -> zmq.Socket | str:
+        """The subscriber to this worker's KV events (its own socket, so that whatever
+        arrives on it is known to come from the publisher its Hello named); the refusal's
+        reason if the address is bad."""
+        if previous is not None:
+            if previous.hello.events_address == hello.events_address:
+                return previous.events
+            self._unsubscribe(previous)
+        events = self.security.subscriber(hello.role)
+        try:
+            connect(events, hello.events_address)
+        except ValueError as error:
+            events.close(0)
+            return f"events_address: {error}"
+        self.poller.register(events, zmq.POLLIN)
+        return events
+
+    def _unsubscribe(self, member: Member) -> None:
+        self.poller.unregister(member.events)
+        member.events.close(0)
 
     def _resume(self, hello: Hello) -> list[str]:
         """Take back the requests a rejoining worker is still serving; returns those this
@@ -409,6 +513,13 @@ class RouterService:
             self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True,
                                           beat_seq=beat.seq))
             return
+        if not secrets.compare_digest(beat.session, member.session):
+            # Never keeps the member alive. A real worker whose session is stale (it rejoined
+            # meanwhile) says Hello again on its own connection, which repairs it.
+            self._identity_refused("Heartbeat", beat.worker_id, "without the registration's session")
+            self._reply(identity, Welcome(accepted=False, reason="heartbeat without this worker's session",
+                                          rehello=True, beat_seq=beat.seq))
+            return
         member.last_seen = time.monotonic()
         member.heartbeat = beat
         pool = self._pool_for(member.hello.role)
@@ -416,11 +527,10 @@ class RouterService:
 
     def _on_requests_finished(self, identity: bytes, message: RequestsFinished, _payloads) -> None:
         """A worker ended these requests: they leave its loads now, not at its next heartbeat."""
-        worker_id = identity.decode(errors="replace")
-        member = self.members.get(worker_id)
-        if member is None or member.identity != identity:
-            log.warning("finished_from_unknown_worker", worker_id=worker_id, requests=len(message.finished))
+        member = self._member_on(identity, "RequestsFinished")
+        if member is None:
             return
+        worker_id = member.hello.worker_id
         now = time.monotonic()
         pool = self._pool_for(member.hello.role)
         for finished in message.finished:
@@ -442,6 +552,8 @@ class RouterService:
         silent = [w for w, m in self.members.items() if now - m.last_seen > self.config.worker_timeout_s]
         for worker_id in silent:
             member = self.members.pop(worker_id)
+            self.engine_of.pop(member.identity, None)
+            self._unsubscribe(member)
             self.prefill_pool.discard(worker_id)
             self.metrics.workers.set(len(self.members))
             placements = self._pool_for(member.hello.role).remove_worker(worker_id)
@@ -526,8 +638,12 @@ class RouterService:
 
     def _on_kv_ready(self, identity: bytes, ready: KvReady, _payloads) -> None:
         """A prefill worker holds a request's KV: finish its prefill placement and send the
-        request, with the handle, to the decode worker pairing picks."""
-        prefill_worker_id = identity.decode(errors="replace")
+        request, with the handle, to the decode worker pairing picks (or park it until one
+        can take it)."""
+        member = self._member_on(identity, "KvReady")
+        if member is None:
+            return
+        prefill_worker_id = member.hello.worker_id
         handoff = self.handoffs.get(ready.request_id)
         if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
             self._drop_handoff(identity, prefill_worker_id, ready)
@@ -537,47 +653,83 @@ class RouterService:
         placement = self.cluster.finish(ready.request_id, now=now)
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
-        member = self.members.get(prefill_worker_id)
-        hello = member.hello if member else None
-        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address if hello else "",
-                          prefill_instance_id=hello.instance_id if hello else "", lease_id=ready.lease_id,
+        hello = member.hello
+        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address,
+                          prefill_instance_id=hello.instance_id, lease_id=ready.lease_id,
                           block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
                           first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
                           first_logprob=ready.first_logprob)
         request = replace(handoff.request, kv_handle=handle)
-        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), handoff.prompt,
+        if not self._send_to_decode(request, handoff.prompt, now):
+            # Wait for a decode worker within the lease, leaving the other half of it for
+            # the pull (docs/disaggregation.md §2).
+            deadline = now + self.config.kv_lease_ttl_s * PARKED_LEASE_SHARE
+            self.parked[ready.request_id] = ParkedHandoff(request, handoff.prompt, ready, identity, deadline)
+            log.warning("handoff_parked", request_id=ready.request_id, wait_s=round(deadline - now, 1))
+
+    def _send_to_decode(self, request: Generate, prompt, now: float) -> bool:
+        """Send a prefilled request to the decode worker pairing picks, the next one if
+        that send fails; False if none took it."""
+        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), prompt,
                                              request.sampling.max_tokens, now, request.slo_class)
         tried: frozenset[str] = frozenset()
         while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
-            if self._reply(self.members[worker_id].identity, request, [handoff.prompt]):
+            if self._reply(self.members[worker_id].identity, request, [prompt]):
                 self.decode_pool.place(candidate, worker_id, now)
-                return
+                return True
             tried |= {worker_id}
-        self._end_handoff(identity, prefill_worker_id, ready, "no decode worker could take the prefilled request")
+        return False
+
+    def _retry_parked(self, now: float) -> None:
+        """Send parked hand-offs to a decode worker that can take them now; end those
+        whose wait is over."""
+        for request_id, parked in list(self.parked.items()):
+            if request_id not in self.origins:  # aborted or failed meanwhile
+                del self.parked[request_id]
+                self._release_lease(parked.prefill_identity, parked.ready)
+            elif self.decode_pool.worker_ids and self._send_to_decode(parked.request, parked.prompt, now):
+                del self.parked[request_id]
+                self.metrics.handoffs_parked.inc(outcome="placed")
+            elif now >= parked.deadline:
+                del self.parked[request_id]
+                self.metrics.handoffs_parked.inc(outcome="expired")
+                self._end_handoff(parked.prefill_identity, parked.ready,
+                                  "no decode worker could take the prefilled request within its lease")
 
     def _drop_handoff(self, identity: bytes, prefill_worker_id: str, ready: KvReady) -> None:
         """KvReady for a hand-off this router does not hold (it restarted since the
         placement, say): the request cannot go on without its Generate, so it ends."""
         log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
         if self._placed_elsewhere(ready.request_id, prefill_worker_id):
-            self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
-                                                prefill_worker_id=prefill_worker_id, action="release"))
+            self._release_lease(identity, ready)
             return
         self.cluster.finish(ready.request_id)
-        self._end_handoff(identity, prefill_worker_id, ready, "the router lost the request's hand-off "
-                                                             "(it restarted during the prefill)")
+        self._end_handoff(identity, ready, "the router lost the request's hand-off (it restarted during the prefill)")
 
-    def _end_handoff(self, identity: bytes, prefill_worker_id: str, ready: KvReady, why: str) -> None:
+    def _end_handoff(self, identity: bytes, ready: KvReady, why: str) -> None:
         """Release the lease and fail the request to its tokenizer."""
-        self._reply(identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
-                                            prefill_worker_id=prefill_worker_id, action="release"))
+        self._release_lease(identity, ready)
         origin = self.origins.pop(ready.request_id, None)
         if origin is not None:
             self.metrics.placed.inc(outcome="unavailable")
             self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE, message=why))
 
+    def _release_lease(self, prefill_identity: bytes, ready: KvReady) -> None:
+        prefill_worker_id = self.engine_of.get(prefill_identity, "")
+        self._reply(prefill_identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+                                                    prefill_worker_id=prefill_worker_id, action="release"))
+
     def _on_lease_update(self, identity: bytes, update: KvLeaseUpdate, _payloads) -> None:
-        """A decode worker renews or releases a lease: pass it to the prefill worker."""
+        """A decode worker renews or releases a lease of a request placed on it: pass it
+        to the prefill worker."""
+        sender = self._member_on(identity, "KvLeaseUpdate")
+        if sender is None:
+            return
+        placement = self.decode_pool.placements.get(update.request_id)
+        if sender.hello.role != "decode" or (placement is not None and placement.worker_id != sender.hello.worker_id):
+            self._identity_refused("KvLeaseUpdate", sender.hello.worker_id,
+                                   f"request {update.request_id} is not placed on it")
+            return
         member = self.members.get(update.prefill_worker_id)
         if member is None or member.hello.role != "prefill":
             log.warning("lease_update_dropped", request_id=update.request_id, prefill=update.prefill_worker_id,
@@ -599,6 +751,11 @@ class RouterService:
         return self.root_hashes[tenant]
 
     def _on_abort(self, identity: bytes, abort: Abort, _payloads) -> None:
+        parked = self.parked.pop(abort.request_id, None)
+        if parked is not None:
+            self.origins.pop(abort.request_id, None)
+            self._release_lease(parked.prefill_identity, parked.ready)
+            return
         placement = self.cluster.placements.get(abort.request_id) or \
             self.decode_pool.placements.get(abort.request_id)
         member = self.members.get(placement.worker_id) if placement else None

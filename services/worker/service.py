@@ -255,7 +255,9 @@ class WorkerService:
         self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
         self.context = zmq.Context()
         self.security = Security(self.context, config, self.role)
-        self.router = self.security.client(zmq.DEALER, config.router, "router", self.worker_id)
+        # No chosen identity: the router names each connection itself, and believes the one
+        # this worker joined on (docs/architecture.md §3).
+        self.router = self.security.client(zmq.DEALER, config.router, "router")
         self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
         self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
@@ -266,6 +268,7 @@ class WorkerService:
         self.beat: Heartbeat | None = None  # the latest load report, sent by the heartbeat thread
         self.rehello = threading.Event()  # the router forgot us: say hello again
         self.instance_id = uuid.uuid4().hex
+        self.session = ""  # the router's secret for this registration (Welcome.session); heartbeats carry it
         self.beats_sent = 0
         self.joined_after_beat = 0  # rehellos answering heartbeats up to this one are stale
         self.joined = False  # the router has welcomed us and not asked us to say hello again
@@ -327,8 +330,10 @@ class WorkerService:
                 "kv_blocks_total": self.engine.block_manager.num_blocks}
 
     def _hello(self) -> None:
-        """Say Hello and wait for the Welcome (messages that come first are handled);
-        WorkerRefused if refused, TimeoutError if the router does not answer."""
+        """Say Hello and wait for the Welcome (messages that come first are handled),
+        saying it again when the router asks to retry (another live connection holds this
+        worker id: an old process of ours not yet dropped); WorkerRefused if refused,
+        TimeoutError if the router does not answer in time."""
         self.joined_after_beat = self.beats_sent
         engine = self.engine
         hello = Hello(
@@ -339,18 +344,24 @@ class WorkerService:
             adapter_id=engine.config.adapter_id, instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
             metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}",
-            running=self._running_requests(), kv_address=self._kv_address())
+            running=self._running_requests(), kv_address=self._kv_address(), session=self.session)
         send(self.router, hello)
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
             if not self.router.poll(100):
                 continue
             message, payloads = self._receive()
-            if not isinstance(message, Welcome):
+            if not isinstance(message, Welcome) or message.rehello:
                 self._handle_safely(message, payloads)
+                continue
+            if not message.accepted and message.retry_after_s > 0:
+                log.warning("hello_deferred", worker_id=self.worker_id, reason=message.reason)
+                time.sleep(min(message.retry_after_s, max(deadline - time.monotonic(), 0.0)))
+                send(self.router, hello)
                 continue
             if not message.accepted:
                 raise WorkerRefused(f"router refused {self.worker_id}: {message.reason}")
+            self.session = message.session
             for request_id in message.abort:
                 self.engine.abort(request_id)
                 self._forget(request_id, "failed_over")
@@ -430,6 +441,8 @@ class WorkerService:
         elif isinstance(message, Abort):
             if self._abort(message.request_id):
                 self._forget(message.request_id, "aborted")
+        elif isinstance(message, Welcome) and message.rehello:  # the router does not know this connection
+            self.rehello.set()
         elif message is not None and not self._handle_role_message(message):
             log.warning("unexpected_message", type=type(message).__name__)
 
@@ -585,7 +598,7 @@ class WorkerService:
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """Send the latest report every interval from this thread's own socket."""
-        socket = self.security.client(zmq.DEALER, self.config.router, "router", f"{self.worker_id}/beat")
+        socket = self.security.client(zmq.DEALER, self.config.router, "router")
         try:
             while not stop.wait(self.config.heartbeat_interval_s):
                 if self.stalled():
@@ -594,7 +607,7 @@ class WorkerService:
                 with self.beat_lock:
                     assert self.beat is not None  # run() makes the first report before it starts this thread
                     self.beats_sent += 1
-                    beat = replace(self.beat, seq=self.beats_sent)
+                    beat = replace(self.beat, seq=self.beats_sent, session=self.session)
                 send(socket, beat)
                 while socket.poll(0):
                     self._on_beat_reply(socket.recv_multipart())
@@ -623,7 +636,7 @@ class TransferringService(WorkerService):
         try:
             self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
                                                  self.security, self.worker_id,
-                                                 TransferOptions(send_pause_s=config.kv_send_pause_s))
+                                                 TransferOptions(send_pause_s=config.kv_send_pause_s, host=config.host))
         except BaseException:
             super().close()
             raise

@@ -2,6 +2,8 @@
 on real ZeroMQ sockets over loopback."""
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,15 @@ import zmq
 import zmq.auth
 
 from common.config import ClusterConfig, ConfigError
-from common.sockets import Security, check_bind_address, check_endpoint, generate_curve_keys, load_curve_keys, peer_role
+from common.sockets import (
+    ROLES,
+    Security,
+    check_bind_address,
+    check_endpoint,
+    generate_curve_keys,
+    load_curve_keys,
+    peer_role,
+)
 
 
 @pytest.fixture
@@ -55,6 +65,23 @@ def test_keys_generate_refuses_to_overwrite_and_keeps_secrets_private(keys_dir):
         generate_curve_keys(keys_dir)
     assert (keys_dir / "router.key_secret").read_bytes() == before
     assert (keys_dir / "router.key_secret").stat().st_mode & 0o077 == 0
+
+
+def test_secrets_are_created_private_even_under_a_permissive_umask(tmp_path):
+    """Each secret is created 0600 (no window in which it is readable), the directory
+    0700; public keys stay readable; the set loads."""
+    previous = os.umask(0)
+    try:
+        written = generate_curve_keys(tmp_path / "keys")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in written}
+    assert {name: mode for name, mode in modes.items() if name.endswith(".key_secret")} == \
+        {f"{role}.key_secret": 0o600 for role in ROLES}
+    assert {name: mode for name, mode in modes.items() if name.endswith(".key")} == \
+        {f"{role}.key": 0o644 for role in ROLES}
+    assert load_curve_keys(tmp_path / "keys", "decode").role == "decode"
 
 
 def _config(keys_dir: Path) -> ClusterConfig:

@@ -121,10 +121,11 @@ def expected(engine, prompt: list[int] | str, max_tokens: int) -> list[int]:
     return result.token_ids
 
 
-def metric(cluster, index: int, name: str, **labels: str) -> float:
-    """The sum of engine `index`'s samples called `name` whose labels include `labels`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port_base + 11 + 2 * index}/metrics",
-                                timeout=5) as response:
+def metric(cluster, index: int | None, name: str, **labels: str) -> float:
+    """The sum of engine `index`'s (None: the router's) samples called `name` whose labels
+    include `labels`."""
+    port = cluster.port_base + (3 if index is None else 11 + 2 * index)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and labels.items() <= sample.labels.items())
@@ -267,16 +268,15 @@ def test_without_ucxx_auto_falls_back_to_zeromq_and_serves_the_same_tokens(no_uc
 
 class FakeDecodeWorker:
     """The test posing as a decode worker on the router socket (CURVE off: the router takes
-    a peer's word for its role). It joins with a pool far larger than decode-1's, which
-    wins pairing's ties (equal load); it heartbeats, keeps the Generates (with their KV
-    handles) it is sent, and pulls nothing."""
+    a peer's word for its role, bound to the connection it joins on). It joins with a pool
+    far larger than decode-1's, which wins pairing's ties (equal load); it heartbeats with
+    its session, keeps the Generates (with their KV handles) it is sent, and pulls nothing."""
 
     def __init__(self, cluster, engine, worker_id: str):
         self.worker_id = worker_id
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.socket.connect(cluster.router)
         self.events = self.context.socket(zmq.PUB)  # the router subscribes to a worker's KV events
         self.events.setsockopt(zmq.LINGER, 0)
@@ -292,6 +292,7 @@ class FakeDecodeWorker:
         assert self.socket.poll(5000), "the router did not answer the Hello"
         welcome, _ = decode(self.socket.recv_multipart())
         assert isinstance(welcome, Welcome) and welcome.accepted, welcome
+        self.session = welcome.session
 
     def send(self, message) -> None:
         self.socket.send_multipart(encode(message))
@@ -300,7 +301,8 @@ class FakeDecodeWorker:
         """Heartbeat when due; keep any Generate that came."""
         if time.monotonic() - self.last_beat >= 0.2:
             self.send(Heartbeat(worker_id=self.worker_id, running=len(self.received), waiting=0,
-                                kv_blocks_used=0, kv_blocks_cached=0, kv_blocks_total=1_000_000))
+                                kv_blocks_used=0, kv_blocks_cached=0, kv_blocks_total=1_000_000,
+                                session=self.session))
             self.last_beat = time.monotonic()
         while self.socket.poll(0):
             message, _ = decode(self.socket.recv_multipart())
@@ -328,8 +330,9 @@ def test_forged_and_stale_lease_releases_free_nothing(pd, engine, random_prompts
     """Two handed-off requests hold leases on the prefill worker. A release naming one
     request with the other's lease, one naming an unknown lease, and a replay of a release
     already done are each refused and counted, and free no block; the genuine releases
-    free exactly their own request's blocks. (Two fake decode workers: pairing sends each
-    request to an idle one.)"""
+    free exactly their own request's blocks; a release from a decode worker the request is
+    not placed on is refused by the router itself. (Two fake decode workers: pairing sends
+    each request to an idle one.)"""
     prompts = random_prompts([40, 70], seed=707)
     withdrawn = metric(pd, PREFILL, "baton_kv_exposures_total", outcome="withdrawn")
 
@@ -338,13 +341,13 @@ def test_forged_and_stale_lease_releases_free_nothing(pd, engine, random_prompts
             return client.generate(token_ids=prompt, max_tokens=4, **GREEDY)
 
     fakes = [FakeDecodeWorker(pd, engine, "decode-8"), FakeDecodeWorker(pd, engine, "decode-9")]
-    sender = fakes[0]
     pool = ThreadPoolExecutor(2)
     outcomes = [pool.submit(ask, prompt) for prompt in prompts]
     try:
         serve_until(fakes, lambda: sum(len(f.received) for f in fakes) == 2, 30,
                     "both requests to reach the fake decode workers")
         a, b = sorted([g for f in fakes for g in f.received], key=lambda g: g.kv_handle.num_tokens)
+        sender, other = fakes if a in fakes[0].received else fakes[::-1]  # a's decode worker, b's
         blocks_a, blocks_b = len(a.kv_handle.block_ids), len(b.kv_handle.block_ids)
         assert (blocks_a, blocks_b) == (3, 5) and leased(pd) == 8
         refused = metric(pd, PREFILL, "baton_kv_lease_updates_refused_total")
@@ -354,6 +357,12 @@ def test_forged_and_stale_lease_releases_free_nothing(pd, engine, random_prompts
                         refused + expect, 10, what)
             assert leased(pd) == blocks, what
 
+        router_refused = metric(pd, None, "baton_router_identity_refused_total", message="KvLeaseUpdate")
+        other.send(release(a.request_id, a.kv_handle.lease_id))  # a's own lease, from b's decode worker
+        serve_until(fakes, lambda: metric(pd, None, "baton_router_identity_refused_total",
+                                          message="KvLeaseUpdate") == router_refused + 1, 10,
+                    "the router to refuse a release from a decode worker a is not placed on")
+        assert leased(pd) == 8
         sender.send(release(a.request_id, b.kv_handle.lease_id))  # b's lease under a's name
         refused_now(1, 8, "a release of another request's lease to be refused")
         sender.send(release(a.request_id, uuid.uuid4().hex))  # a lease that never was
@@ -362,7 +371,7 @@ def test_forged_and_stale_lease_releases_free_nothing(pd, engine, random_prompts
         serve_until(fakes, lambda: leased(pd) == 5, 10, "a's blocks to be freed")
         sender.send(release(a.request_id, a.kv_handle.lease_id))  # replayed: stale now
         refused_now(3, 5, "a replayed release to be refused")
-        sender.send(release(b.request_id, b.kv_handle.lease_id))
+        other.send(release(b.request_id, b.kv_handle.lease_id))
         serve_until(fakes, lambda: leased(pd) == 0, 10, "b's blocks to be freed")
         assert metric(pd, PREFILL, "baton_kv_exposures_total", outcome="withdrawn") == withdrawn + 2
     finally:
@@ -502,6 +511,32 @@ def test_a_lease_renewed_while_its_request_waits_for_room_is_pulled_when_room_co
                     10, "the prefill worker to count both pulls done")
     assert metric(queued, PREFILL, "baton_kv_exposures_total", outcome="done") == pulled + 2
     wait_idle(queued)
+
+
+# ---- a prefill that ends while its decode worker restarts -----------------------------------
+
+@pytest.fixture(scope="module")
+def restarting(make_cluster):
+    """Leases long enough to outlast a decode worker's restart (the router waits half of one)."""
+    cluster = start_pd(make_cluster, "zmq", "--kv-lease-ttl-s", str(2 * RESTART_S))
+    yield cluster
+    cluster.stop()
+
+
+def test_a_prefill_that_ends_while_its_decode_worker_restarts_waits_for_it(restarting, engine, random_prompts):
+    """SIGKILL the only decode worker, then send a request at once: the prefill worker
+    computes it and streams its first token while the decode worker is dead; the router
+    holds the hand-off (within the lease) until the restarted decode worker joins, which
+    pulls the KV and finishes it: the engine's tokens, no ServerUnavailable."""
+    [prompt] = random_prompts([40], seed=909)
+    pid = kill(restarting, DECODE)
+    with Client(restarting.sdk, timeout_s=RESTART_S + 30) as client:
+        result = client.generate(token_ids=prompt, max_tokens=8, **GREEDY)
+    assert result.token_ids == expected(engine, prompt, 8)
+    assert metric(restarting, None, "baton_router_handoffs_parked_total", outcome="placed") == 1
+    assert metric(restarting, DECODE, "baton_kv_transfer_bytes_total") > 0  # pulled, not recomputed
+    wait_restarted(restarting, DECODE, pid)
+    wait_idle(restarting)
 
 
 # ---- 5. a pull past its deadline ---------------------------------------------------------
