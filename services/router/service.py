@@ -22,7 +22,6 @@ requests it is serving and its whole prefix cache, and the router rebuilds its s
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 import time
 import uuid
@@ -65,6 +64,7 @@ from common.protocol import (
 from common.sockets import ENGINE_ROLES, Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
+from services.router.members import Member, Members
 from services.router.native import compiled
 from services.router.pairing import computes_locally, pick_decode_worker
 from services.router.policies import make_policy
@@ -80,20 +80,6 @@ ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
                  "prefill": (Hello, Heartbeat, KvEvents, KvReady, RequestsFinished),
                  "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, RequestsFinished),
                  "tokenizer": (Generate, Abort, StatusRequest)}
-
-
-@dataclass
-class Member:
-    """A registered worker: the connection it joined on (its routing id: the only one
-    believed to speak for it), the secret its heartbeats carry, its KV events subscriber,
-    and when it last spoke."""
-
-    hello: Hello
-    identity: bytes
-    session: str
-    events: zmq.Socket
-    last_seen: float
-    heartbeat: Heartbeat | None = None
 
 
 @dataclass
@@ -176,8 +162,7 @@ class RouterService:
             {slo.name: slo for slo in config.slo_classes})
         self.registry = Registry()
         self.metrics = RouterMetrics(self.registry)
-        self.members: dict[str, Member] = {}
-        self.engine_of: dict[bytes, str] = {}  # routing id of a member's connection -> its worker id
+        self.members = Members()
         self.origins: dict[str, bytes] = {}  # request id -> tokenizer identity
         self.hash_root: HashRoot | None = None  # what names blocks: set by the first worker
         self.root_hashes: dict[str, int] = {}  # tenant -> root of its hash chains
@@ -309,9 +294,9 @@ class RouterService:
     def _member_on(self, identity: bytes, message: str) -> Member | None:
         """The member registered on this connection; None (refused, counted, and the sender
         told to say Hello) if none is."""
-        worker_id = self.engine_of.get(identity)
-        if worker_id is not None:
-            return self.members[worker_id]
+        member = self.members.on(identity)
+        if member is not None:
+            return member
         self._identity_refused(message, "", "from a connection that has not joined")
         self._reply(identity, Welcome(accepted=False, rehello=True,
                                       reason=f"{message} from a connection that has not joined: say Hello"))
@@ -380,14 +365,17 @@ class RouterService:
             send(self.socket, message, payloads, identity=identity)
             return True
         except zmq.ZMQError as error:  # the peer is gone (ROUTER_MANDATORY) or its queue is full
-            log.warning("reply_failed", peer=self.engine_of.get(identity) or identity.decode(errors="replace"),
-                        error=str(error))
+            peer = self.members.by_connection.get(identity) or identity.decode(errors="replace")
+            log.warning("reply_failed", peer=peer, error=str(error))
             return False
 
     # ---- workers -------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, hello: Hello, _payloads) -> None:
-        if self._claim_refused(identity, hello):
+        why = self.members.claim_refusal(identity, hello, self.config.worker_timeout_s)
+        if why:
+            self._identity_refused("Hello", hello.worker_id, why)
+            self._reply(identity, Welcome(accepted=False, reason=why, retry_after_s=self.config.worker_timeout_s))
             return
         previous = self.members.get(hello.worker_id)
         events = self._refusal(hello) or self._events_of(hello, previous)
@@ -397,14 +385,7 @@ class RouterService:
             return
         self.model_fingerprint = self.model_fingerprint or hello.model_fingerprint
         self.hash_root = self.hash_root or _hash_root(hello)
-        if previous is not None:
-            self.engine_of.pop(previous.identity, None)
-        # The secret stays with the registration while the same process rejoins, so its
-        # heartbeats in flight stay good; a new registration gets a new one.
-        same_process = previous is not None and previous.hello.instance_id == hello.instance_id
-        session = previous.session if same_process and previous is not None else secrets.token_hex(16)
-        self.members[hello.worker_id] = Member(hello, identity, session, events, time.monotonic())
-        self.engine_of[identity] = hello.worker_id
+        member, same_process = self.members.join(identity, hello, events, time.monotonic())
         pool = self._pool_for(hello.role)
         if hello.role == "prefill":
             self.prefill_pool.add(hello.worker_id)
@@ -416,32 +397,9 @@ class RouterService:
         self.metrics.workers.set(len(self.members))
         log.info("worker_joined", worker_id=hello.worker_id, kv_blocks=hello.kv_blocks,
                  resumed=len(hello.running) - len(abort), aborted=len(abort))
-        self._reply(identity, Welcome(accepted=True, abort=abort, session=session))
+        self._reply(identity, Welcome(accepted=True, abort=abort, session=member.session))
         if hello.role == "decode":
             self._retry_parked(time.monotonic())
-
-    def _claim_refused(self, identity: bytes, hello: Hello) -> bool:
-        """Refuse (and count) a Hello that would take over another engine: one naming a
-        live member registered on another connection, unless it carries that member's
-        session (the same engine, reconnected), or one from a connection already serving
-        another engine. The live member is never displaced; a dead one is dropped after
-        `worker_timeout_s` of silence, so the refusal says when to try again."""
-        bound = self.engine_of.get(identity)
-        if bound is not None and bound != hello.worker_id:
-            why = f"this connection is registered as {bound}; one connection serves one engine"
-        else:
-            member = self.members.get(hello.worker_id)
-            if member is not None and member.hello.role != hello.role:
-                why = f"{hello.worker_id} is registered as a {member.hello.role} engine, not {hello.role}"
-            elif member is None or member.identity == identity or \
-                    (hello.session and secrets.compare_digest(hello.session, member.session)):
-                return False
-            else:
-                why = (f"{hello.worker_id} is registered on another connection that is still live; a worker id is "
-                       f"taken over only once its connection has been silent for {self.config.worker_timeout_s} s")
-        self._identity_refused("Hello", hello.worker_id, why)
-        self._reply(identity, Welcome(accepted=False, reason=why, retry_after_s=self.config.worker_timeout_s))
-        return True
 
     def _events_of(self, hello: Hello, previous: Member | None) -> zmq.Socket | str:
         """The subscriber to this worker's KV events (its own socket, so that whatever
@@ -513,7 +471,7 @@ class RouterService:
             self._reply(identity, Welcome(accepted=False, reason="unknown worker", rehello=True,
                                           beat_seq=beat.seq))
             return
-        if not secrets.compare_digest(beat.session, member.session):
+        if not self.members.shows_session(member, beat.session):
             # Never keeps the member alive. A real worker whose session is stale (it rejoined
             # meanwhile) says Hello again on its own connection, which repairs it.
             self._identity_refused("Heartbeat", beat.worker_id, "without the registration's session")
@@ -551,8 +509,7 @@ class RouterService:
         now = time.monotonic()
         silent = [w for w, m in self.members.items() if now - m.last_seen > self.config.worker_timeout_s]
         for worker_id in silent:
-            member = self.members.pop(worker_id)
-            self.engine_of.pop(member.identity, None)
+            member = self.members.drop(worker_id)
             self._unsubscribe(member)
             self.prefill_pool.discard(worker_id)
             self.metrics.workers.set(len(self.members))
@@ -715,7 +672,7 @@ class RouterService:
             self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE, message=why))
 
     def _release_lease(self, prefill_identity: bytes, ready: KvReady) -> None:
-        prefill_worker_id = self.engine_of.get(prefill_identity, "")
+        prefill_worker_id = self.members.by_connection.get(prefill_identity, "")
         self._reply(prefill_identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
                                                     prefill_worker_id=prefill_worker_id, action="release"))
 
