@@ -10,67 +10,24 @@ interfaces that do not own the configured host are left out by name. RDMA device
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import ipaddress
 import socket
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IFF_UP = 0x1
-
-
-class _SockAddr(ctypes.Structure):  # Linux's struct sockaddr (sa_family is an unsigned short)
-    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_ubyte * 14)]
-
-
-class _SockAddrIn(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_ushort), ("address", ctypes.c_ubyte * 4),
-                ("zero", ctypes.c_ubyte * 8)]
-
-
-class _SockAddrIn6(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_ushort), ("flowinfo", ctypes.c_uint32),
-                ("address", ctypes.c_ubyte * 16), ("scope_id", ctypes.c_uint32)]
-
-
-class _IfAddrs(ctypes.Structure):
-    pass
-
-
-_IfAddrs._fields_ = [("next", ctypes.POINTER(_IfAddrs)), ("name", ctypes.c_char_p), ("flags", ctypes.c_uint),
-                     ("address", ctypes.POINTER(_SockAddr)), ("netmask", ctypes.POINTER(_SockAddr)),
-                     ("broadcast", ctypes.POINTER(_SockAddr)), ("data", ctypes.c_void_p)]
 
 
 def interface_addresses() -> dict[str, set[IPAddress]]:
-    """Each network interface that is up -> its IPv4 and IPv6 addresses (getifaddrs(3),
-    what UCX reads too; the standard library has no call for it)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    head = ctypes.POINTER(_IfAddrs)()
-    if libc.getifaddrs(ctypes.byref(head)) != 0:
-        raise OSError(ctypes.get_errno(), "getifaddrs failed")
+    """Each network interface that is up -> its IPv4 and IPv6 addresses (what UCX reads,
+    through getifaddrs(3))."""
+    import psutil  # the ucx extra's: only the UCX transport asks
+
+    up = {name for name, stats in psutil.net_if_stats().items() if stats.isup}
     found: dict[str, set[IPAddress]] = {}
-    try:
-        entry = head
-        while entry:
-            address = _address_of(entry.contents)
-            if address is not None and entry.contents.flags & IFF_UP:
-                found.setdefault(entry.contents.name.decode(), set()).add(address)
-            entry = entry.contents.next
-    finally:
-        libc.freeifaddrs(head)
+    for name, entries in psutil.net_if_addrs().items():
+        for entry in entries:
+            if name in up and entry.family in (socket.AF_INET, socket.AF_INET6):
+                found.setdefault(name, set()).add(ipaddress.ip_address(entry.address.partition("%")[0]))
     return found
-
-
-def _address_of(entry: _IfAddrs) -> IPAddress | None:
-    if not entry.address:
-        return None
-    family = entry.address.contents.family
-    if family == socket.AF_INET:
-        return ipaddress.IPv4Address(bytes(ctypes.cast(entry.address, ctypes.POINTER(_SockAddrIn)).contents.address))
-    if family == socket.AF_INET6:
-        return ipaddress.IPv6Address(bytes(ctypes.cast(entry.address, ctypes.POINTER(_SockAddrIn6)).contents.address))
-    return None
 
 
 def host_addresses(host: str) -> set[IPAddress]:
