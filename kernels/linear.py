@@ -58,10 +58,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and _onednn_bf16_supported())
+            and onednn_bf16_native())
 
 
-def _onednn_bf16_supported() -> bool:
+def onednn_bf16_native() -> bool:
+    """Whether oneDNN computes bf16 on this CPU natively (AVX-512 BF16, AMX, AVX-NE-CONVERT);
+    where not, a bf16 matmul ends in torch's scalar GEMM (`dtype = "auto"` picks float32)."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(check()) if check is not None else True
 

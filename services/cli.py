@@ -291,6 +291,7 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
                *(("decode", workers + prefill + i) for i in range(decode))]
     config = _load_config(config_path, flags)
     _check_bind_policy(config, "cluster")
+    flags["dtype"] = _node_dtype(config)
     if not config.model:
         from common.engine.default_model import default_model_dir
 
@@ -298,7 +299,7 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
         flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // len(engines))
     if not config.profile:  # the router prices with this node's engine, not another machine's
-        flags["profile"] = str(_node_profile(config, Path(flags.get("model") or config.model),
+        flags["profile"] = str(_node_profile(config, Path(flags.get("model") or config.model), flags["dtype"],
                                              flags.get("threads") or config.threads))
     if not no_kvstore:
         flags["kvstore"] = True  # the engines write back to and fetch from the store
@@ -334,22 +335,37 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
         supervisor.stop_all()
 
 
-def _node_profile(config, model_dir: Path, threads: int) -> Path:
-    """The cost profile of this node's engine with the workers' settings: measured by
-    `svc profile` on first use (seconds on the tiny model) and kept in the cache."""
+def _node_dtype(config) -> str:
+    """The dtype this node's engines compute in, `auto` resolved once for every role: the
+    profile is keyed by it and the KV store sizes its blocks by it."""
+    from common.engine.node_dtype import DtypeProbeError, node_dtype_choice
+
+    try:
+        dtype, why = node_dtype_choice(config.dtype, config.device)
+    except DtypeProbeError as error:
+        raise click.ClickException(str(error)) from error
+    if dtype != config.dtype:
+        click.echo(why)
+    return dtype
+
+
+def _node_profile(config, model_dir: Path, dtype: str, threads: int) -> Path:
+    """The cost profile of this node's engine with the workers' settings and `dtype` (the
+    resolved one): measured by `svc profile` on first use (seconds on the tiny model) and
+    kept in the cache."""
     import subprocess
 
     from common.cache_root import baton_cache_root
     from services.eval.profiler import node_profile_path
 
-    path = node_profile_path(baton_cache_root(), model_dir, config.dtype, config.device, threads)
+    path = node_profile_path(baton_cache_root(), model_dir, dtype, config.device, threads)
     if path.is_file():
         click.echo(f"the router prices with this node's profile {path}")
         return path
     click.echo("measuring this node's engine for the router's cost profile, once (--profile skips it) ...")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    argv = [sys.executable, "-m", "services.cli", "profile", "--model", str(model_dir), "--dtype", config.dtype,
+    argv = [sys.executable, "-m", "services.cli", "profile", "--model", str(model_dir), "--dtype", dtype,
             "--device", config.device, "--threads", str(threads), "--name", path.stem, "--out", str(partial)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=NODE_PROFILE_TIMEOUT_S)

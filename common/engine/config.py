@@ -11,7 +11,9 @@ from common.settings import POSITIVE, POSITIVE_INT, Check, check_settings, setti
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 QUEUE_POLICIES = ("fcfs", "lpm", "priority")
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("bfloat16", "float32", "float16")  # what an engine computes in
+AUTO_DTYPE = "auto"  # the dtype setting that lets the engine choose one of DTYPES per device
+DTYPE_SETTINGS = (AUTO_DTYPE, *DTYPES)
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")  # what an engine runs on: cpu, cuda, cuda:N
 
@@ -73,7 +75,8 @@ class EngineSettings:
     its engine from all of them. Values are checked on construction (ConfigError naming
     the key); what depends on the model or the machine is checked by the engine."""
 
-    dtype: str = setting("bfloat16", "dtype of the weights and the KV cache", choices=DTYPES)
+    dtype: str = setting(AUTO_DTYPE, "dtype of the weights and the KV cache (auto: bfloat16 on GPUs and on CPUs "
+                         "whose oneDNN computes bf16 natively, else float32)", choices=DTYPE_SETTINGS)
     device: str = setting("cpu", "cpu, cuda (worker N on GPU N modulo the GPUs it sees) or cuda:K",
                           check=Check(lambda value: bool(DEVICE_PATTERN.fullmatch(value)), "cpu, cuda or cuda:N"))
     block_size: int = setting(16, "tokens per KV block", check=POSITIVE_INT)
@@ -112,6 +115,31 @@ class EngineConfig(EngineSettings):
     num_kv_blocks: int | None = setting(None, "KV pool size in blocks; overrides kv_cache_gb", check=POSITIVE_INT)
     tenant_salt: str = setting("", "the tenant of requests that name none")
     adapter_id: str = setting("", "the adapter whose KV this engine computes")
+
+
+def resolve_dtype(setting: str, device: str, cpu_bf16_native: bool) -> str:
+    """The dtype (one of DTYPES) an engine on `device` (cpu, cuda or cuda:N) computes in
+    for the `dtype` setting: an explicit dtype as given; "auto" bfloat16 on a GPU, and on
+    a CPU bfloat16 only where oneDNN computes bf16 natively (`cpu_bf16_native`), since
+    elsewhere every bf16 matmul falls back to torch's scalar GEMM, several times slower
+    than fp32's; float32 there (docs/architecture.md §9). Torch-free, so the roles that
+    load no torch resolve the same way. ValueError naming the setting for any other value."""
+    if setting in DTYPES:
+        return setting
+    if setting != AUTO_DTYPE:
+        raise ValueError(f"dtype: unsupported {setting!r}; choose one of {DTYPE_SETTINGS}")
+    return "bfloat16" if device.startswith("cuda") or cpu_bf16_native else "float32"
+
+
+def dtype_choice(setting: str, device: str, cpu_bf16_native: bool) -> str:
+    """Why `resolve_dtype` chose what it did, for the engine's start-up log line."""
+    chosen = resolve_dtype(setting, device, cpu_bf16_native)
+    if setting != AUTO_DTYPE:
+        return f"dtype: {chosen} (as set)"
+    if device.startswith("cuda"):
+        return f"dtype: auto -> {chosen} (GPU)"
+    native = "computes bf16 natively" if cpu_bf16_native else "has no native bf16"
+    return f"dtype: auto -> {chosen} (oneDNN {native} on this CPU)"
 
 
 def engine_settings(settings: EngineSettings) -> dict[str, Any]:

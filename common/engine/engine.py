@@ -7,6 +7,7 @@ object from their loops.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import threading
 import time
@@ -20,7 +21,7 @@ import torch
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.block_manager import BlockManager, EvictedBlock, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
-from common.engine.config import DEVICE_PATTERN, DTYPES, EngineConfig
+from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
@@ -32,6 +33,7 @@ from common.hashing import root_hash
 from common.logs import get_logger
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from kernels.attention import select_backend
+from kernels.linear import onednn_bf16_native
 
 log = get_logger("engine")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -208,7 +210,13 @@ class WritebackQueue:
 
 class Engine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None):
+        """`config.dtype` "auto" is resolved here, once: `self.config` holds the dtype the
+        engine computes in, which is what every consumer (block hashes, Hello, profiles,
+        logs) must see."""
         _check_config(config)
+        cpu_bf16_native = onednn_bf16_native()
+        dtype_reason = dtype_choice(config.dtype, config.device, cpu_bf16_native)
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, cpu_bf16_native))
         self.config = config
         self.model_config = load_model_config(config.model_dir)
         self.tokenizer = load_tokenizer(config.model_dir)
@@ -243,7 +251,7 @@ class Engine:
         self.writeback: WritebackQueue | None = None  # enable_writeback sets these
         self.writeback_config: WritebackConfig | None = None
         self.known_stored: KnownBlocks | None = None
-        log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype,
+        log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype, dtype_choice=dtype_reason,
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
                  amx_chunk_attention=backend.amx_chunks,
                  layer_ops=self.model.ops.name, few_row_linears=self.model.linear_kernels(),
@@ -670,8 +678,8 @@ def _keep_freed_host_memory() -> bool:
 
 
 def _check_config(config: EngineConfig) -> None:
-    if config.dtype not in DTYPES:
-        raise EngineConfigError(f"dtype: unsupported {config.dtype!r}; choose one of {DTYPES}")
+    if config.dtype not in DTYPE_SETTINGS:
+        raise EngineConfigError(f"dtype: unsupported {config.dtype!r}; choose one of {DTYPE_SETTINGS}")
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
         value = getattr(config, name)
         if not isinstance(value, int) or value <= 0:

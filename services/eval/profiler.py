@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.cost_model import CostModel, LatencyFit, fit_error, fit_latency
+from common.engine.config import DTYPES
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports torch; callers build it
@@ -248,7 +249,11 @@ def node_profile_path(cache_root: Path, model_dir: Path, dtype: str, device: str
     """Where `svc up` keeps the profile it measured of this node's engine: a name made
     from a digest of what the engine's step times depend on (the checkpoint's files, the
     dtype, device and torch threads, the processors, the torch build and the grid), so
-    that changing any of them measures again. Reads no tensor and imports no torch."""
+    that changing any of them measures again. `dtype` is the one the engines compute in:
+    `auto` is resolved first (common.engine.node_dtype), since it stands for a different
+    dtype on another CPU. Reads no tensor and imports no torch."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: a node profile is keyed by a resolved dtype, one of {DTYPES}, not {dtype!r}")
     files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns)
                    for path in model_dir.iterdir() if path.is_file())
     facts = {"model": str(model_dir.resolve()), "files": files, "dtype": dtype, "device": device,

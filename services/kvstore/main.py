@@ -9,6 +9,7 @@ from pathlib import Path
 from common.config import ClusterConfig
 from common.engine.checkpoint import fingerprints, load_model_config
 from common.engine.kv_layout import KVLayout
+from common.engine.node_dtype import node_dtype
 
 
 def model_dir_of(config: ClusterConfig) -> Path:
@@ -20,8 +21,10 @@ def model_dir_of(config: ClusterConfig) -> Path:
 
 
 def store_layout(config: ClusterConfig) -> KVLayout:
-    """The KV layout of the cluster's engines: the model's shape, their block size and dtype."""
-    return KVLayout.for_model(load_model_config(model_dir_of(config)), config.block_size, config.dtype)
+    """The KV layout of the cluster's engines: the model's shape, their block size and the
+    dtype they compute in (`auto` resolved as the engines of this node resolve it)."""
+    return KVLayout.for_model(load_model_config(model_dir_of(config)), config.block_size,
+                              node_dtype(config.dtype, config.device))
 
 
 def run(config: ClusterConfig) -> None:

@@ -144,6 +144,8 @@ def test_svc_up_runs_a_kv_store_the_engines_are_told_to_use(tiny_model_dir, tmp_
         assert cluster.worker_health(0)["ok"]
         text = "".join(cluster.lines)
         assert "[kvstore] baton kvstore ready" in text and "kvstore  tcp://" in text
+        # dtype auto (the default) is resolved once for the node, so the store's blocks are the engines'
+        assert [line for line in cluster.lines if line.startswith("dtype: auto -> ") and "oneDNN" in line]
         assert (tmp_path / "ssd" / "slots-000.bkv").is_file()
     finally:
         cluster.stop()

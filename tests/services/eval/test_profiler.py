@@ -185,3 +185,5 @@ def test_a_node_profile_is_named_by_what_the_engines_step_times_depend_on(tmp_pa
     assert path not in others and len(others) == 3
     (model / "weights.safetensors").write_bytes(b"w" * 9)  # another checkpoint in the same place
     assert node_profile_path(cache, model, "bfloat16", "cpu", 1) != path
+    with pytest.raises(ValueError, match="^dtype: a node profile is keyed by a resolved dtype"):
+        node_profile_path(cache, model, "auto", "cpu", 1)  # auto is float32 on one CPU, bfloat16 on another

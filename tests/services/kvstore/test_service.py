@@ -19,11 +19,13 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import ClusterConfig, load_config
-from common.engine.checkpoint import load_model_config
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 from common.engine.kv_layout import KVLayout
 from common.protocol import StoreEvents, StoreReply, StoreRequest, decode, encode
 from common.sockets import Security
 from services.kvstore.client import StoreClient, StoreUnavailable
+from services.kvstore.main import store_layout
 from services.kvstore.ssd import FILE_HEADER_BYTES, HEADER_BYTES, RECORD_MAGIC, SsdTier
 from services.kvstore.tiers import ssd_config
 from services.local_cluster import REPO, _health, child_env, free_port_base
@@ -39,12 +41,14 @@ class Store:
     def __init__(self, model_dir: Path, scratch: Path, **settings: object):
         self.port_base = free_port_base()
         self.config_path = scratch / f"store-{self.port_base}.toml"
+        # bfloat16 unless a test says otherwise: the slot counts below are those of its blocks
+        # on any CPU (`auto` is float32 on one without native bf16).
         settings = {"model": model_dir, "port_base": self.port_base, "kvstore_dram_gb": DRAM_GB,
-                    "kvstore_timeout_s": 2.0, **settings}
+                    "kvstore_timeout_s": 2.0, "dtype": "bfloat16", **settings}
         lines = [f"{key} = {_toml(value)}" for key, value in settings.items()]
         self.config_path.write_text("\n".join(lines) + "\n")
         self.config: ClusterConfig = load_config(self.config_path)
-        self.layout = KVLayout.for_model(load_model_config(model_dir), self.config.block_size, self.config.dtype)
+        self.layout = store_layout(self.config)
         self.process: subprocess.Popen | None = None
         self.log = scratch / f"store-{self.port_base}.log"
 
@@ -181,6 +185,22 @@ def test_put_lookup_fetch_round_trip(stores, shared_memory, native_copies):
     assert client.stats()["blocks"] == 6
     assert client.remove(NS_A, keys[3:4]) == 3
     assert client.lookup(NS_A, keys) == [0] * 3
+
+
+def test_a_store_of_dtype_auto_takes_the_blocks_of_the_engines_of_its_node(stores, tiny_model_dir):
+    """The store loads no torch, yet resolves `auto` as an engine on this CPU does: the
+    engine's blocks fit its slots, so its DRAM pool maps into the engine and blocks round-trip."""
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, kv_cache_gb=0.05, max_model_len=1024, device="cpu"))
+    store = stores(dtype="auto")
+    context: zmq.Context = zmq.Context()
+    stores.contexts.append(context)
+    client = StoreClient(store.config, Security(context, store.config, "worker"), "worker-0",
+                         engine.kv_cache.layout, shared_memory=True)
+    keys = chain(300, 4)
+    values = values_for(keys, engine.kv_cache.layout.bytes_per_block)
+    assert client.put(NS_A, keys, parents_of(NS_A, keys), values) == 4
+    assert client.same_host  # the store offers its pool only to a client of its block size
+    assert _fetch_check(client, NS_A, keys, values, engine.kv_cache.layout) == 4
 
 
 def test_a_namespace_never_sees_another(stores):
