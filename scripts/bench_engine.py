@@ -4,7 +4,21 @@ on the same checkpoint, in one process and one run.
 Measured (bf16, greedy, eos ignored, prompts = seeded random ids avoiding 0..3):
   decode      32 sequences x 128 new tokens from 32-token prompts, one `generate` call;
               tok/s = 32*128 / wall time. Baton and HF runs alternate per repeat.
+  decode-only the same runs, timed from the moment every prompt has its first token
+              (all prefills done) to the end: tok/s = 32*127 / that time. Baton: its
+              steps after that one; HF: `generate`'s streamer marks each step.
   prefill     Baton: 8 x 1,024-token prompts, max_tokens=1, prefix cache reset first.
+  limit       what this machine's best kernel allows decode: the engine's own Linear
+              objects (kernels/linear.py, the dtype and kernel path decode runs) timed
+              at the decode batch's shape, [32, in] x [in, out] for every linear of
+              the model in turn, median of many passes: GEMM FLOP/s = 2*32*sum(in*out) /
+              pass time. FLOPs per token = 2 x the linears' weights (LM head included,
+              embedding lookup not) + attention's 4*layers*heads*head_dim*context at the
+              decode steps' mean context; limit tok/s = GEMM FLOP/s / FLOPs per token,
+              and decode_vs_limit = Baton's decode-only tok/s / limit (0-1: the rest of
+              a step, attention and norms and scheduling, is what keeps it below 1).
+              vLLM's decode-only time is its decode run less a run of the same prompts
+              with max_tokens=1 right after (its steps cannot be timed from outside).
   prefix hit  Baton: 2,048-token prefix + 32-token suffix cold (cache reset), then the
               same prefix + another 32-token suffix (prefix cached), max_tokens=1; wall
               time of `generate`. HF: cold full forward vs forward of the suffix over a
@@ -68,6 +82,31 @@ class Workload:
     prefix: list[int]
     suffix_a: list[int]
     suffix_b: list[int]
+    decode_new_tokens: int = DECODE_NEW_TOKENS
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """One decode run: its whole wall time, and the part of it after the step that gave
+    every prompt its first token (all prefills done), with the tokens made in that part."""
+
+    total_s: float
+    decode_only_s: float
+    decode_only_tokens: int
+    token_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class LinearPass:
+    """One pass over every linear of the model at the decode batch's row count."""
+
+    linears: list
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * sum(linear.in_features * linear.out_features for linear in self.linears)
 
 
 # ---------------------------------------------------------------------- set-up
@@ -116,16 +155,19 @@ def random_ids(rng: random.Random, vocab_size: int, length: int) -> list[int]:
     return [rng.randrange(NUM_SPECIAL_IDS, vocab_size) for _ in range(length)]
 
 
-def make_workload(vocab_size: int, seed: int) -> Workload:
-    """All prompts, drawn from one seeded generator (so every engine sees the same ids)."""
+def make_workload(vocab_size: int, seed: int, decode_seqs: int = DECODE_SEQS,
+                  decode_new_tokens: int = DECODE_NEW_TOKENS, prefill_seqs: int = PREFILL_SEQS,
+                  prefill_prompt_len: int = PREFILL_PROMPT_LEN, prefix_len: int = PREFIX_LEN) -> Workload:
+    """All prompts, drawn from one seeded generator (so every engine sees the same ids);
+    the sizes default to the benchmark's (tests pass smaller ones)."""
     rng = random.Random(seed)
     return Workload(
-        decode_prompts=[random_ids(rng, vocab_size, DECODE_PROMPT_LEN) for _ in range(DECODE_SEQS)],
-        prefill_prompts=[random_ids(rng, vocab_size, PREFILL_PROMPT_LEN)
-                         for _ in range(PREFILL_SEQS)],
-        prefix=random_ids(rng, vocab_size, PREFIX_LEN),
+        decode_prompts=[random_ids(rng, vocab_size, DECODE_PROMPT_LEN) for _ in range(decode_seqs)],
+        prefill_prompts=[random_ids(rng, vocab_size, prefill_prompt_len) for _ in range(prefill_seqs)],
+        prefix=random_ids(rng, vocab_size, prefix_len),
         suffix_a=random_ids(rng, vocab_size, SUFFIX_LEN),
         suffix_b=random_ids(rng, vocab_size, SUFFIX_LEN),
+        decode_new_tokens=decode_new_tokens,
     )
 
 
@@ -180,13 +222,34 @@ def baton_generate(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return timed(engine.generate, prompts, params)
 
 
-def baton_decode(engine: Engine, work: Workload) -> tuple[float, list[list[int]], int]:
-    """One decode run from a cold cache: seconds, output ids, tokens run through the model."""
+def baton_decode(engine: Engine, work: Workload) -> tuple[DecodeRun, int]:
+    """One decode run from a cold cache, stepped here as `generate` steps it, so that the
+    steps after the last prompt's first token are timed apart; also the tokens run
+    through the model."""
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(max_tokens=work.decode_new_tokens, temperature=0.0, ignore_eos=True)
+    request_ids = [f"bench-decode-{index}" for index in range(len(work.decode_prompts))]
+    token_ids: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
     before = engine.stats.num_computed_tokens
-    elapsed, results = baton_generate(engine, work.decode_prompts, DECODE_NEW_TOKENS, True)
-    token_ids = [list(r.token_ids) for r in results]
-    assert all(len(ids) == DECODE_NEW_TOKENS for ids in token_ids)
-    return elapsed, token_ids, engine.stats.num_computed_tokens - before
+    pending, decode_only_tokens, prefilled_at = set(request_ids), 0, None
+    started = time.perf_counter()
+    for request_id, prompt in zip(request_ids, work.decode_prompts):
+        engine.add_request(request_id, prompt, params)
+    while pending:
+        outputs = engine.step()  # its token ids are on the host: the step's work is done
+        if prefilled_at is not None:
+            decode_only_tokens += len(outputs)
+        for output in outputs:
+            token_ids[output.request_id].extend(output.new_token_ids)
+            if output.finished:
+                pending.discard(output.request_id)
+        if prefilled_at is None and all(token_ids.values()):
+            prefilled_at = time.perf_counter()
+    ended = time.perf_counter()
+    assert prefilled_at is not None and all(len(ids) == work.decode_new_tokens for ids in token_ids.values())
+    run = DecodeRun(total_s=ended - started, decode_only_s=ended - prefilled_at,
+                    decode_only_tokens=decode_only_tokens, token_ids=[token_ids[i] for i in request_ids])
+    return run, engine.stats.num_computed_tokens - before
 
 
 def baton_prefill(engine: Engine, work: Workload) -> float:
@@ -199,6 +262,49 @@ def baton_prefix_pair(engine: Engine, work: Workload) -> tuple[float, float, int
     cold, cold_res = baton_generate(engine, [work.prefix + work.suffix_a], 1, True)
     hit, hit_res = baton_generate(engine, [work.prefix + work.suffix_b], 1, False)
     return cold, hit, cold_res[0].num_cached_tokens, hit_res[0].num_cached_tokens
+
+
+# ---------------------------------------------------------------------- the limit
+
+
+def decode_linear_pass(engine: Engine, rows: int) -> LinearPass:
+    """The engine's own Linear objects (every decoder layer's, then the LM head), as a
+    decode step with `rows` sequences calls them."""
+    return LinearPass(linears=[*engine.model.layer_linears(), engine.model.lm_head], rows=rows,
+                      dtype=engine.model.dtype)
+
+
+@torch.no_grad()
+def linear_pass_seconds(linear_pass: LinearPass, device: torch.device, passes: int = 30,
+                        warm_up: int = 3) -> float:
+    """Median seconds of one pass over the linears, each fed a [rows, in] activation."""
+    inputs = {width: torch.randn(linear_pass.rows, width, dtype=linear_pass.dtype, device=device)
+              for width in {linear.in_features for linear in linear_pass.linears}}
+    seconds = []
+    for index in range(warm_up + passes):
+        elapsed, _ = timed(run_linears, linear_pass, inputs)
+        if index >= warm_up:
+            seconds.append(elapsed)
+    return statistics.median(seconds)
+
+
+def run_linears(linear_pass: LinearPass, inputs: dict[int, torch.Tensor]) -> None:
+    for linear in linear_pass.linears:
+        linear(inputs[linear.in_features])
+
+
+def decode_flops_per_token(engine: Engine, work: Workload) -> dict[str, float]:
+    """FLOPs of one decode token: 2 per weight of every linear (LM head included; the
+    embedding is a lookup), and attention's q.k and p.v, 2 each per query-head
+    dimension per context position, at the mean context of the decode-only steps (step
+    k of the new tokens attends over prompt + k positions)."""
+    config = engine.model_config
+    linear = decode_linear_pass(engine, rows=1).flops
+    prompt_len = statistics.mean(len(prompt) for prompt in work.decode_prompts)
+    mean_context = prompt_len + work.decode_new_tokens / 2
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * mean_context
+    return {"linear": linear, "attention": attention, "total": linear + attention,
+            "mean_context": mean_context}
 
 
 # ---------------------------------------------------------------------- HF
@@ -214,15 +320,37 @@ def load_hf(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def hf_decode(model, work: Workload) -> tuple[float, list[list[int]]]:
-    """One batched greedy `generate` of exactly DECODE_NEW_TOKENS new tokens."""
+class StepClock:
+    """A `generate` streamer that only notes when each put came: the prompt's first, then
+    each step's tokens (copied to the host, so that step's work is done)."""
+
+    def __init__(self) -> None:
+        self.put_times: list[float] = []
+
+    def put(self, value) -> None:
+        self.put_times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_decode(model, work: Workload) -> DecodeRun:
+    """One batched greedy `generate` of exactly `work.decode_new_tokens` new tokens; its
+    decode-only part starts at the first new token (the streamer's second put)."""
     input_ids = torch.tensor(work.decode_prompts, dtype=torch.long, device=model.device)
+    clock = StepClock()
     with torch.inference_mode():
-        elapsed, out = timed(model.generate, input_ids=input_ids,
-                             attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=DECODE_NEW_TOKENS, min_new_tokens=DECODE_NEW_TOKENS,
-                             do_sample=False, pad_token_id=model.config.pad_token_id)
-    return elapsed, out[:, input_ids.shape[1]:].tolist()
+        started = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=work.decode_new_tokens, min_new_tokens=work.decode_new_tokens,
+                             do_sample=False, pad_token_id=model.config.pad_token_id, streamer=clock)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        ended = time.perf_counter()
+    assert len(clock.put_times) == 1 + work.decode_new_tokens, "one put for the prompt, one per step"
+    return DecodeRun(total_s=ended - started, decode_only_s=ended - clock.put_times[1],
+                     decode_only_tokens=len(work.decode_prompts) * (work.decode_new_tokens - 1),
+                     token_ids=out[:, input_ids.shape[1]:].tolist())
 
 
 def hf_prefix_pair(model, work: Workload, prefix_cache) -> tuple[float, float]:
@@ -262,17 +390,19 @@ def cache_kwarg(model, cache) -> dict:
 
 def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm: VllmWorker | None = None) -> dict:
     """Warm up each measurement once, then `repeats` rounds, each running every
-    measurement once in the same order (Baton decode, HF decode, vLLM decode, Baton
-    prefill, Baton prefix pair, HF prefix pair, vLLM prefix pair) so machine noise falls
-    on all of them alike."""
+    measurement once in the same order (Baton decode, the linears at its shape, HF
+    decode, vLLM decode, Baton prefill, Baton prefix pair, HF prefix pair, vLLM prefix
+    pair) so machine noise falls on all of them alike."""
     raw: dict[str, list] = {k: [] for k in (
-        "baton_decode_s", "hf_decode_s", "baton_prefill_s", "baton_ttft_cold_s",
+        "baton_decode_s", "baton_decode_only_s", "linear_pass_s", "hf_decode_s", "hf_decode_only_s",
+        "baton_prefill_s", "baton_ttft_cold_s",
         "baton_ttft_hit_s", "baton_hit_cached_tokens", "baton_cold_cached_tokens",
-        "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_prefix_cold_s",
+        "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_decode_only_s", "vllm_prefix_cold_s",
         "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens")}
     prefix_cache = hf_prefix_cache(hf_model, work) if hf_model is not None else None
+    linear_pass = decode_linear_pass(engine, rows=len(work.decode_prompts))
     tokens: dict[str, list] = {}
-    computed = None
+    counts: dict[str, int] = {}
 
     def keep(warm: bool, **measured) -> None:
         if not warm:
@@ -282,15 +412,20 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
     # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
     for round_index in tqdm(range(repeats + 1), desc="bench_engine", unit="round", disable=None):
         warm = round_index == 0  # round 0 is the warm-up
-        elapsed, tokens["baton"], computed = baton_decode(engine, work)
-        keep(warm, baton_decode_s=elapsed)
+        decode, counts["baton_decode_computed_tokens"] = baton_decode(engine, work)
+        tokens["baton"], counts["baton_decode_only_tokens"] = decode.token_ids, decode.decode_only_tokens
+        keep(warm, baton_decode_s=decode.total_s, baton_decode_only_s=decode.decode_only_s,
+             linear_pass_s=linear_pass_seconds(linear_pass, engine.device))
         if hf_model is not None:
-            elapsed, tokens["hf"] = hf_decode(hf_model, work)
-            keep(warm, hf_decode_s=elapsed)
+            decode = hf_decode(hf_model, work)
+            tokens["hf"], counts["hf_decode_only_tokens"] = decode.token_ids, decode.decode_only_tokens
+            keep(warm, hf_decode_s=decode.total_s, hf_decode_only_s=decode.decode_only_s)
         if vllm is not None:
             answer = vllm.round("decode")
             tokens["vllm"] = answer.pop("vllm_decode_token_ids")
-            keep(warm, **answer)
+            counts["vllm_decode_only_tokens"] = len(work.decode_prompts) * (work.decode_new_tokens - 1)
+            keep(warm, vllm_decode_s=answer["vllm_decode_s"],
+                 vllm_decode_only_s=answer["vllm_decode_s"] - answer["vllm_decode_prefill_s"])
         keep(warm, baton_prefill_s=baton_prefill(engine, work))
         cold, hit, cold_cached, hit_cached = baton_prefix_pair(engine, work)
         keep(warm, baton_ttft_cold_s=cold, baton_ttft_hit_s=hit, baton_cold_cached_tokens=cold_cached,
@@ -300,27 +435,31 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
             keep(warm, hf_prefix_cold_s=cold, hf_prefix_hit_s=hit)
         if vllm is not None:
             keep(warm, **vllm.round("prefix"))
-    return {"raw": {k: v for k, v in raw.items() if v}, "tokens": tokens,
-            "baton_decode_computed_tokens": computed}
+    return {"raw": {k: v for k, v in raw.items() if v}, "tokens": tokens, **counts,
+            "decode_tokens": len(work.decode_prompts) * work.decode_new_tokens,
+            "prefill_tokens": sum(len(prompt) for prompt in work.prefill_prompts),
+            "linear_pass_flops": linear_pass.flops, "flops_per_token": decode_flops_per_token(engine, work)}
 
 
 def summarize(run: dict) -> dict:
     """Medians and ratios from the raw per-repeat lists."""
     raw, med = run["raw"], {k: statistics.median(v) for k, v in run["raw"].items()}
-    decode_tokens = DECODE_SEQS * DECODE_NEW_TOKENS
     out = {
-        "baton_decode_tok_s": decode_tokens / med["baton_decode_s"],
-        "baton_prefill_tok_s": PREFILL_SEQS * PREFILL_PROMPT_LEN / med["baton_prefill_s"],
+        "baton_decode_tok_s": run["decode_tokens"] / med["baton_decode_s"],
+        "baton_decode_only_tok_s": run["baton_decode_only_tokens"] / med["baton_decode_only_s"],
+        "baton_prefill_tok_s": run["prefill_tokens"] / med["baton_prefill_s"],
         "ttft_cold_ms": med["baton_ttft_cold_s"] * 1e3,
         "ttft_prefix_hit_ms": med["baton_ttft_hit_s"] * 1e3,
         "prefix_hit_speedup": med["baton_ttft_cold_s"] / med["baton_ttft_hit_s"],
         "prefix_hit_speedup_paired": paired_median(raw["baton_ttft_cold_s"], raw["baton_ttft_hit_s"]),
         "prefix_hit_cached_tokens": int(statistics.median(raw["baton_hit_cached_tokens"])),
         "baton_decode_computed_tokens": run["baton_decode_computed_tokens"],
+        "baton_decode_only_tokens": run["baton_decode_only_tokens"],
     }
+    out.update(limit_figures(run, med, out["baton_decode_only_tok_s"]))
     for peer in ("hf", "vllm"):
         if f"{peer}_decode_s" in med:
-            out.update(peer_figures(peer, run, med, out["baton_decode_tok_s"]))
+            out.update(peer_figures(peer, run, med, out))
     if "vllm_decode_s" in med:
         out["vllm_prefix_hit_cached_tokens"] = int(statistics.median(raw["vllm_prefix_hit_cached_tokens"]))
         if "hf" in run["tokens"]:
@@ -328,14 +467,36 @@ def summarize(run: dict) -> dict:
     return out
 
 
-def peer_figures(peer: str, run: dict, med: dict, baton_decode_tok_s: float) -> dict:
-    """A peer engine's figures (`peer` is hf or vllm) and its ratios against Baton."""
+def limit_figures(run: dict, med: dict, decode_only_tok_s: float) -> dict:
+    """The machine's decode limit (see the module's docstring) and Baton's share of it;
+    `_paired` divides each round's decode-only rate by the limit measured in that round."""
+    flops, pass_flops = run["flops_per_token"], run["linear_pass_flops"]
+    limit_tok_s = pass_flops / med["linear_pass_s"] / flops["total"]
+    per_round = [run["baton_decode_only_tokens"] / decode_s / (pass_flops / pass_s / flops["total"])
+                 for decode_s, pass_s in zip(run["raw"]["baton_decode_only_s"], run["raw"]["linear_pass_s"])]
+    return {
+        "mflop_per_token": flops["total"] / 1e6,
+        "linear_mflop_per_token": flops["linear"] / 1e6,
+        "attention_mflop_per_token": flops["attention"] / 1e6,
+        "attention_mean_context": flops["mean_context"],
+        "gemm_gflop_s": pass_flops / med["linear_pass_s"] / 1e9,
+        "baton_decode_gflop_s": decode_only_tok_s * flops["total"] / 1e9,
+        "decode_limit_tok_s": limit_tok_s,
+        "decode_vs_limit": decode_only_tok_s / limit_tok_s,
+        "decode_vs_limit_paired": statistics.median(per_round),
+    }
+
+
+def peer_figures(peer: str, run: dict, med: dict, baton: dict) -> dict:
+    """A peer engine's figures (`peer` is hf or vllm) and its ratios against Baton's
+    (`baton`: the figures summarize has so far)."""
     raw, tokens = run["raw"], run["tokens"]
-    decode_tok_s = DECODE_SEQS * DECODE_NEW_TOKENS / med[f"{peer}_decode_s"]
+    decode_tok_s = run["decode_tokens"] / med[f"{peer}_decode_s"]
     cold_key, hit_key = f"{peer}_prefix_cold_s", f"{peer}_prefix_hit_s"
     return {
+        **decode_only_figures(peer, run, med, baton["baton_decode_only_tok_s"]),
         f"{peer}_decode_tok_s": decode_tok_s,
-        f"ratio_vs_{peer}": baton_decode_tok_s / decode_tok_s,
+        f"ratio_vs_{peer}": baton["baton_decode_tok_s"] / decode_tok_s,
         f"ratio_vs_{peer}_paired": paired_median(raw[f"{peer}_decode_s"], raw["baton_decode_s"]),
         f"{peer}_ttft_cold_ms": med[cold_key] * 1e3,
         f"{peer}_ttft_prefix_hit_ms": med[hit_key] * 1e3,
@@ -343,6 +504,15 @@ def peer_figures(peer: str, run: dict, med: dict, baton_decode_tok_s: float) -> 
         f"{peer}_prefix_hit_speedup_paired": paired_median(raw[cold_key], raw[hit_key]),
         f"baton_{peer}_greedy_match": token_agreement(tokens["baton"], tokens[peer]),
     }
+
+
+def decode_only_figures(peer: str, run: dict, med: dict, baton_decode_only_tok_s: float) -> dict:
+    """A peer's decode-only tok/s and Baton's ratio to it, where the peer reported its
+    decode-only time ({} otherwise)."""
+    if f"{peer}_decode_only_s" not in med:
+        return {}
+    tok_s = run[f"{peer}_decode_only_tokens"] / med[f"{peer}_decode_only_s"]
+    return {f"{peer}_decode_only_tok_s": tok_s, f"ratio_vs_{peer}_decode_only": baton_decode_only_tok_s / tok_s}
 
 
 def paired_median(numerators: list[float], denominators: list[float]) -> float:
@@ -396,7 +566,7 @@ class VllmWorker:
     def __init__(self, args: argparse.Namespace, model_dir: Path, work: Workload, scratch: Path):
         prompts_file = scratch / "prompts.json"
         prompts_file.write_text(json.dumps({
-            "decode_prompts": work.decode_prompts, "decode_max_tokens": DECODE_NEW_TOKENS,
+            "decode_prompts": work.decode_prompts, "decode_max_tokens": work.decode_new_tokens,
             "prefix": work.prefix, "suffix_a": work.suffix_a, "suffix_b": work.suffix_b}))
         self.timeout_s = args.vllm_timeout
         self.env = vllm_env(args.vllm_bind, torch.get_num_threads())
@@ -476,6 +646,17 @@ def print_table(result: dict) -> None:
         ("vLLM decode tok/s", "vllm_decode_tok_s", "vllm_decode_s"),
         ("Baton / vLLM decode", "ratio_vs_vllm", None),
         ("  same, paired per round", "ratio_vs_vllm_paired", None),
+        ("Baton decode-only tok/s", "baton_decode_only_tok_s", "baton_decode_only_s"),
+        ("HF decode-only tok/s", "hf_decode_only_tok_s", "hf_decode_only_s"),
+        ("Baton / HF decode-only", "ratio_vs_hf_decode_only", None),
+        ("vLLM decode-only tok/s", "vllm_decode_only_tok_s", "vllm_decode_only_s"),
+        ("Baton / vLLM decode-only", "ratio_vs_vllm_decode_only", None),
+        ("MFLOP per token", "mflop_per_token", None),
+        ("GEMM GFLOP/s, decode shape", "gemm_gflop_s", "linear_pass_s"),
+        ("Baton decode GFLOP/s", "baton_decode_gflop_s", None),
+        ("decode limit tok/s", "decode_limit_tok_s", None),
+        ("Baton decode-only / limit", "decode_vs_limit", None),
+        ("  same, paired per round", "decode_vs_limit_paired", None),
         ("Baton prefill tok/s", "baton_prefill_tok_s", "baton_prefill_s"),
         ("Baton TTFT cold ms", "ttft_cold_ms", "baton_ttft_cold_s"),
         ("Baton TTFT prefix hit ms", "ttft_prefix_hit_ms", "baton_ttft_hit_s"),
@@ -493,8 +674,9 @@ def print_table(result: dict) -> None:
         if key not in result:
             continue
         raw = result["raw"].get(raw_key, []) if raw_key else []
-        raw_text = " ".join(f"{v:.3f}" for v in raw)
-        print(f"{label:<28}{result[key]:>12.2f}   {raw_text}")
+        raw_text = " ".join(f"{v:.3f}" if v >= 0.1 else f"{v:.3g}" for v in raw)
+        value = result[key]
+        print(f"{label:<28}{value:>12.{2 if abs(value) >= 1 else 3}f}   {raw_text}")
     if "vllm_bind" in result:
         bound = " ".join(f"{k}={v}" for k, v in result["vllm_bind_env"].items()) or "vLLM's own"
         print(f"vLLM {result['vllm_version']}: --vllm-bind {result['vllm_bind']} ({bound})")

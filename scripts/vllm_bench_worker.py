@@ -10,7 +10,10 @@ It builds the LLM, warms up one decode run and one prefix pair, prints a JSON li
 {"ready": true, ...}, then serves the parent's rounds: one command per stdin line, each
 answered by one JSON line on stdout (vLLM's own log lines may come in between):
   * `decode`: all decode prompts in one `generate` call (greedy, eos ignored) from a
-    reset prefix cache -> {"vllm_decode_s", "vllm_decode_token_ids"};
+    reset prefix cache, then the same prompts with max_tokens=1 from a reset cache
+    again (their prefill, which the parent subtracts for a decode-only time: vLLM's
+    steps cannot be timed from outside its `generate`) -> {"vllm_decode_s",
+    "vllm_decode_prefill_s", "vllm_decode_token_ids"};
   * `prefix`: prefix+suffix_a cold (cache reset first), then prefix+suffix_b with the
     prefix cached, max_tokens=1, wall times of `generate` -> {"vllm_prefix_cold_s",
     "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens"};
@@ -59,13 +62,15 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[floa
 
 
 def decode_round(llm, spec: dict) -> dict:
-    """The whole decode batch once, from a cold cache."""
+    """The whole decode batch once, from a cold cache, then its prompts' prefill alone."""
     llm.reset_prefix_cache()
     max_tokens = spec["decode_max_tokens"]
     elapsed, outputs = timed_generate(llm, spec["decode_prompts"], max_tokens)
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     assert all(len(ids) == max_tokens for ids in token_ids)
-    return {"vllm_decode_s": elapsed, "vllm_decode_token_ids": token_ids}
+    llm.reset_prefix_cache()
+    prefill, _ = timed_generate(llm, spec["decode_prompts"], 1)
+    return {"vllm_decode_s": elapsed, "vllm_decode_prefill_s": prefill, "vllm_decode_token_ids": token_ids}
 
 
 def prefix_round(llm, spec: dict) -> dict:

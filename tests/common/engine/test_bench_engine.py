@@ -1,8 +1,12 @@
-"""scripts/bench_engine.py's vLLM binding: by default the bench leaves vLLM-CPU's thread
-binding to vLLM (like for like with vLLM run alone), and says which it used."""
+"""scripts/bench_engine.py: its vLLM binding (by default the bench leaves vLLM-CPU's thread
+binding to vLLM, like for like with vLLM run alone, and says which it used), and its
+decode-only, prefill and machine-limit figures measured on the tiny model."""
 from __future__ import annotations
 
+import json
 import os
+
+import pytest
 
 from tests.scripts import load_script
 
@@ -23,3 +27,40 @@ def test_match_binds_baton_s_thread_count_and_a_list_passes_through():
     assert bench.vllm_binding(bench.vllm_env("match", threads=1)) == {
         "VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     assert bench.vllm_binding(bench.vllm_env("0-1", threads=1)) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def test_decode_only_prefill_and_the_machine_s_limit_on_the_tiny_model(tiny_model_dir, test_device):
+    """A round of the bench's own measurements on a small workload: decode-only leaves
+    out the prompts' prefill, FLOPs per token follow from the model's config, and the
+    decode rate is a share of the limit the bench measured for this machine."""
+    bench = load_script("bench_engine")
+    engine = bench.build_engine(tiny_model_dir, 4096, test_device)
+    hf_model = bench.load_hf(tiny_model_dir, test_device)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    seqs, new_tokens = 4, 8
+    work = bench.make_workload(config["vocab_size"], seed=0, decode_seqs=seqs, decode_new_tokens=new_tokens,
+                               prefill_seqs=1, prefill_prompt_len=64, prefix_len=64)
+    run = bench.run_in_process(engine, hf_model, work, repeats=1)
+    result = bench.summarize(run)
+
+    for key in ("baton_decode_tok_s", "baton_decode_only_tok_s", "baton_prefill_tok_s", "hf_decode_only_tok_s",
+                "ratio_vs_hf", "ratio_vs_hf_decode_only", "gemm_gflop_s", "decode_limit_tok_s",
+                "decode_vs_limit", "decode_vs_limit_paired"):
+        assert result[key] > 0, key
+    assert 0 < result["decode_vs_limit"] <= 1
+    # The first token of each sequence comes from its prefill step: decode-only has the rest.
+    assert result["baton_decode_only_tokens"] == run["hf_decode_only_tokens"] == seqs * (new_tokens - 1)
+    raw = run["raw"]
+    assert raw["baton_decode_only_s"][0] < raw["baton_decode_s"][0]
+    assert raw["hf_decode_only_s"][0] < raw["hf_decode_s"][0]
+    assert result["mflop_per_token"] * 1e6 == pytest.approx(flops_per_token(config, context=32 + new_tokens / 2))
+
+
+def flops_per_token(config: dict, context: float) -> float:
+    """2 per weight of the q/k/v, o, gate, up, down projections and the LM head, plus
+    attention's 4 per query-head dimension per context position, from config.json."""
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    weights = config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden
+    return 2 * weights + 4 * config["num_hidden_layers"] * q_size * context
