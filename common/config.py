@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.cpus import is_cpu_list
 from common.engine.config import EngineSettings
 from common.settings import (
     POSITIVE,
@@ -89,6 +90,9 @@ class ClusterConfig(EngineSettings):
     model_name: str = setting("baton-default", "the model's name in the OpenAI API")
     threads: int = setting(0, "torch threads per worker (0: torch's default; svc up splits the cores)",
                            check=NOT_NEGATIVE)
+    cpus: str = setting("", "the CPUs this process runs on, a Linux CPU list such as 1-2 ('': all it may use; "
+                        "svc up gives each engine cores of its own where they go round)",
+                        check=Check(is_cpu_list, "a CPU list such as 0-3,6"))
     step_log_dir: str = setting("", "each worker appends its engine steps (sizes, seconds) to "
                                 "DIR/worker-N.steps.jsonl (default: off)", check=NEW_OR_DIRECTORY)
 

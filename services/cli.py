@@ -232,6 +232,7 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
         _check_role(role, config)
         click.echo(f"config ok for {role}")
         return
+    _pin(role, config.cpus)
     try:
         if role == "router":
             from services.router.main import run as run_router
@@ -251,6 +252,19 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
             run_tokenizer(config)
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise click.ClickException(f"{role}: {error}") from error
+
+
+def _pin(role: str, cpus: str) -> None:
+    """Run this role on its cores (common/cpus.py), before it starts any thread."""
+    from common.cpus import pin
+    from common.logs import get_logger
+
+    try:
+        pinned = pin(cpus)
+    except OSError as error:  # a CPU this process may not use
+        raise click.ClickException(f"cpus: cannot run {role} on {cpus}: {error.strerror or error}") from error
+    if pinned is not None:
+        get_logger("svc").info("pinned", role=role, cpus=cpus)
 
 
 def _check_role(role: str, config) -> None:
@@ -307,11 +321,15 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
     passed = _as_flags(_overrides(flags))
     if config_path is not None:
         passed += ["--config", str(config_path)]
-    children = [Child("router", [*base, "router", *passed])]
+    cpus = _cpu_plan(config, len(engines), flags.get("threads") or config.threads)
+    others = ["--cpus", cpus.others] if cpus.others else []
+    children = [Child("router", [*base, "router", *passed, *others])]
     if not no_kvstore:  # before the engines, which connect to it
-        children.append(Child("kvstore", [*base, "kvstore", *passed]))
-    children += [Child(f"{role}-{i}", [*base, role, "--index", str(i), *passed]) for role, i in engines]
-    children.append(Child("tokenizer", [*base, "tokenizer", *passed]))
+        children.append(Child("kvstore", [*base, "kvstore", *passed, *others]))
+    children += [Child(f"{role}-{i}", [*base, role, "--index", str(i), *passed,
+                                       *(["--cpus", engine_cpus] if engine_cpus else [])])
+                 for (role, i), engine_cpus in zip(engines, cpus.engines, strict=True)]
+    children.append(Child("tokenizer", [*base, "tokenizer", *passed, *others]))
     supervisor = Supervisor(children)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -333,6 +351,19 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
         raise click.ClickException(str(error)) from error
     finally:
         supervisor.stop_all()
+
+
+def _cpu_plan(config, engines: int, threads: int):
+    """Each engine's cores and the other roles' (common/cpus.py); none where the operator
+    set `cpus` (it then applies to every role) or the cores do not go round."""
+    from common.cpus import CpuPlan, plan_cpus
+
+    if config.cpus or not threads:
+        return CpuPlan(("",) * engines, "")
+    plan = plan_cpus(frozenset(os.sched_getaffinity(0)), engines, threads)
+    if plan.others:
+        click.echo(f"cores: engines {' '.join(plan.engines)}, the other roles {plan.others}")
+    return plan
 
 
 def _node_dtype(config) -> str:
