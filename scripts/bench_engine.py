@@ -7,7 +7,8 @@ Measured (bf16, greedy, eos ignored, prompts = seeded random ids avoiding 0..3):
   decode-only the same runs, timed from the moment every prompt has its first token
               (all prefills done) to the end: tok/s = 32*127 / that time. Baton: its
               steps after that one; HF: `generate`'s streamer marks each step.
-  prefill     Baton: 8 x 1,024-token prompts, max_tokens=1, prefix cache reset first.
+  prefill     8 x 1,024-token prompts, max_tokens=1, prefix cache reset first (Baton, and
+              vLLM in one `generate` call: ratio_vs_vllm_prefill = vLLM's time / Baton's).
   limit       what this machine's best kernel allows decode: the engine's own Linear
               objects (kernels/linear.py, the dtype and kernel path decode runs) timed
               at the decode batch's shape, [32, in] x [in, out] for every linear of
@@ -398,7 +399,7 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
         "baton_prefill_s", "baton_ttft_cold_s",
         "baton_ttft_hit_s", "baton_hit_cached_tokens", "baton_cold_cached_tokens",
         "hf_prefix_cold_s", "hf_prefix_hit_s", "vllm_decode_s", "vllm_decode_only_s", "vllm_prefix_cold_s",
-        "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens")}
+        "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens", "vllm_prefill_s")}
     prefix_cache = hf_prefix_cache(hf_model, work) if hf_model is not None else None
     linear_pass = decode_linear_pass(engine, rows=len(work.decode_prompts))
     tokens: dict[str, list] = {}
@@ -427,6 +428,8 @@ def run_in_process(engine: Engine, hf_model, work: Workload, repeats: int, vllm:
             keep(warm, vllm_decode_s=answer["vllm_decode_s"],
                  vllm_decode_only_s=answer["vllm_decode_s"] - answer["vllm_decode_prefill_s"])
         keep(warm, baton_prefill_s=baton_prefill(engine, work))
+        if vllm is not None:
+            keep(warm, **vllm.round("prefill"))
         cold, hit, cold_cached, hit_cached = baton_prefix_pair(engine, work)
         keep(warm, baton_ttft_cold_s=cold, baton_ttft_hit_s=hit, baton_cold_cached_tokens=cold_cached,
              baton_hit_cached_tokens=hit_cached)
@@ -460,6 +463,10 @@ def summarize(run: dict) -> dict:
     for peer in ("hf", "vllm"):
         if f"{peer}_decode_s" in med:
             out.update(peer_figures(peer, run, med, out))
+    if "vllm_prefill_s" in med:
+        out["vllm_prefill_tok_s"] = run["prefill_tokens"] / med["vllm_prefill_s"]
+        out["ratio_vs_vllm_prefill"] = med["vllm_prefill_s"] / med["baton_prefill_s"]
+        out["ratio_vs_vllm_prefill_paired"] = paired_median(raw["vllm_prefill_s"], raw["baton_prefill_s"])
     if "vllm_decode_s" in med:
         out["vllm_prefix_hit_cached_tokens"] = int(statistics.median(raw["vllm_prefix_hit_cached_tokens"]))
         if "hf" in run["tokens"]:
@@ -567,7 +574,8 @@ class VllmWorker:
         prompts_file = scratch / "prompts.json"
         prompts_file.write_text(json.dumps({
             "decode_prompts": work.decode_prompts, "decode_max_tokens": work.decode_new_tokens,
-            "prefix": work.prefix, "suffix_a": work.suffix_a, "suffix_b": work.suffix_b}))
+            "prefill_prompts": work.prefill_prompts, "prefix": work.prefix, "suffix_a": work.suffix_a,
+            "suffix_b": work.suffix_b}))
         self.timeout_s = args.vllm_timeout
         self.env = vllm_env(args.vllm_bind, torch.get_num_threads())
         self.stderr_path = scratch / "vllm.stderr"
@@ -658,6 +666,9 @@ def print_table(result: dict) -> None:
         ("Baton decode-only / limit", "decode_vs_limit", None),
         ("  same, paired per round", "decode_vs_limit_paired", None),
         ("Baton prefill tok/s", "baton_prefill_tok_s", "baton_prefill_s"),
+        ("vLLM prefill tok/s", "vllm_prefill_tok_s", "vllm_prefill_s"),
+        ("Baton / vLLM prefill", "ratio_vs_vllm_prefill", None),
+        ("  same, paired per round", "ratio_vs_vllm_prefill_paired", None),
         ("Baton TTFT cold ms", "ttft_cold_ms", "baton_ttft_cold_s"),
         ("Baton TTFT prefix hit ms", "ttft_prefix_hit_ms", "baton_ttft_hit_s"),
         ("Baton prefix-hit speedup", "prefix_hit_speedup", None),

@@ -3,7 +3,7 @@
 Standalone on purpose: it imports nothing from the Baton repo. The parent writes the
 prompts (token ids) to a JSON file so both engines see exactly the same inputs:
 
-    {"decode_prompts": [[...], ...], "decode_max_tokens": 128,
+    {"decode_prompts": [[...], ...], "decode_max_tokens": 128, "prefill_prompts": [[...], ...],
      "prefix": [...], "suffix_a": [...], "suffix_b": [...]}
 
 It builds the LLM, warms up one decode run and one prefix pair, prints a JSON line
@@ -14,6 +14,7 @@ answered by one JSON line on stdout (vLLM's own log lines may come in between):
     again (their prefill, which the parent subtracts for a decode-only time: vLLM's
     steps cannot be timed from outside its `generate`) -> {"vllm_decode_s",
     "vllm_decode_prefill_s", "vllm_decode_token_ids"};
+  * `prefill`: the prefill prompts, max_tokens=1, from a reset prefix cache -> {"vllm_prefill_s"};
   * `prefix`: prefix+suffix_a cold (cache reset first), then prefix+suffix_b with the
     prefix cached, max_tokens=1, wall times of `generate` -> {"vllm_prefix_cold_s",
     "vllm_prefix_hit_s", "vllm_prefix_hit_cached_tokens"};
@@ -73,6 +74,13 @@ def decode_round(llm, spec: dict) -> dict:
     return {"vllm_decode_s": elapsed, "vllm_decode_prefill_s": prefill, "vllm_decode_token_ids": token_ids}
 
 
+def prefill_round(llm, spec: dict) -> dict:
+    """The prefill prompts once, one new token each, nothing cached."""
+    llm.reset_prefix_cache()
+    elapsed, _ = timed_generate(llm, spec["prefill_prompts"], 1)
+    return {"vllm_prefill_s": elapsed}
+
+
 def prefix_round(llm, spec: dict) -> dict:
     """Cold prefix+suffix_a, then the hit prefix+suffix_b, each max_tokens=1."""
     llm.reset_prefix_cache()
@@ -82,7 +90,7 @@ def prefix_round(llm, spec: dict) -> dict:
             "vllm_prefix_hit_cached_tokens": outputs[0].num_cached_tokens}
 
 
-ROUNDS = {"decode": decode_round, "prefix": prefix_round}
+ROUNDS = {"decode": decode_round, "prefill": prefill_round, "prefix": prefix_round}
 
 
 def serve(llm, spec: dict) -> None:
