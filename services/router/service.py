@@ -175,6 +175,7 @@ class RouterService:
         self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
+        self.subscribed: dict[zmq.Socket, str] = {}  # each member's KV events subscriber -> its worker id
         self.store_events = self._subscribe_store() if store is not None else None
         if self.store_events is not None:
             self.poller.register(self.store_events, zmq.POLLIN)
@@ -197,9 +198,10 @@ class RouterService:
                 ready = dict(self.poller.poll(100))
                 if self.socket in ready:
                     self._drain(self.socket, self._on_routed)
-                for worker_id, member in list(self.members.items()):
-                    if member.events in ready:
-                        self._drain(member.events, lambda frames, w=worker_id: self._on_event(w, frames))
+                for socket in ready:  # only the subscribers with events: a fleet has thousands
+                    worker_id = self.subscribed.get(socket)
+                    if worker_id is not None:
+                        self._drain(socket, lambda frames, w=worker_id: self._on_event(w, frames))
                 if self.store_events is not None and self.store_events in ready:
                     self._drain(self.store_events, self._on_store_event)
                 self._drop_silent_workers()
@@ -416,10 +418,12 @@ class RouterService:
             events.close(0)
             return f"events_address: {error}"
         self.poller.register(events, zmq.POLLIN)
+        self.subscribed[events] = hello.worker_id
         return events
 
     def _unsubscribe(self, member: Member) -> None:
         self.poller.unregister(member.events)
+        self.subscribed.pop(member.events, None)
         member.events.close(0)
 
     def _resume(self, hello: Hello) -> list[str]:
