@@ -240,12 +240,18 @@ def test_a_router_killed_during_100_streams_loses_none_of_them(cluster):
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
             os.kill(router_pid, signal.SIGKILL)
             killed_at = time.monotonic()
+            # A request sent during the outage reaches the restarted router (ZeroMQ holds it
+            # meanwhile) either before the workers rejoin it (ServerUnavailable with a
+            # retry-after, at once) or after (served): workers rejoin as soon as the new router
+            # answers any message of theirs, which can beat the tokenizer's request. Either
+            # way it ends within its 30 s; it neither hangs nor fails otherwise.
             async with AsyncClient(cluster.sdk, timeout_s=30, retry_unavailable=False) as impatient:
-                with pytest.raises(ServerUnavailable) as refused:
-                    while time.monotonic() - killed_at < 10:  # until the tokenizer sees the router gone
-                        await impatient.generate("during the outage", max_tokens=2)
-                        await asyncio.sleep(0.05)
-            assert refused.value.retry_after_s > 0
+                try:
+                    during = len((await impatient.generate("during the outage", max_tokens=2)).token_ids)
+                    assert during == 2
+                except ServerUnavailable as refused:
+                    assert refused.retry_after_s > 0
+            assert time.monotonic() - killed_at < 30
             retried = await client.generate("retried by the SDK", max_tokens=2)  # waits out the restart
             return await asyncio.gather(*tasks, return_exceptions=True), retried
 
