@@ -2,7 +2,8 @@
 
 Every step the runner describes its batch once (AttentionInputs); the backend turns that
 into its own metadata (`prepare`), then each layer calls `forward`, which writes the
-step's new K/V into the cache and attends over each sequence's whole context.
+step's new K/V into the cache (unless the layer's rotary op did) and attends over each
+sequence's whole context.
 
 Batch layout contract: the step's tokens are flattened; sequences whose query is a single
 token come first (rows 0..num_single-1, one each), then the multi-token chunks.
@@ -62,10 +63,11 @@ class AttentionBackend(ABC, Generic[Metadata]):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_layer: torch.Tensor, metadata: Metadata) -> torch.Tensor:
+                kv_layer: torch.Tensor, metadata: Metadata, kv_stored: bool = False) -> torch.Tensor:
         """query [tokens, q_heads, head_dim], key/value [tokens, kv_heads, head_dim];
-        kv_layer [2 (K, V), slots, kv_heads, head_dim], this layer's cache. Returns
-        [tokens, q_heads, head_dim]."""
+        kv_layer [2 (K, V), slots, kv_heads, head_dim], this layer's cache, into which the
+        step's key and value are written first unless `kv_stored` says the layer's ops did
+        (kernels/layer_ops.py rotate_and_store). Returns [tokens, q_heads, head_dim]."""
 
 
 def flash_attn_available(device: torch.device) -> bool:

@@ -44,9 +44,10 @@ class FlashPagedBackend(AttentionBackend[FlashMetadata]):
                              max(inputs.query_lens), max(inputs.context_lens))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-                metadata: FlashMetadata) -> torch.Tensor:
-        kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
-        kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
+                metadata: FlashMetadata, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
+            kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
         keys, values = kv_layer.index_select(1, metadata.context_slots)
         return flash_attn_varlen_func(
             query, keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,

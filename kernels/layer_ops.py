@@ -49,6 +49,13 @@ class TorchLayerOps:
         """x [tokens, heads, head_dim] rotated at the step's positions (may be x, in place)."""
         return apply_rotary(x, *inputs)
 
+    def rotate_and_store(self, query_key: torch.Tensor, value: torch.Tensor, inputs: tuple,
+                         kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(`rotate(query_key, inputs)`, whether the rotated keys (query_key's last kv_heads
+        heads) and `value` were also written to their slots of `kv_layer` [2, slots, kv_heads,
+        head_dim]); where not, the attention backend writes them."""
+        return self.rotate(query_key, inputs), False
+
 
 class NativeLayerOps(TorchLayerOps):
     name = "native"
@@ -60,6 +67,7 @@ class NativeLayerOps(TorchLayerOps):
         self._add_rms_norm = ops.add_rms_norm.default
         self._silu_and_mul = ops.silu_and_mul.default
         self._rotary_embedding = ops.rotary_embedding.default
+        self._rotary_embedding_to_cache = ops.rotary_embedding_to_cache.default
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -76,6 +84,10 @@ class NativeLayerOps(TorchLayerOps):
     def rotate(self, x, inputs):
         self._rotary_embedding(x, *inputs)
         return x
+
+    def rotate_and_store(self, query_key, value, inputs, kv_layer, slot_mapping):
+        self._rotary_embedding_to_cache(query_key, value, *inputs, kv_layer, slot_mapping)
+        return query_key, True
 
 
 def select_layer_ops(device: torch.device, hidden_size: int, intermediate_size: int,

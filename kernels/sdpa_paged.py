@@ -13,8 +13,10 @@ tail past each sequence's length.
 
 On the CPU, where Baton's C++ kernel (kernels/csrc/paged_attention.cpp) built, the
 single-token queries go to it instead: it reads their context from the pool in place.
-In bf16 on CPUs with AMX tiles, the remaining chunks likewise go to
-kernels/csrc/amx_attention.cpp (`amx_chunks`), with no gather and no mask.
+In bf16 on CPUs with AMX tiles, every chunk, fresh or over cached context, likewise goes
+to kernels/csrc/amx_attention.cpp (`amx_chunks`), with no gather and no mask: on fresh
+1,024-token prompts it prefilled the small model ~7% and the tiny one ~20% faster than
+SDPA's flash kernel.
 
 Without it, the decode group keeps a mirror: its sequences' K/V, dense, per layer.
 While the same sequences decode step after step, each step appends one token per
@@ -145,8 +147,8 @@ class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
         rows (see _attend_decode_folded); None decides by device: on CUDA only (on the
         CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models).
         native: decode tokens through the C++ kernel; None: on the CPU where it builds.
-        amx_chunks: chunks over cached context through the AMX kernel (bf16, CPUs with
-        AMX; see amx_chunks_fit) instead of a gather and SDPA."""
+        amx_chunks: every chunk through the AMX kernel (bf16, CPUs with AMX; see
+        amx_chunks_fit) instead of SDPA (and a gather, for chunks over cached context)."""
         self.on_cuda = torch.device(device).type == "cuda"
         self.fold_decode = self.on_cuda if fold_decode is None else fold_decode
         if native is None:
@@ -169,13 +171,15 @@ class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
             groups.append(_single_token_group(inputs))
             mirror_step = self._plan_mirror(inputs)
         first = inputs.num_single
-        fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
-        groups += _fresh_groups(inputs, fresh)
-        continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
-        if continuing and self.amx_chunks:
-            groups.append(_native_chunk_group(inputs, continuing))
-        elif continuing:
-            groups.append(_chunk_group(inputs, continuing))
+        if self.amx_chunks:  # every chunk, fresh or not: faster than SDPA's flash kernel for both
+            if first < inputs.num_seqs:
+                groups.append(_native_chunk_group(inputs, list(range(first, inputs.num_seqs))))
+        else:
+            fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
+            groups += _fresh_groups(inputs, fresh)
+            continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
+            if continuing:
+                groups.append(_chunk_group(inputs, continuing))
         covers = len(groups) == 1 and (isinstance(groups[0], _Fresh)
                                        or isinstance(groups[0], _Paged) and groups[0].row_index is None)
         return SdpaMetadata(inputs.slot_mapping, groups, covers, mirror_step)
@@ -214,10 +218,11 @@ class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
         return sdpa_kernel(CUDA_SDPA_KERNELS) if self.on_cuda else contextlib.nullcontext()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
-                metadata: SdpaMetadata) -> torch.Tensor:
+                metadata: SdpaMetadata, kv_stored: bool = False) -> torch.Tensor:
         self.pool_tokens = kv_layer.shape[1]
-        kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
-        kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
+        if not kv_stored:
+            kv_layer[0].index_copy_(0, metadata.slot_mapping, key)
+            kv_layer[1].index_copy_(0, metadata.slot_mapping, value)
         mirrored = None
         if metadata.mirror_step:  # planned for the decode group only, a _Paged one
             mirrored = self._mirrored_kv(cast(_Paged, metadata.groups[0]), metadata.mirror_step, key, value,

@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
         self.down: Linear
 
     def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary_inputs: tuple,
-                kv_layer: torch.Tensor, backend: AttentionBackend, metadata: object,
+                kv_layer: torch.Tensor, slot_mapping: torch.Tensor, backend: AttentionBackend, metadata: object,
                 ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (the residual stream, this layer's MLP output not yet added to it): the
         add is fused into the next layer's input norm. `pending` is the previous layer's."""
@@ -67,10 +67,10 @@ class DecoderLayer(nn.Module):
             query_key = torch.cat([
                 rms_norm(query_key[:, :config.num_heads], self.q_norm, config.rms_norm_eps),
                 rms_norm(query_key[:, config.num_heads:], self.k_norm, config.rms_norm_eps)], dim=1)
-        # q and k rotate together: one op for both.
-        query, key = ops.rotate(query_key, rotary_inputs).split_with_sizes(
-            [config.num_heads, config.num_kv_heads], dim=1)
-        attended = backend.forward(query, key, value, kv_layer, metadata)
+        # q and k rotate together: one op for both, which may also write K and V to the cache.
+        rotated, kv_stored = ops.rotate_and_store(query_key, value, rotary_inputs, kv_layer, slot_mapping)
+        query, key = rotated.split_with_sizes([config.num_heads, config.num_kv_heads], dim=1)
+        attended = backend.forward(query, key, value, kv_layer, metadata, kv_stored)
         hidden, normed = ops.add_rms_norm(hidden, self.o_proj(attended.reshape(tokens, self.q_size)),
                                           self.post_norm, config.rms_norm_eps)
         return hidden, self.down(ops.silu_and_mul(self.gate_up(normed)))
@@ -92,16 +92,18 @@ class CausalLM(nn.Module):
         self.ops = select_layer_ops(device, config.hidden_size, config.intermediate_size, config.head_dim)
         self.amx_linears = amx_available(device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor | slice,
-                kv_cache: KVCache, backend: AttentionBackend, metadata: object) -> torch.Tensor:
-        """Runs the flat batch, writing its K/V into the cache; returns fp32 logits of
-        the rows in `logits_rows` (row indices, or a slice such as every row)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                logits_rows: torch.Tensor | slice, kv_cache: KVCache, backend: AttentionBackend,
+                metadata: object) -> torch.Tensor:
+        """Runs the flat batch, writing its K/V into the cache at `slot_mapping` (one slot a
+        token); returns fp32 logits of the rows in `logits_rows` (row indices, or a slice
+        such as every row)."""
         hidden = F.embedding(input_ids, self.embed)
         rotary_inputs = self.ops.rotary_inputs(self.rotary, positions)
         pending: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            hidden, pending = layer(hidden, pending, rotary_inputs, kv_cache.layers[index], backend, metadata,
-                                    self.ops)
+            hidden, pending = layer(hidden, pending, rotary_inputs, kv_cache.layers[index], slot_mapping, backend,
+                                    metadata, self.ops)
         assert pending is not None  # a model has layers
         selected = hidden[logits_rows] + pending[logits_rows]  # the last layer's add, on the rows needed
         return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps)).float()

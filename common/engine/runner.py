@@ -67,7 +67,8 @@ class ModelRunner:
                                        dtype=torch.long, device=self.device)
         metadata = self.backend.prepare(inputs)
         with self.backend.step_scope():
-            logits = self.model(input_ids, positions, logits_rows, self.kv_cache, self.backend, metadata)
+            logits = self.model(input_ids, positions, inputs.slot_mapping, logits_rows, self.kv_cache, self.backend,
+                                metadata)
         if not sampling:
             return StepResult([], [], [], len(input_ids))
         token_ids, logprobs = self.sampler.sample(logits, seqs)

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "lanes.h"
 
@@ -151,10 +152,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// x [tokens, heads, dim] rotated in place (GPT-NeoX half split) at each token's position;
-// cos, signed_sin [positions, dim] tables (sin negated on the first half).
-void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& signed_sin) {
+void check_rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                  const at::Tensor& signed_sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x: expected [tokens, heads, dim] with heads packed and dim contiguous");
   const int64_t dim = x.size(2);
@@ -168,22 +167,78 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
                   positions.size(0) == x.size(0),
               "positions: expected a contiguous int64 vector, one per token");
   const int64_t* position = positions.data_ptr<int64_t>();
-  const int64_t table_rows = cos.size(0), heads = x.size(1), token_stride = x.stride(0);
   for (int64_t t = 0; t < x.size(0); ++t) {
-    TORCH_CHECK(position[t] >= 0 && position[t] < table_rows, "positions: ", position[t], " is outside the tables");
+    TORCH_CHECK(position[t] >= 0 && position[t] < cos.size(0), "positions: ", position[t], " is outside the tables");
   }
+}
+
+// Rotates each token's heads of x (checked by check_rotary) in place, then calls
+// after_token(t) while the token's rows are still in cache.
+template <typename AfterToken>
+void rotate_tokens(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& signed_sin,
+                   int64_t grain, AfterToken&& after_token) {
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t dim = x.size(2), heads = x.size(1), token_stride = x.stride(0);
   for_each_dtype(x.scalar_type(), "rotary_embedding", [&](auto tag) {
     using T = decltype(tag);
     T* data = reinterpret_cast<T*>(x.data_ptr());
     const T* c = reinterpret_cast<const T*>(cos.data_ptr());
     const T* s = reinterpret_cast<const T*>(signed_sin.data_ptr());
-    at::parallel_for(0, x.size(0), grain_for(heads * dim), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
           rotate_head(data + t * token_stride + h * dim, c + position[t] * dim, s + position[t] * dim, dim);
         }
+        after_token(t);
       }
     });
+  });
+}
+
+// x [tokens, heads, dim] rotated in place (GPT-NeoX half split) at each token's position;
+// cos, signed_sin [positions, dim] tables (sin negated on the first half).
+void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& signed_sin) {
+  check_rotary(x, positions, cos, signed_sin);
+  rotate_tokens(x, positions, cos, signed_sin, grain_for(x.size(1) * x.size(2)), [](int64_t) {});
+}
+
+// rotary_embedding of query_key [tokens, q_heads + kv_heads, dim] (query heads first) with
+// the layer's KV-cache write folded in: each token's rotated key heads and its value heads
+// (value [tokens, kv_heads, dim]) go to its slot of kv_layer [2 (K, V), slots, kv_heads, dim]
+// while they are in cache, instead of two index_copy_ passes over the step's K and V after.
+void rotary_embedding_to_cache(at::Tensor& query_key, const at::Tensor& value, const at::Tensor& positions,
+                               const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& kv_layer,
+                               const at::Tensor& slot_mapping) {
+  check_rotary(query_key, positions, cos, signed_sin);
+  const int64_t tokens = query_key.size(0), heads = query_key.size(1), dim = query_key.size(2);
+  TORCH_CHECK(kv_layer.device().is_cpu() && kv_layer.dim() == 4 && kv_layer.size(0) == 2 && kv_layer.is_contiguous() &&
+                  kv_layer.size(3) == dim && kv_layer.size(2) < heads &&
+                  kv_layer.scalar_type() == query_key.scalar_type(),
+              "kv_layer: expected a contiguous [2, slots, kv_heads, dim] cache of query_key's dtype and head dim, "
+              "with fewer KV heads than query_key has heads");
+  const int64_t kv_heads = kv_layer.size(2), slots = kv_layer.size(1);
+  TORCH_CHECK(value.device().is_cpu() && value.dim() == 3 && value.size(0) == tokens && value.size(1) == kv_heads &&
+                  value.size(2) == dim && value.stride(2) == 1 && value.stride(1) == dim &&
+                  value.scalar_type() == query_key.scalar_type(),
+              "value: expected [tokens, kv_heads, dim] with heads packed and dim contiguous, in query_key's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == tokens,
+              "slot_mapping: expected a contiguous int64 vector, one per token");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot_mapping: ", slot[t], " is outside the cache's ", slots,
+                " slots");
+  }
+  const int64_t element = query_key.element_size(), row_bytes = kv_heads * dim * element;
+  const char* keys = static_cast<const char*>(query_key.data_ptr()) + (heads - kv_heads) * dim * element;
+  const char* values = static_cast<const char*>(value.data_ptr());
+  const int64_t key_stride = query_key.stride(0) * element, value_stride = value.stride(0) * element;
+  char* key_cache = static_cast<char*>(kv_layer.data_ptr());
+  char* value_cache = key_cache + slots * row_bytes;
+  rotate_tokens(query_key, positions, cos, signed_sin, grain_for((heads + kv_heads) * dim), [&](int64_t t) {
+    std::memcpy(key_cache + slot[t] * row_bytes, keys + t * key_stride, row_bytes);
+    std::memcpy(value_cache + slot[t] * row_bytes, values + t * value_stride, row_bytes);
   });
 }
 
@@ -194,6 +249,8 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("rotary_embedding_to_cache(Tensor(a!) query_key, Tensor value, Tensor positions, Tensor cos, "
+        "Tensor signed_sin, Tensor(b!) kv_layer, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
@@ -201,4 +258,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rotary_embedding_to_cache", &rotary_embedding_to_cache);
 }

@@ -74,6 +74,36 @@ def test_rotary_gives_the_reference_bits_in_place_on_the_packed_qkv(native, dtyp
     assert torch.equal(qkv[:, 6 * head_dim:], value_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotate_and_store_writes_what_rotate_and_the_backends_copy_write(native, dtype):
+    head_dim, tokens, slots = 64, 21, 64
+    rotary = RotaryEmbedding(model_config(head_dim, RopeScaling()), 4096, torch.device("cpu"), dtype)
+    generator = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    slot_mapping = torch.randperm(slots, generator=generator)[:tokens]
+    qkv = torch.randn(tokens, 8 * head_dim, generator=generator).to(dtype)  # 4 q, 2 k, 2 v heads a row
+    value = qkv[:, 6 * head_dim:].view(tokens, 2, head_dim)
+    reference_qk = qkv[:, :6 * head_dim].clone().view(tokens, 6, head_dim)
+    expected_rotated, stored_by_torch = TorchLayerOps().rotate_and_store(
+        reference_qk, value, TorchLayerOps().rotary_inputs(rotary, positions), torch.zeros(0), slot_mapping)
+    expected_cache = torch.randn(2, slots, 2, head_dim, generator=generator).to(dtype)
+    kv_layer = expected_cache.clone()
+    expected_cache[0].index_copy_(0, slot_mapping, expected_rotated[:, 4:])
+    expected_cache[1].index_copy_(0, slot_mapping, value)
+
+    query_key = qkv[:, :6 * head_dim].view(tokens, 6, head_dim)
+    rotated, stored = native.rotate_and_store(query_key, value, native.rotary_inputs(rotary, positions), kv_layer,
+                                              slot_mapping)
+    assert not stored_by_torch and stored and rotated.data_ptr() == query_key.data_ptr()
+    assert torch.equal(rotated, expected_rotated) and torch.equal(kv_layer, expected_cache)  # other slots untouched
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.rotate_and_store(query_key, value, native.rotary_inputs(rotary, positions), kv_layer,
+                                torch.full((tokens,), slots))
+    with pytest.raises(RuntimeError, match="kv_layer"):
+        native.rotate_and_store(query_key, value, native.rotary_inputs(rotary, positions),
+                                kv_layer[:, :, :, :32], slot_mapping)
+
+
 def test_ops_refuse_bad_input_by_name(native):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         native.rms_norm(torch.zeros(2, 24), torch.ones(24), 1e-5)
