@@ -83,6 +83,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True):
     stop: list[str] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class RunningRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -222,6 +223,11 @@ class Tokens(msgspec.Struct, forbid_unknown_fields=True):
     # disaggregated request's first token comes from its prefill worker and again from
     # its decode worker, on two connections, in either order. -1: append.
     position: int = -1
+    # Prompt logprobs (Sampling.prompt_logprobs): the records of prompt tokens
+    # prompt_logprobs_start, prompt_logprobs_start + 1, ... (None for token 0), sent as
+    # the prefill computes them, before the first token (docs/wire.md §3).
+    prompt_logprobs: list[dict[str, Any] | None] = []
+    prompt_logprobs_start: int = 0
 
 
 class Error(msgspec.Struct, forbid_unknown_fields=True):
@@ -317,6 +323,7 @@ class Chunk(msgspec.Struct, forbid_unknown_fields=True):
     num_cached_tokens: int = 0
     logprobs: list[dict[str, Any]] = []
     timings: dict[str, float] = {}  # as Tokens.timings, gathered over the request's stream
+    prompt_logprobs: list[dict[str, Any] | None] = []  # the next prompt tokens' records, in order (Tokens')
 
 
 class TokensBatch(msgspec.Struct, forbid_unknown_fields=True):
@@ -574,7 +581,8 @@ def sampling_from_params(params: SamplingParams) -> Sampling:
     """Wire form of a SamplingParams."""
     return Sampling(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
                     top_p=params.top_p, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
-                    stop=list(params.stop), ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+                    stop=list(params.stop), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+                    prompt_logprobs=params.prompt_logprobs)
 
 
 def params_from_sampling(sampling: Sampling) -> SamplingParams:
@@ -584,4 +592,55 @@ def params_from_sampling(sampling: Sampling) -> SamplingParams:
     return SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                           top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
                           stop_token_ids=tuple(sampling.stop_token_ids), stop=tuple(sampling.stop),
-                          ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
+                          ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                          prompt_logprobs=sampling.prompt_logprobs)
+
+
+# Prompt logprobs are the one per-token payload that grows with the prompt (20 alternatives
+# a token are ~340 bytes of msgpack): a message carries at most this many bytes of them, so
+# that one with the rest of a step's items stays far below MAX_BODY_BYTES.
+MAX_PROMPT_LOGPROB_BYTES = MAX_BODY_BYTES // 2
+
+
+def prompt_logprob_bytes(records: Sequence[dict[str, Any] | None]) -> int:
+    """An upper bound on the msgpack size of prompt logprob records: a map of token_id,
+    logprob and top (39 bytes with its keys) and 15 bytes per alternative; None is 1."""
+    return sum(1 if record is None else 39 + 15 * len(record.get("top") or ()) for record in records)
+
+
+def split_prompt_logprobs(tokens: Tokens, max_bytes: int = MAX_PROMPT_LOGPROB_BYTES) -> list[Tokens]:
+    """`tokens` as messages whose prompt logprobs fit `max_bytes` each: pieces without
+    tokens first, in order, and the last piece with the message's tokens and fields."""
+    records = tokens.prompt_logprobs
+    if prompt_logprob_bytes(records) <= max_bytes:
+        return [tokens]
+    pieces: list[Tokens] = []
+    start, size = 0, 0
+    for index, record in enumerate(records):
+        record_bytes = prompt_logprob_bytes([record])
+        if size + record_bytes > max_bytes and index > start:
+            pieces.append(Tokens(request_id=tokens.request_id, token_ids=[], worker_id=tokens.worker_id,
+                                 num_prompt_tokens=tokens.num_prompt_tokens,
+                                 num_cached_tokens=tokens.num_cached_tokens, prompt_logprobs=records[start:index],
+                                 prompt_logprobs_start=tokens.prompt_logprobs_start + start))
+            start, size = index, 0
+        size += record_bytes
+    pieces.append(msgspec.structs.replace(tokens, prompt_logprobs=records[start:],
+                                          prompt_logprobs_start=tokens.prompt_logprobs_start + start))
+    return pieces
+
+
+def pack_by_prompt_logprobs(items: list[Any], max_bytes: int = MAX_PROMPT_LOGPROB_BYTES) -> list[list[Any]]:
+    """`items` (Tokens or Chunks, in order) in consecutive groups, each of which carries
+    at most `max_bytes` of prompt logprobs (an item over it alone: split it first), so
+    that each group fits one TokensBatch or ChunkBatch."""
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for item in items:
+        item_bytes = prompt_logprob_bytes(item.prompt_logprobs) if item.prompt_logprobs else 0
+        if size + item_bytes > max_bytes and groups[-1]:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item_bytes
+    return groups

@@ -35,6 +35,10 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 disables top-k. logprobs=None returns none;
     logprobs=n returns the sampled token's logprob and the n most likely alternatives.
+    prompt_logprobs=n (None: none) returns, for each prompt token after the first, its
+    logprob given the tokens before it and the n most likely tokens at its place (the
+    first prompt token has none: None in its place). Such a request computes its whole
+    prompt: it is not served from the prefix cache (docs/engine.md §2).
     """
 
     max_tokens: int = 16
@@ -46,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +74,8 @@ class SamplingParams:
         self._validate_stop_strings()
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
 

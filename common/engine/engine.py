@@ -26,8 +26,8 @@ from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
-from common.engine.runner import ModelRunner
-from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from common.engine.runner import ModelRunner, PromptLogprobs, StepResult
+from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig, max_hit_tokens
 from common.engine.sequence import Sequence, SequenceStatus
 from common.hashing import root_hash
 from common.logs import get_logger
@@ -59,6 +59,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     queue_s: float | None = None  # arrival to first scheduled, on a request's first output
     kv_lease: KvLease | None = None  # a held request's prompt KV, on its finishing output
+    # Prompt logprobs this step computed (SamplingParams.prompt_logprobs): the records of
+    # prompt tokens prompt_logprobs_start, ... (None for token 0). A prefill chunk that
+    # samples nothing still gives an output, with no token, when it computed some.
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class GenerationResult:
     ttft_s: float
     e2e_s: float
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)  # one per prompt token, None first
 
 
 @dataclass
@@ -279,7 +285,11 @@ class Engine:
         (nothing taken). `block_hashes`, the prefill engine's names of the full blocks,
         must equal this engine's (KvImportError otherwise: another model, dtype, block
         size or tenant). The caller must cancel a pull for this request, with the
-        guarantee that no byte lands later, before it aborts the request."""
+        guarantee that no byte lands later, before it aborts the request. Prompt logprobs
+        are the prefill engine's to give: an import never computes them, not even when a
+        preemption recomputes its prompt."""
+        if params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt_ids, params, tenant_salt)
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequestError("first_token_id", f"{first_token_id} is outside the vocabulary")
@@ -326,7 +336,7 @@ class Engine:
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
         seq.hold_kv = hold_kv
         size = self.config.block_size
-        limit = (seq.prompt_len - 1) // size
+        limit = max_hit_tokens(seq) // size  # a prompt-logprobs request computes its prompt: no fetch
         hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids,
                                                limit if self.config.enable_prefix_caching else 0)
         count = min(num_blocks, limit - len(hits))
@@ -528,6 +538,8 @@ class Engine:
         now = time.perf_counter()
         outputs = [self._advance(seq, token, logprob, now)
                    for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs)]
+        if result.prompt_logprobs:
+            outputs = self._with_prompt_logprobs(outputs, result)
         if prefill_tokens >= self.config.block_size:
             self.stats.prefill_tokens += result.num_computed_tokens
             self.stats.prefill_seconds += now - started
@@ -557,6 +569,26 @@ class Engine:
         lease = self._finish(seq, reason, token_id)
         return RequestOutput(seq.request_id, [token_id], True, reason, self._final_text(seq), logprobs,
                              seq.prompt_len, seq.num_cached_tokens, queue_s, lease)
+
+    @staticmethod
+    def _with_prompt_logprobs(outputs: list[RequestOutput], result: StepResult) -> list[RequestOutput]:
+        """Record the step's prompt logprobs on their sequences and hand them out: on the
+        output of a sequence that sampled, else on an output of their own, with no token
+        (a prefill chunk short of the prompt's end)."""
+        parts: dict[str, PromptLogprobs] = {}
+        for part in result.prompt_logprobs:
+            seq = part.seq
+            assert part.start == len(seq.prompt_logprobs), "prompt logprobs come in prompt order, each once"
+            seq.prompt_logprobs.extend(part.records)
+            parts[seq.request_id] = part
+        for output in outputs:
+            if output.request_id in parts:
+                part = parts.pop(output.request_id)
+                output.prompt_logprobs, output.prompt_logprobs_start = part.records, part.start
+        tokenless = [RequestOutput(part.seq.request_id, [], False, num_prompt_tokens=part.seq.prompt_len,
+                                   num_cached_tokens=part.seq.num_cached_tokens, prompt_logprobs=part.records,
+                                   prompt_logprobs_start=part.start) for part in parts.values()]
+        return tokenless + outputs
 
     def _finish(self, seq: Sequence, reason: str, last_token_id: int) -> KvLease | None:
         """End a sequence; a held one's prompt blocks go under a lease, the rest are freed."""
@@ -632,7 +664,7 @@ class Engine:
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.prompt_len],
             token_ids=seq.output_ids, text=self._final_text(seq), finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens, ttft_s=seq.first_token_time - seq.arrival_time,
-            e2e_s=done - seq.arrival_time, logprobs=seq.logprobs)
+            e2e_s=done - seq.arrival_time, logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs)
 
     def check_integrity(self) -> None:
         """Verify block bookkeeping against every live sequence (tests call this)."""

@@ -1,11 +1,13 @@
 """Executes a SchedulePlan: builds the step's tensors, runs the model, samples.
 
 Everything per token is done with numpy/torch array ops; Python loops only over
-sequences (and their block lists) once per step.
+sequences (and their block lists) once per step. Logits are computed only for the rows
+that sample, and for the prompt rows of requests that ask for prompt logprobs
+(docs/engine.md §2).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 
 from common.engine.kv_cache import KVCache
 from common.engine.model import CausalLM
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, token_logprobs
 from common.engine.scheduler import ScheduledChunk, SchedulePlan
 from common.engine.sequence import Sequence
 from kernels.attention import AttentionBackend, AttentionInputs
@@ -31,13 +33,25 @@ class _DecodeStep:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprob records one step computed for `seq`: those of its prompt tokens
+    start, start + 1, ... (None for token 0, which nothing scores)."""
+
+    seq: Sequence
+    start: int
+    records: list[dict | None]
+
+
+@dataclass
 class StepResult:
-    """Tokens sampled this step, for the sequences whose chunk reached their end."""
+    """Tokens sampled this step, for the sequences whose chunk reached their end, and the
+    prompt logprobs the step computed."""
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[dict | None]
     num_computed_tokens: int
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -57,8 +71,12 @@ class ModelRunner:
         inputs, input_ids, positions = self._build_inputs(chunks)
         sampling = [index for index, chunk in enumerate(chunks) if chunk.samples]
         seqs = [chunks[index].seq for index in sampling]
+        scoring = [(index, rows) for index, chunk in enumerate(chunks)
+                   if chunk.seq.params.prompt_logprobs is not None and (rows := _prompt_rows(chunk)) is not None]
         logits_rows: torch.Tensor | slice
-        if len(sampling) == len(input_ids):  # one token per sequence, each sampled: every row
+        if scoring:  # the sampling rows first, then each scored chunk's prompt rows
+            logits_rows = self._sampling_and_prompt_rows(chunks, inputs.query_starts, sampling, scoring)
+        elif len(sampling) == len(input_ids):  # one token per sequence, each sampled: every row
             logits_rows = slice(None)
         elif not sampling:
             logits_rows = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -69,10 +87,48 @@ class ModelRunner:
         with self.backend.step_scope():
             logits = self.model(input_ids, positions, inputs.slot_mapping, logits_rows, self.kv_cache, self.backend,
                                 metadata)
+        prompt_logprobs = self._prompt_logprobs(chunks, scoring, logits[len(sampling):]) if scoring else []
         if not sampling:
-            return StepResult([], [], [], len(input_ids))
-        token_ids, logprobs = self.sampler.sample(logits, seqs)
-        return StepResult(seqs, token_ids, logprobs, len(input_ids))
+            return StepResult([], [], [], len(input_ids), prompt_logprobs)
+        token_ids, logprobs = self.sampler.sample(logits[:len(sampling)] if scoring else logits, seqs)
+        return StepResult(seqs, token_ids, logprobs, len(input_ids), prompt_logprobs)
+
+    def _sampling_and_prompt_rows(self, chunks: list[ScheduledChunk], query_starts: list[int], sampling: list[int],
+                                  scoring: list[tuple[int, range]]) -> torch.Tensor:
+        """Flat row indices: each sampling chunk's last row, then the prompt rows of each
+        scored chunk in order (a chunk's position p is its row query_start + p - start)."""
+        rows = [query_starts[i] + chunks[i].num_new - 1 for i in sampling]
+        for index, positions in scoring:
+            offset = query_starts[index] - chunks[index].start
+            rows.extend(range(positions.start + offset, positions.stop + offset))
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], scoring: list[tuple[int, range]],
+                         logits: torch.Tensor) -> list[PromptLogprobs]:
+        """The records of the prompt tokens the scored rows predict (row p scores token
+        p + 1; `logits` holds those rows in `scoring`'s order), and token 0's None for a
+        sequence that has no record yet."""
+        targets: list[int] = []
+        for index, positions in scoring:
+            targets.extend(chunks[index].seq.token_ids[positions.start + 1:positions.stop + 1])
+        most = max(chunks[index].seq.params.prompt_logprobs or 0 for index, _ in scoring)
+        chosen, top_ids, top_values = token_logprobs(
+            logits, torch.tensor(targets, dtype=torch.long, device=logits.device), most)
+        results, row = [], 0
+        for index, positions in scoring:
+            seq = chunks[index].seq
+            end, top = row + len(positions), seq.params.prompt_logprobs or 0
+            records: list[dict | None] = [
+                {"token_id": token, "logprob": logprob, "top": list(zip(ids[:top], values[:top]))}
+                for token, logprob, ids, values in zip(targets[row:end], chosen[row:end], top_ids[row:end],
+                                                       top_values[row:end])]
+            row = end
+            start = positions.start + 1
+            if not seq.prompt_logprobs:  # the first records: token 0's comes first
+                records.insert(0, None)
+                start = 0
+            results.append(PromptLogprobs(seq, start, records))
+        return results
 
     def _build_inputs(self, chunks: list[ScheduledChunk]) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
         if all(chunk.num_new == 1 for chunk in chunks):
@@ -129,6 +185,20 @@ class ModelRunner:
         input_ids = torch.tensor([chunk.seq.token_ids[chunk.start] for chunk in chunks],
                                  dtype=torch.long, device=device)
         return inputs, input_ids, torch.from_numpy(positions).to(device)
+
+
+def _prompt_rows(chunk: ScheduledChunk) -> range | None:
+    """The positions of `chunk` whose logits score a prompt token its sequence has no
+    record of yet (position p scores token p + 1, so they stop before the prompt's last
+    position, whose logits sample the first output token); None when the chunk has no
+    prompt record to give, an empty range when it gives only token 0's None (a prompt of
+    one token)."""
+    seq = chunk.seq
+    first = max(chunk.start, len(seq.prompt_logprobs) - 1)
+    last = min(chunk.start + chunk.num_new, seq.prompt_len - 1)
+    if first < last:
+        return range(first, last)
+    return range(0) if not seq.prompt_logprobs else None
 
 
 def _padded_block_table(chunks: list[ScheduledChunk]) -> np.ndarray:

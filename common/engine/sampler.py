@@ -13,6 +13,7 @@ from common.engine.sequence import Sequence
 from common.sampling_params import SamplingParams
 
 ARGMAX_BLOCK = 128  # vocabulary columns per block in argmax_rows
+SCORE_ROWS = 256  # rows per log_softmax in token_logprobs: bounds its [rows, vocab] temporary
 
 
 class Sampler:
@@ -66,6 +67,29 @@ class Sampler:
                 top = list(zip(top_ids[row, :p.logprobs].tolist(), top_values[row, :p.logprobs].tolist()))
             records.append({"token_id": int(tokens[row]), "logprob": chosen[row], "top": top})
         return records
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Each row's log-probability of its target token, and its `top` most likely tokens
+    and their log-probabilities (empty lists for top 0). `logits`: [rows, vocab] fp32,
+    `targets`: [rows] token ids. The log_softmax runs in fp32 over SCORE_ROWS rows at a
+    time, so a long prompt's scoring holds one slice of log-probabilities at once beside
+    its logits."""
+    chosen, top_ids, top_values = [], [], []
+    for begin in range(0, logits.shape[0], SCORE_ROWS):
+        logprobs = logits[begin:begin + SCORE_ROWS].float().log_softmax(dim=-1)
+        chosen.append(logprobs.gather(1, targets[begin:begin + SCORE_ROWS, None])[:, 0])
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            top_values.append(values)
+            top_ids.append(ids)
+    rows = logits.shape[0]
+    if not chosen:
+        return [], [], []
+    if not top:
+        return torch.cat(chosen).tolist(), [[]] * rows, [[]] * rows
+    return torch.cat(chosen).tolist(), torch.cat(top_ids).tolist(), torch.cat(top_values).tolist()
 
 
 def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

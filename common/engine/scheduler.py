@@ -232,10 +232,11 @@ class Scheduler:
     def _max_hit_blocks(self, seq: Sequence) -> int:
         """At least one token must be computed to get logits, and computed tokens must
         never land in a shared block, so the last block boundary before the final token
-        bounds the hit."""
+        bounds the hit; a request that wants prompt logprobs also computes every position
+        whose logits it still needs (as vLLM, which skips the prefix cache for them)."""
         if not self.config.enable_prefix_caching:
             return 0
-        return (seq.num_tokens - 1) // self.block_size
+        return max_hit_tokens(seq) // self.block_size
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         return self.block_manager.match_prefix(seq.block_hashes, seq.token_ids, self._max_hit_blocks(seq))
@@ -250,3 +251,12 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(0, seq)
+
+
+def max_hit_tokens(seq: Sequence) -> int:
+    """How many leading tokens of `seq` a cache may supply: all but the last (which must
+    be computed to sample), and none from the first position whose logits score a prompt
+    token the request has not had yet (docs/engine.md §2)."""
+    limit = seq.num_tokens - 1
+    row = seq.next_prompt_logprob_row
+    return limit if row is None else min(limit, row)

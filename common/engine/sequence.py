@@ -50,6 +50,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if one did
     logprobs: list[dict] = field(default_factory=list)
+    # With params.prompt_logprobs: the records of prompt tokens 0, 1, ... computed so far
+    # (None for token 0), as prefill chunks compute them (docs/engine.md §2).
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     generator: torch.Generator | None = None  # when params.seed is set
     detokenizer: IncrementalDetokenizer | None = None  # when stop strings are watched
     arrival_time: float = 0.0
@@ -74,6 +77,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def next_prompt_logprob_row(self) -> int | None:
+        """The first position whose logits still score a prompt token (position p scores
+        token p + 1), or None when the request wants no prompt logprobs or has them all.
+        Prefix-cache hits must not reach past it: a cached token's logits are never computed."""
+        if self.params.prompt_logprobs is None:
+            return None
+        row = max(len(self.prompt_logprobs) - 1, 0)
+        return row if row < self.prompt_len - 1 else None
 
     def extend_hashes(self) -> None:
         """Name every block whose tokens are all known and not yet named."""

@@ -28,7 +28,9 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:7101"
 @dataclass
 class StreamChunk:
     """New tokens of a streaming request and the text they completed; the final chunk
-    (finished) carries the request's `timings` (see Result)."""
+    (finished) carries the request's `timings` (see Result). A request with
+    `prompt_logprobs` first gets chunks with no token that carry the next prompt tokens'
+    records (see Result.prompt_logprobs)."""
 
     request_id: str
     token_ids: list[int]
@@ -36,6 +38,7 @@ class StreamChunk:
     finished: bool
     finish_reason: str | None
     timings: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
 
 
 @dataclass
@@ -47,7 +50,9 @@ class Result:
     step to first token), decode_wait_s (the KV handle's arrival at the decode worker to
     the start of its pull) and transfer_s (the pull); {} for a request served by one
     worker, and a key is missing where its step did not happen (no pull when the decode
-    worker held every block)."""
+    worker held every block). `prompt_logprobs` (asked with prompt_logprobs=N): one
+    record per prompt token, {"token_id", "logprob", "top": [(token id, logprob), ...N]},
+    the logprob of that token given those before it, and None for the first token."""
 
     request_id: str
     text: str
@@ -61,6 +66,7 @@ class Result:
     logprobs: list[dict] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     second_token_s: float = 0.0
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
 
 
 def build_submit(prompt: str | None, token_ids, api_key: str, timeout_s: float,
@@ -193,6 +199,7 @@ class Accumulator:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict] = []
+        self.prompt_logprobs: list[dict | None] = []
         self.timings: dict[str, float] = {}
         self.last: Chunk | None = None
 
@@ -205,10 +212,11 @@ class Accumulator:
         if self.second_at is None and len(self.token_ids) >= 2:
             self.second_at = now
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.timings.update(chunk.timings)
         self.last = chunk
         return StreamChunk(self.request_id, list(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason,
-                           dict(chunk.timings))
+                           dict(chunk.timings), list(chunk.prompt_logprobs))
 
     def result(self) -> Result:
         end = time.perf_counter()
@@ -219,7 +227,8 @@ class Accumulator:
                       last.finish_reason if last else None, last.num_prompt_tokens if last else 0,
                       last.num_cached_tokens if last else 0, first - self.start,
                       (end - first) / (count - 1) if count > 1 else 0.0, end - self.start, self.logprobs,
-                      dict(self.timings), self.second_at - self.start if self.second_at is not None else 0.0)
+                      dict(self.timings), self.second_at - self.start if self.second_at is not None else 0.0,
+                      self.prompt_logprobs)
 
 
 __all__ = ["Accumulator", "BatonError", "DEFAULT_ADDRESS", "Result", "StreamChunk", "build_submit",

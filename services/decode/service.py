@@ -214,9 +214,10 @@ class DecodeService(TransferringService):
         self._recompute(item)
 
     def _recompute(self, item: Import) -> None:
-        """Prefill the prompt and the first token here, and go on from there."""
+        """Prefill the prompt and the first token here, and go on from there (the prefill
+        worker gave the prompt logprobs already)."""
         request = item.request
-        sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - 1)
+        sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - 1, prompt_logprobs=None)
         try:
             self.engine.add_request(request.request_id, [*item.prompt_ids, item.handle.first_token_id],
                                     params_from_sampling(sampling), tenant_salt=request.tenant)

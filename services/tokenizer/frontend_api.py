@@ -15,7 +15,10 @@ from services.tokenizer.text_prompts import PromptByteLimit
 
 @dataclass
 class StreamEvent:
-    """A request's progress: new tokens and the text they completed (a delta)."""
+    """A request's progress: new tokens and the text they completed (a delta). With
+    SamplingParams.prompt_logprobs, events with no token come first, carrying the prompt
+    logprob records of the next prompt tokens, in order (None for token 0), until every
+    prompt token has one; then come the tokens."""
 
     token_ids: list[int]
     text: str
@@ -24,6 +27,7 @@ class StreamEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
 
 
 class FrontendApi(Protocol):

@@ -20,6 +20,11 @@ long ones are templated and tokenized on a TokenizePool, off the event loop
 Baton's extensions to the request: the sampling fields `top_k`, `ignore_eos` and
 `stop_token_ids`, and an SLO class, named by the `X-Baton-SLO-Class` header or the body's
 `slo_class` (an unknown class is a 400).
+
+A completion with `echo` returns the prompt's text before the output, and with
+`logprobs: N` the prompt tokens' logprobs before the output's (`null` for the first
+token), as OpenAI's legacy API and vLLM do; `max_tokens: 0` with echo scores the prompt
+alone (the engine generates one token, which is dropped, as vLLM does). docs/openai-api.md.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from services.tokenizer.openai_params import (
     as_api_error,
     chat_logprobs_param,
     check_content_type,
+    completion_prompt_logprobs,
     error_body,
     finite_logprob,
     parse_request,
@@ -84,6 +90,9 @@ class Job:
     stream: bool
     include_usage: bool
     slo_class: str = ""  # as the client named it; "" = none
+    echo: bool = False  # completions: the prompt's text (and logprobs) come back before the output
+    prompt_text: str | None = None  # the prompt as text, when it was sent as text
+    score_only: bool = False  # max_tokens 0 with echo: the one token generated is dropped
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -100,11 +109,14 @@ class Output:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
+    echo: str | None = None  # the echoed prompt's text, which comes before `text`
 
     def add(self, event: StreamEvent) -> None:
         self.text += event.text
         self.num_tokens += len(event.token_ids)
         self.logprobs.extend(event.logprobs)
+        self.prompt_logprobs.extend(event.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         if event.finished:
             self.finish_reason = finish_reason(event.finish_reason)
@@ -204,13 +216,14 @@ class OpenAIGateway:
         refuse_unsupported(body)
         slo_class = slo_class_param(body, request.headers.get(SLO_CLASS_HEADER))
         stream, include_usage = stream_flags(body)
-        params = sampling_params(body, body.logprobs)
-        requested_max = requested_max_tokens("max_tokens", body.max_tokens)
-        prompt_ids = await self._completion_prompt(body.prompt)
-        params = replace(params, max_tokens=self._max_tokens(
-            "max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS))
+        params = replace(sampling_params(body, body.logprobs), prompt_logprobs=completion_prompt_logprobs(body))
+        requested_max = requested_max_tokens("max_tokens", body.max_tokens, echo=bool(body.echo))
+        prompt_ids, prompt_text = await self._completion_prompt(body.prompt)
+        max_tokens = self._max_tokens("max_tokens", requested_max, len(prompt_ids), COMPLETION_DEFAULT_MAX_TOKENS)
+        params = replace(params, max_tokens=max(max_tokens, 1))
         return await self._run(request, Job(False, f"cmpl-{os.urandom(16).hex()}", model, prompt_ids, params,
-                                            tenant, stream, include_usage, slo_class))
+                                            tenant, stream, include_usage, slo_class, bool(body.echo), prompt_text,
+                                            max_tokens == 0))
 
     async def _chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -273,7 +286,8 @@ class OpenAIGateway:
                            f"{self.frontend.model_name!r}", param="model", code="model_not_found")
         return model
 
-    async def _completion_prompt(self, prompt: Any) -> list[int]:
+    async def _completion_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and its text when it was given as text."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -283,7 +297,7 @@ class OpenAIGateway:
         else:
             raise InvalidRequestError("prompt", "is required")
         self._check_context(prompt_ids, "prompt")
-        return prompt_ids
+        return prompt_ids, prompt if isinstance(prompt, str) else None
 
     async def _chat_prompt(self, messages: Any, long: bool) -> list[int]:
         """The rendered conversation's token ids; `long`: render it off the loop too."""
@@ -337,12 +351,15 @@ class OpenAIGateway:
     async def _run(self, request: Request, job: Job) -> Response:
         events = self.frontend.generate(job.request_id, job.prompt_ids, job.params, job.tenant,
                                         slo_class=job.slo_class)
+        if job.score_only:
+            events = _without_output(events)
         headers = {"X-Request-Id": job.request_id}
         if not job.stream:
             try:
                 output = await watch_disconnect(request.receive, _collect(events))
             finally:
                 await aclose(events)
+            output.echo = self._echo_text(job)
             return json_response(self._final_body(job, output), headers=headers)
         try:  # the first event decides the status (admission, validation by the worker)
             first = await watch_disconnect(request.receive, anext(events, None))
@@ -355,15 +372,19 @@ class OpenAIGateway:
 
     async def _stream_chunks(self, job: Job, first: StreamEvent,
                              events: AsyncIterator[StreamEvent]) -> AsyncIterator[bytes]:
-        output = Output()
+        output = Output(echo=self._echo_text(job))
+        echo_due = job.echo
         try:
             if job.chat:
                 yield self._chunk(job, {"delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None})
             event: StreamEvent | None = first
             while event is not None:
-                offset = len(output.text)
+                offset = len(output.echo or "") + len(output.text)
                 output.add(event)
+                if echo_due and (event.token_ids or event.finished or self._prompt_logprobs_done(job, output)):
+                    echo_due = False
+                    yield self._chunk(job, self._echo_choice(job, output))
                 choice = self._choice_delta(job, event, offset, output)
                 if choice is not None:
                     yield self._chunk(job, choice)
@@ -413,8 +434,11 @@ class OpenAIGateway:
                       "logprobs": logprobs, "finish_reason": output.finish_reason}
             kind = "chat.completion"
         else:
-            logprobs = self._completion_logprobs(output.logprobs, 0) if want_logprobs else None
-            choice = {"index": 0, "text": output.text, "logprobs": logprobs,
+            logprobs = None
+            if want_logprobs:
+                generated = self._completion_logprobs(output.logprobs, len(output.echo or ""))
+                logprobs = _joined(self._prompt_logprobs(job, output), generated) if job.echo else generated
+            choice = {"index": 0, "text": (output.echo or "") + output.text, "logprobs": logprobs,
                       "finish_reason": output.finish_reason}
             kind = "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": job.model,
@@ -424,17 +448,49 @@ class OpenAIGateway:
 
     def _completion_logprobs(self, records: list[dict], text_offset: int) -> dict[str, Any]:
         """The legacy completions shape: parallel lists per token."""
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for record in records:
-            token = self.frontend.decode([record["token_id"]])
+        return self._legacy_logprobs([(record["token_id"], record) for record in records], text_offset)
+
+    def _legacy_logprobs(self, entries: list[tuple[int, dict | None]], text_offset: int) -> dict[str, Any]:
+        """Parallel lists over (token id, record) pairs; a token without a record (the
+        prompt's first) has null for its logprob and its alternatives, as OpenAI gives it."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token_id, record in entries:
+            token = self.frontend.decode([int(token_id)])
             tokens.append(token)
-            token_logprobs.append(finite_logprob(record["logprob"]))
-            top_logprobs.append({self.frontend.decode([int(tid)]): finite_logprob(lp)
-                                 for tid, lp in record.get("top") or ()})
+            token_logprobs.append(None if record is None else finite_logprob(record["logprob"]))
+            top_logprobs.append(None if record is None else {self.frontend.decode([int(tid)]): finite_logprob(lp)
+                                                              for tid, lp in record.get("top") or ()})
             offsets.append(text_offset)
             text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+    @staticmethod
+    def _prompt_logprobs_done(job: Job, output: Output) -> bool:
+        return job.params.prompt_logprobs is None or len(output.prompt_logprobs) >= len(job.prompt_ids)
+
+    def _prompt_logprobs(self, job: Job, output: Output) -> dict[str, Any]:
+        """The echoed prompt's tokens in the legacy logprobs shape, offsets from 0."""
+        if len(output.prompt_logprobs) != len(job.prompt_ids):
+            raise ApiError(500, f"the engine gave {len(output.prompt_logprobs)} prompt logprobs for "
+                           f"{len(job.prompt_ids)} prompt tokens", code="internal")
+        return self._legacy_logprobs(list(zip(job.prompt_ids, output.prompt_logprobs)), 0)
+
+    def _echo_choice(self, job: Job, output: Output) -> dict[str, Any]:
+        """A stream's first completion chunk with echo: the prompt's text, and its tokens'
+        logprobs when asked."""
+        logprobs = self._prompt_logprobs(job, output) if job.params.logprobs is not None else None
+        return {"text": output.echo, "logprobs": logprobs, "finish_reason": None}
+
+    def _echo_text(self, job: Job) -> str | None:
+        """The prompt's text to echo (None: no echo): as sent, or its token ids decoded.
+        Called once the frontend has taken the request, so the ids are in the vocabulary."""
+        if not job.echo:
+            return None
+        return job.prompt_text if job.prompt_text is not None else self.frontend.decode(job.prompt_ids)
 
     def _chat_logprobs(self, records: list[dict]) -> list[dict[str, Any]]:
         return [{**self._chat_token(record["token_id"], record["logprob"]),
@@ -456,6 +512,27 @@ async def _collect(events: AsyncIterator[StreamEvent]) -> Output:
         if event.finished:
             return output
     raise ApiError(500, "the request ended before it finished", code="internal")
+
+
+async def _without_output(events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    """A request's events less its output (max_tokens 0 with echo: the one token the
+    engine had to generate is not the client's); the last one ends it at its length."""
+    try:
+        async for event in events:
+            if event.token_ids or event.text or event.logprobs:
+                event = replace(event, token_ids=[], text="", logprobs=[])
+            if event.finished:
+                yield replace(event, finish_reason="length")
+                return
+            if event.prompt_logprobs:
+                yield event
+    finally:
+        await aclose(events)
+
+
+def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects, one after the other."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def _usage(job: Job, output: Output) -> dict[str, Any]:

@@ -256,10 +256,20 @@ def _number(name: str, value: float | None, default: float) -> float:
     return value
 
 
-def requested_max_tokens(name: str, requested: int | None) -> int | None:
-    if requested is not None and requested < 1:
-        raise InvalidRequestError(name, f"must be >= 1, got {requested}")
+def requested_max_tokens(name: str, requested: int | None, echo: bool = False) -> int | None:
+    """The requested maximum, checked: >= 1, or 0 with `echo` (score the prompt alone)."""
+    low = 0 if echo else 1
+    if requested is not None and requested < low:
+        hint = "" if echo else " (0 only with echo: true)"
+        raise InvalidRequestError(name, f"must be >= {low}{hint}, got {requested}")
     return requested
+
+
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """SamplingParams.prompt_logprobs of a completion: with `echo`, the prompt's tokens
+    come back with `logprobs` alternatives each, as OpenAI's legacy API and vLLM give
+    them; none without echo or logprobs."""
+    return body.logprobs if body.echo else None
 
 
 def stream_flags(body: _SamplingRequest) -> tuple[bool, bool]:
@@ -288,8 +298,6 @@ def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         return
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of", "only best_of=1 is supported")
-    if body.echo:
-        raise InvalidRequestError("echo", "is not supported")
     if body.suffix:
         raise InvalidRequestError("suffix", "is not supported")
 

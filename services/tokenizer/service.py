@@ -69,6 +69,7 @@ from common.protocol import (
     TokensBatch,
     decode,
     encode,
+    pack_by_prompt_logprobs,
     params_from_sampling,
     peek_request_id,
     sampling_from_params,
@@ -110,6 +111,12 @@ class RequestState:
     sink: Callable[[object], None] | None = None  # takes events directly (SDK) instead of `queue`
     timer: asyncio.TimerHandle | None = None
     timings: dict[str, float] = field(default_factory=dict)  # the valid Tokens.timings so far, merged
+    prompt_logprobs_sent: int = 0  # prompt logprob records delivered (params.prompt_logprobs)
+    held: list[Tokens] = field(default_factory=list)  # tokens that came before the prompt logprobs did
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs_sent < len(self.prompt_ids)
 
 
 def valid_timings(message: Tokens) -> dict[str, float]:
@@ -368,6 +375,35 @@ class TokenizerService:
             return
         state.placed = True
         state.timings.update(valid_timings(message))
+        if state.params.prompt_logprobs is None:
+            self._on_new_tokens(state, message)
+            return
+        self._deliver_prompt_logprobs(state, message)
+        if state.awaits_prompt_logprobs:
+            # A disaggregated request's decode worker may stream before the prefill
+            # worker's last prompt logprobs arrive: its tokens wait for them.
+            if message.token_ids or message.finished:
+                state.held.append(message)
+            return
+        held, state.held = state.held, []
+        for item in [message, *held]:
+            if not state.done and (item.token_ids or item.finished):
+                self._on_new_tokens(state, item)
+
+    def _deliver_prompt_logprobs(self, state: RequestState, message: Tokens) -> None:
+        """The prompt logprob records of `message` the request has not had: each comes
+        once, in prompt order, whichever worker sent it (a retry on another worker, or
+        a prefill worker, computes them from the start: docs/wire.md §3)."""
+        skip = state.prompt_logprobs_sent - message.prompt_logprobs_start
+        if not message.prompt_logprobs or skip < 0:
+            return
+        records = message.prompt_logprobs[skip:len(state.prompt_ids) - message.prompt_logprobs_start]
+        if records:
+            state.prompt_logprobs_sent += len(records)
+            self._deliver(state, StreamEvent([], "", num_prompt_tokens=message.num_prompt_tokens,
+                                             num_cached_tokens=message.num_cached_tokens, prompt_logprobs=records))
+
+    def _on_new_tokens(self, state: RequestState, message: Tokens) -> None:
         unseen = _unseen(message, state.tokens_sent)
         if unseen is None:
             return
@@ -636,7 +672,7 @@ class TokenizerService:
                 request_id=client_id, token_ids=item.token_ids, text=item.text, finished=item.finished,
                 finish_reason=item.finish_reason, num_prompt_tokens=item.num_prompt_tokens,
                 num_cached_tokens=item.num_cached_tokens, logprobs=item.logprobs,
-                timings=dict(state.timings) if item.finished else {}))
+                timings=dict(state.timings) if item.finished else {}, prompt_logprobs=item.prompt_logprobs))
             if not item.finished:
                 return
             self._record_finish(state, item)
@@ -665,8 +701,13 @@ class TokenizerService:
 
     def _flush_chunks(self, identity: bytes) -> None:
         items = self.outbox.pop(identity, [])
-        if items:
+        if not items:
+            return
+        if not any(item.prompt_logprobs for item in items):
             asyncio.ensure_future(self._reply(identity, ChunkBatch(items=items)))
+            return
+        for group in pack_by_prompt_logprobs(items):  # each fits a message (docs/wire.md §3)
+            asyncio.ensure_future(self._reply(identity, ChunkBatch(items=group)))
 
     async def _reply(self, identity: bytes, message) -> None:
         try:

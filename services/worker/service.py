@@ -56,7 +56,9 @@ from common.protocol import (
     TokensBatch,
     Welcome,
     decode,
+    pack_by_prompt_logprobs,
     params_from_sampling,
+    split_prompt_logprobs,
 )
 from common.sampling_params import InvalidRequestError, SamplingParams
 from common.sockets import Security, check_endpoint, send
@@ -486,27 +488,37 @@ class WorkerService:
             self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        """One TokensBatch per tokenizer per step, not one message per token."""
+        """One TokensBatch per tokenizer per step, not one message per token (more where
+        prompt logprobs would not fit one message: docs/wire.md §3)."""
         batches: dict[str, list[Tokens]] = {}
+        generated, prompt_logprobs = 0, False
         for output in outputs:
             address = self.streams.get(output.request_id)
             tokens = self._tokens(output)
             if address is not None and tokens is not None:
                 batches.setdefault(address, []).append(tokens)
+                prompt_logprobs = prompt_logprobs or bool(tokens.prompt_logprobs)
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
             self._note_progress(output)
+            generated += len(output.new_token_ids)
             if tokens is not None and tokens.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
-        self.metrics.generated.inc(len(outputs))
+        self.metrics.generated.inc(generated)
         for address, items in batches.items():
-            self._push_to(address, TokensBatch(items=items))
+            if not prompt_logprobs:
+                self._push_to(address, TokensBatch(items=items))
+                continue
+            pieces = [piece for item in items for piece in split_prompt_logprobs(item)]
+            for group in pack_by_prompt_logprobs(pieces):
+                self._push_to(address, TokensBatch(items=group))
 
     def _tokens(self, output: RequestOutput) -> Tokens | None:
         """What the tokenizer gets of one output (None: nothing)."""
         return Tokens(request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
                       finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
-                      num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
+                      num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+                      prompt_logprobs=output.prompt_logprobs, prompt_logprobs_start=output.prompt_logprobs_start)
 
     def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
         self._push(request_id, Error(request_id=request_id, code=code, message=text, worker_id=self.worker_id))

@@ -21,6 +21,8 @@ from services.client._shared import build_submit
     (5, None, 1.0, {}, "prompt"),
     ("hi", None, 1.0, {"stop": ["ok", "\ud800"]}, r"stop\[1\]"),  # a lone surrogate: not valid Unicode
     ("a\udc00", None, 1.0, {}, "prompt"),
+    ("hi", None, 1.0, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("hi", None, 1.0, {"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_what_the_wire_cannot_carry_is_refused_before_sending(prompt, token_ids, timeout_s, sampling, field):
     with pytest.raises(InvalidRequest, match=f"^{field}:"):

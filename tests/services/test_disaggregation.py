@@ -214,6 +214,22 @@ def test_greedy_outputs_equal_colocated_serving_and_a_shared_prefix_is_not_pulle
     wait_idle(pd)
 
 
+def test_prompt_logprobs_come_from_the_prefill_worker_once_each(pd, engine, random_prompts):
+    """The prefill worker computes the prompt logprobs (in chunks of its token budget) and
+    streams them before the first token; the decode worker computes none."""
+    prompt = random_prompts([140], seed=102)[0]
+    params = SamplingParams(max_tokens=6, prompt_logprobs=2, **GREEDY)
+    [reference] = engine.generate([prompt], params)
+    with Client(pd.sdk, timeout_s=60) as client:
+        result = client.generate(token_ids=prompt, max_tokens=6, prompt_logprobs=2, **GREEDY)
+    assert result.token_ids == reference.token_ids
+    assert len(result.prompt_logprobs) == len(prompt) and result.prompt_logprobs[0] is None
+    for got, want in zip(result.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+        assert got["token_id"] == want["token_id"] and abs(got["logprob"] - want["logprob"]) < 1e-4
+        assert [t for t, _ in got["top"]] == [t for t, _ in want["top"]]
+    wait_idle(pd)
+
+
 def test_200_concurrent_requests_are_all_answered_and_every_block_comes_back(pd, engine):
     """A burst of 200 disaggregated requests: each gets the engine's tokens, and afterwards
     no block is leased on the prefill worker or used on the decode worker."""

@@ -116,7 +116,7 @@ class EngineFrontend:
                     delta = output.text[len(emitted):]  # the engine's final text is exact
                 emitted += delta
                 yield StreamEvent(list(output.new_token_ids), delta, finished, output.finish_reason,
-                                  len(prompt_ids), 0, list(output.logprobs))
+                                  len(prompt_ids), 0, list(output.logprobs), list(output.prompt_logprobs))
         finally:
             with self._wake:
                 self._streams.pop(request_id, None)
@@ -210,6 +210,7 @@ def client(server) -> openai.OpenAI:
 
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+GREEDY_PARAMS = {"temperature": 0.0, "ignore_eos": True}
 
 
 # ---- happy paths through the openai client ----------------------------------------------
@@ -284,6 +285,62 @@ def test_logprobs_in_both_shapes(client):
     assert len(content) == 3 and all(len(item.top_logprobs) == 3 for item in content)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(server, frontend):
+    prompt_ids = [5, 6, 7, 8, 300, 301, 42]
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY_PARAMS))
+    status, _, body = http_post(server.port, "/v1/completions", {
+        "model": MODEL, "prompt": prompt_ids, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0})
+    assert status == 200, body
+    completion = json.loads(body)
+    [choice] = completion["choices"]
+    assert choice["text"] == frontend.decode(prompt_ids) and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [frontend.decode([t]) for t in prompt_ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(
+        [record["logprob"] for record in expected.prompt_logprobs[1:]], abs=1e-5)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert completion["usage"] == {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_echo_returns_the_prompt_then_the_output(client, frontend):
+    prompt = "The quick brown fox"
+    prompt_ids = frontend.tokenize(prompt)
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=5, logprobs=1, prompt_logprobs=1,
+                                                             **GREEDY_PARAMS))
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=1,
+                                           **GREEDY)
+    [choice] = completion.choices
+    assert choice.text == prompt + expected.text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 5
+    assert logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(
+        [record["logprob"] for record in expected.logprobs], abs=1e-5)
+    assert logprobs.text_offset[len(prompt_ids)] == len(prompt)  # the output's offsets follow the prompt
+    assert completion.usage.completion_tokens == 5
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, **GREEDY)
+    assert plain.choices[0].text == prompt + expected.text and plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_a_streamed_echo_comes_first_with_its_logprobs(client, frontend, max_tokens):
+    prompt_ids = [9, 10, 11, 12, 13]
+    expected = frontend.reference(prompt_ids, SamplingParams(max_tokens=max(max_tokens, 1), **GREEDY_PARAMS))
+    chunks = [chunk for chunk in client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=max_tokens, echo=True, logprobs=0, stream=True,
+        stream_options={"include_usage": True}, **GREEDY) if chunk.choices]
+    echo = chunks[0].choices[0]
+    assert echo.text == frontend.decode(prompt_ids) and echo.finish_reason is None
+    assert len(echo.logprobs.tokens) == 5 and echo.logprobs.token_logprobs[0] is None
+    generated = "".join(chunk.choices[0].text for chunk in chunks[1:])
+    assert generated == (expected.text if max_tokens else "")
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_models_health_metrics(client, server, frontend):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, headers, body = http_get(server.port, "/health")
@@ -308,7 +365,10 @@ def test_an_invalid_temperature_is_a_400_naming_it(client, temperature):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"max_tokens": "7"}, "max_tokens"),
+    ({"n": 2}, "n"), ({"echo": "yes"}, "echo"), ({"max_tokens": "7"}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"), ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": -1}, "logprobs"), ({"suffix": "end"}, "suffix"),
+    ({"echo": True, "prompt": [5, 2**40]}, "prompt"), ({"echo": True, "prompt": [5, 99999], "stream": True}, "prompt"),
     ({"stop": [1, 2]}, "stop[0]"), ({"stop": 5}, "stop"), ({"seed": 1.5}, "seed"), ({"top_k": "no"}, "top_k"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"), ({"temperature": True}, "temperature"),
     ({"logprobs": 99}, "logprobs"), ({"stream": "yes"}, "stream"), ({"prompt": 5}, "prompt"),

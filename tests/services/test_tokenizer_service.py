@@ -247,6 +247,44 @@ def test_a_token_sent_by_both_workers_of_a_handoff_is_delivered_once(tiny_model_
     assert chunks[-1].finished
 
 
+def record(token_id: int) -> dict:
+    return {"token_id": token_id, "logprob": -float(token_id), "top": [[token_id, -float(token_id)]]}
+
+
+def test_prompt_logprobs_come_once_each_and_before_any_token(tiny_model_dir):
+    """A disaggregated request: the decode worker's tokens arrive before the prefill
+    worker's last prompt logprobs; they wait for them, and the first token, sent by both,
+    comes once."""
+    config = ClusterConfig(port_base=free_port_base())
+    stream = [
+        Tokens(request_id="", token_ids=[9, 10], worker_id="decode-1", position=0),
+        Tokens(request_id="", token_ids=[], worker_id="prefill-0", prompt_logprobs=[None, record(6)]),
+        Tokens(request_id="", token_ids=[9], worker_id="prefill-0", position=0, prompt_logprobs=[record(7)],
+               prompt_logprobs_start=2),
+        Tokens(request_id="", token_ids=[11], finished=True, finish_reason="length", worker_id="decode-1"),
+    ]
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream, max_tokens=3, prompt_logprobs=1))
+    first_token = next(index for index, chunk in enumerate(chunks) if chunk.token_ids)
+    assert [r for chunk in chunks[:first_token] for r in chunk.prompt_logprobs] == [None, record(6), record(7)]
+    assert not any(chunk.prompt_logprobs for chunk in chunks[first_token:])
+    assert [token for chunk in chunks for token in chunk.token_ids] == [9, 10, 11]
+
+
+def test_prompt_logprobs_sent_again_from_the_start_are_delivered_once(tiny_model_dir):
+    """A worker that computes the prompt again (a retry elsewhere) sends its records from
+    token 0: those the client has are dropped, by their position in the prompt."""
+    config = ClusterConfig(port_base=free_port_base())
+    stream = [
+        Tokens(request_id="", token_ids=[], worker_id="worker-0", prompt_logprobs=[None, record(6)]),
+        Tokens(request_id="", token_ids=[], worker_id="worker-1", prompt_logprobs=[None]),
+        Tokens(request_id="", token_ids=[9], finished=True, finish_reason="length", worker_id="worker-1",
+               prompt_logprobs=[record(6), record(7)], prompt_logprobs_start=1),
+    ]
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream, max_tokens=1, prompt_logprobs=1))
+    assert [r for chunk in chunks for r in chunk.prompt_logprobs] == [None, record(6), record(7)]
+    assert [token for chunk in chunks for token in chunk.token_ids] == [9] and chunks[-1].finished
+
+
 def test_a_request_served_by_one_worker_ends_with_no_timings(tiny_model_dir):
     config = ClusterConfig(port_base=free_port_base())
     stream = [Tokens(request_id="", token_ids=[9], worker_id="worker-0"),
@@ -256,7 +294,7 @@ def test_a_request_served_by_one_worker_ends_with_no_timings(tiny_model_dir):
 
 
 async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Tokens],
-                            max_tokens: int | None = None) -> list[StreamChunk]:
+                            max_tokens: int | None = None, **sampling) -> list[StreamChunk]:
     """The chunks a real SDK client streams for one request when its worker pushes
     `stream` (request ids filled in) to the tokenizer's stream socket."""
     context, router = _stand_in_router(config)
@@ -271,7 +309,7 @@ async def _streamed_through(config: ClusterConfig, model_dir, stream: list[Token
     chunks: list[StreamChunk] = []
 
     async def read() -> None:
-        async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=max_tokens or len(stream)):
+        async for chunk in client.stream(token_ids=[5, 6, 7], max_tokens=max_tokens or len(stream), **sampling):
             chunks.append(chunk)
 
     reading = asyncio.ensure_future(read())
