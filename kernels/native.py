@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from common.cache_root import baton_cache_root
+from common.progress import heartbeat
 from kernels.toolchain import choose_compiler, shares_cxx_runtime
 
 log = structlog.get_logger(__name__)
@@ -116,9 +117,10 @@ def _build(folder: Path) -> None:
     log.info("native_kernels_building", folder=str(folder), compiler=compiler, note="first use on this machine, ~15 s")
     os.environ["CXX"] = compiler  # torch's extension builder reads the compiler from CXX
     try:
-        cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS),
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        with heartbeat("building Baton's CPU kernels"):
+            cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS),
+                               build_directory=str(folder), is_python_module=False, verbose=False)
     finally:
         if wanted is None:
             del os.environ["CXX"]

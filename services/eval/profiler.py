@@ -291,12 +291,13 @@ def _package_version(name: str) -> str:
 
 
 def run_profile(engine: Engine, grid: Grid, name: str) -> dict:
-    """measure, then profile_json: what `svc profile` writes. A progress bar of the
-    points goes to stderr when it is a terminal (stdout may carry the profile)."""
-    from tqdm import tqdm
+    """measure, then profile_json: what `svc profile` writes. Its progress goes to stderr
+    (stdout may carry the profile): a bar on a terminal, else a line every 2 s."""
+    from common.progress import heartbeat, progress
 
     total = len(planned_points(grid, engine.max_model_len))
-    # disable=None: a bar on a terminal, nothing in logs and pipes.
-    with tqdm(total=total, desc="profile", unit="point", disable=None) as progress:
-        points = measure(engine, grid, on_point=progress.update)
-    return profile_json(points, name, describe_machine(engine), measure_wake(engine))
+    with progress(total, "profile", "point") as bar:
+        points = measure(engine, grid, on_point=bar.update)
+    with heartbeat("profile: timing requests after idle gaps"):
+        wake = measure_wake(engine)
+    return profile_json(points, name, describe_machine(engine), wake)

@@ -150,7 +150,9 @@ def test_svc_profile_quick_writes_a_profile_the_router_loads(tiny_model_dir, tmp
     assert data["measured_on"]["threads"] == 1 and data["source"]
     assert [idle for idle, _ in data["wake"]] == [0.01, 0.03, 0.1, 0.3] and model.wake_s(1.0) >= 0
     assert "wake: +" in done.stdout
-    assert "profile:" not in done.stderr  # not a terminal: no progress bar
+    # not a terminal: no bar, but the points' count at the end (and every 2 s before)
+    measured = sum(len(points) for points in data["points"].values())
+    assert f"profile: {measured}/{measured} points" in done.stderr
 
 
 def test_svc_profile_draws_progress_on_a_terminal_and_keeps_stdout_the_profile(tiny_model_dir):
