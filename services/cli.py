@@ -17,6 +17,7 @@ from common.logs import configure_logging
 from common.settings import SCALARS, ConfigError, setting_types
 from common.sockets import ENGINE_ROLES
 
+MODEL_ROLES = (*ENGINE_ROLES, "tokenizer", "kvstore")  # the roles that read the checkpoint
 NODE_PROFILE_TIMEOUT_S = 900.0  # `svc up`'s first measurement of a large model on a GPU takes minutes
 
 # ---- options from the declared settings (common/settings.py) ---------------------------
@@ -121,7 +122,7 @@ def model() -> None:
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def model_init(directory: Path, size: str, seed: int) -> None:
-    """Write the embedded default model (random weights, byte-level tokenizer) to DIRECTORY
+    """Write a random test model (random weights, byte-level tokenizer) to DIRECTORY
     in Hugging Face format."""
     from common.engine.default_model import write_default_model
 
@@ -134,7 +135,7 @@ def model_init(directory: Path, size: str, seed: int) -> None:
 
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(path_type=Path),
-              help="Hugging Face checkpoint directory (default: the tiny embedded model)")
+              help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
 @click.option("--prompt", help="prompt text")
 @click.option("--prompt-ids", help="prompt token ids, comma separated")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
@@ -154,7 +155,6 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
     """Generate a completion for one prompt, offline (no services)."""
     from common.engine.checkpoint import CheckpointError
     from common.engine.config import EngineConfig
-    from common.engine.default_model import default_model_dir
     from common.engine.engine import Engine, EngineConfigError
     from common.sampling_params import InvalidRequestError, SamplingParams
 
@@ -164,7 +164,7 @@ def generate(model_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, logprobs=logprobs)
     try:
-        engine = Engine(EngineConfig(model_dir=model_dir or default_model_dir(), dtype=dtype,
+        engine = Engine(EngineConfig(model_dir=_checkpoint_dir(model_dir or _default_model()), dtype=dtype,
                                      kv_cache_gb=kv_cache_gb, device=device))
         [result] = engine.generate([prompt_input], params)
     except (CheckpointError, ConfigError, EngineConfigError, InvalidRequestError) as error:
@@ -232,6 +232,8 @@ def start(role: str, index: int, check_config: bool, config_path: Path | None, *
         _check_role(role, config)
         click.echo(f"config ok for {role}")
         return
+    if role in MODEL_ROLES:
+        config = _with_checkpoint_dir(config)
     _pin(role, config.cpus)
     try:
         if role == "router":
@@ -268,14 +270,73 @@ def _pin(role: str, cpus: str) -> None:
 
 
 def _check_role(role: str, config) -> None:
-    """What starting the role would check first, without starting it."""
-    if role in (*ENGINE_ROLES, "tokenizer", "kvstore") and config.model:
+    """What starting the role would check first, without starting it (a GGUF file is
+    checked whole but for its weights' values, and not converted)."""
+    if role in MODEL_ROLES and config.model:
         from common.engine.checkpoint import CheckpointError, load_model_config
+        from common.engine.gguf import check_gguf, is_gguf_path
 
+        model = Path(config.model)
         try:
-            load_model_config(Path(config.model))
+            if is_gguf_path(model) and not model.is_dir():
+                check_gguf(model)
+            else:
+                load_model_config(model)
         except CheckpointError as error:
             raise click.ClickException(f"config: model: {error}") from error
+
+
+def _checkpoint_dir(model: str | Path) -> Path:
+    """The checkpoint directory of a `--model` value: a GGUF file's conversion, made on
+    first use (common/engine/gguf.py), or the directory as given."""
+    from common.engine.checkpoint import CheckpointError
+    from common.engine.gguf import checkpoint_dir
+
+    def announce(path: Path, out_dir: Path) -> None:
+        click.echo(f"converting {path} into {out_dir}, once ...", err=True)
+
+    try:
+        return checkpoint_dir(model, on_convert=announce)
+    except CheckpointError as error:
+        raise click.ClickException(f"model: {error}") from error
+
+
+def _default_model() -> Path:
+    """The model served when none is named (common/engine/packaged_model.py)."""
+    from common.engine.checkpoint import CheckpointError
+    from common.engine.packaged_model import serving_default_model
+
+    try:
+        return serving_default_model()
+    except CheckpointError as error:
+        raise click.ClickException(str(error)) from error
+
+
+def _with_checkpoint_dir(config):
+    """`config` with its `model` a checkpoint directory (the default model's when it names
+    none), so that every role of a node reads the same one, and its `model_name` the GGUF
+    file's name when it names one and sets no other."""
+    model = Path(config.model) if config.model else _default_model()
+    return dataclasses.replace(config, model=str(_checkpoint_dir(model)), model_name=_served_name(config, model))
+
+
+def _served_name(config, model: Path) -> str:
+    """What /v1/models calls the model: `model_name` where set, else a GGUF file's name
+    (the default model's: SmolLM2-135M-Instruct), else the default setting."""
+    from common.config import DEFAULT_MODEL_NAME
+    from common.engine.gguf import is_gguf_path
+    from common.engine.packaged_model import MODEL_NAME, packaged_model_file
+
+    if config.model_name != DEFAULT_MODEL_NAME or model.is_dir() or not is_gguf_path(model):
+        return config.model_name
+    return MODEL_NAME if model == packaged_model_file() else model.stem
+
+
+def _model_label(model: Path) -> str:
+    """A model's name for a profile: a directory's name, a GGUF file's stem."""
+    from common.engine.gguf import is_gguf_path
+
+    return model.stem if is_gguf_path(model) and not model.is_dir() else model.name
 
 
 @main.command()
@@ -306,10 +367,10 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
     config = _load_config(config_path, flags)
     _check_bind_policy(config, "cluster")
     flags["dtype"] = _node_dtype(config)
-    if not config.model:
-        from common.engine.default_model import default_model_dir
-
-        flags["model"] = str(default_model_dir())
+    # The model (by default the packaged one; a GGUF file converted here, once, rather than
+    # by each child) and its name, as every role is to see them.
+    resolved = _with_checkpoint_dir(config)
+    flags["model"], flags["model_name"] = resolved.model, resolved.model_name
     if not config.threads:  # workers split the cores but one, left to the tokenizer and router
         flags["threads"] = max(1, ((os.cpu_count() or 1) - 1) // len(engines))
     if not config.profile:  # the router prices with this node's engine, not another machine's
@@ -398,16 +459,16 @@ def _node_profile(config, model_dir: Path, dtype: str, threads: int) -> Path:
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     argv = [sys.executable, "-m", "services.cli", "profile", "--model", str(model_dir), "--dtype", dtype,
             "--device", config.device, "--threads", str(threads), "--name", path.stem, "--out", str(partial)]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=NODE_PROFILE_TIMEOUT_S)
+    try:  # its progress lines (stderr) pass through: this can take a minute on a large model
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=NODE_PROFILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         partial.unlink(missing_ok=True)
         raise click.ClickException(f"measuring this node's engine took over {NODE_PROFILE_TIMEOUT_S:.0f} s; "
                                    f"give --profile (a file `svc profile` wrote, or a built-in name)") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise click.ClickException(f"measuring this node's engine failed; give --profile to skip it:\n"
-                                   f"{done.stderr.strip()[-2000:]}")
+        raise click.ClickException("measuring this node's engine failed (its errors are above); give --profile "
+                                   "to skip it")
     os.replace(partial, path)  # whole or not at all, should two starts race
     click.echo(f"wrote {path}")
     return path
@@ -481,7 +542,7 @@ def keys_generate(directory: Path, keep: bool) -> None:
 
 @main.command("profile")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path),
-              help="Hugging Face checkpoint directory (default: the tiny embedded model)")
+              help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
 @click.option("--out", type=click.Path(path_type=Path), help="write the profile here (default: print it)")
 @click.option("--name", help="the profile's name (default: <model directory>-<device>)")
 @engine_option("dtype")
@@ -489,9 +550,10 @@ def keys_generate(directory: Path, keep: bool) -> None:
 @click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0 = torch's default)")
 @engine_option("kv_cache_gb")
 @click.option("--quick", is_flag=True, help="a small grid: seconds on the tiny model")
+@click.option("--full", is_flag=True, help="a finer grid (to 2,048 tokens of context): minutes on the default model")
 @click.option("--compare-preble", is_flag=True,
               help="print the analytic h100/llama-3-70b prefill against Preble's published fit; measure nothing")
-def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, compare_preble) -> None:
+def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, full, compare_preble) -> None:
     """Measure this machine's engine (prefill and decode step times) and write the fitted
     cost profile as JSON, for --profile."""
     if compare_preble:
@@ -502,19 +564,21 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, co
     from common.cost_model import ProfileError
     from common.engine.checkpoint import CheckpointError
     from common.engine.config import EngineConfig
-    from common.engine.default_model import default_model_dir
     from common.engine.engine import Engine, EngineConfigError
-    from services.eval.profiler import FULL_GRID, QUICK_GRID, ProfilerError, run_profile
+    from services.eval.profiler import FULL_GRID, GRID, QUICK_GRID, ProfilerError, run_profile
 
     if threads:
         torch.set_num_threads(threads)
-    grid = QUICK_GRID if quick else FULL_GRID
-    model_dir = model_dir or default_model_dir()
+    if quick and full:
+        raise click.UsageError("give at most one of --quick and --full")
+    grid = QUICK_GRID if quick else FULL_GRID if full else GRID
+    model_dir = model_dir or _default_model()
+    label = _model_label(model_dir)
     try:
-        engine = Engine(EngineConfig(model_dir=model_dir, dtype=dtype, device=device,
-                                     kv_cache_gb=kv_cache_gb,
+        engine = Engine(EngineConfig(model_dir=_checkpoint_dir(model_dir),
+                                     dtype=dtype, device=device, kv_cache_gb=kv_cache_gb,
                                      max_num_batched_tokens=grid.max_batched_tokens))
-        data = run_profile(engine, grid, name or f"{Path(model_dir).name}-{device}")
+        data = run_profile(engine, grid, name or f"{label}-{device}")
     except (CheckpointError, ConfigError, EngineConfigError, ProfilerError, ProfileError) as error:
         raise click.ClickException(str(error)) from error
     text = json.dumps(data, indent=2)

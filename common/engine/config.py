@@ -104,7 +104,7 @@ class EngineConfig(EngineSettings):
     """What an engine is built from: the operator's settings and what only code sets.
 
     The fields below are no operator settings, so they are not in EngineSettings:
-    `model_dir` is the cluster's `model` ("" there means the embedded default);
+    `model_dir` is the cluster's `model` (a directory or a GGUF file; svc resolves "" to the packaged default model);
     `num_kv_blocks`, when set, sizes the pool instead of `kv_cache_gb` (tests force
     preemption with it); a served worker roots each request at its own tenant, as the
     router does, so `tenant_salt` is only the offline engine's tenant for requests that

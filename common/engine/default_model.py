@@ -1,20 +1,18 @@
-"""The embedded default model: a Llama-architecture checkpoint with deterministic random
-weights and a byte-level BPE tokenizer, written in Hugging Face format.
+"""The random test models (tiny, small): Llama-architecture checkpoints with deterministic
+random weights and a byte-level BPE tokenizer, written in Hugging Face format. Tests and
+benchmarks run on them; what Baton serves by default is a real model
+(common/engine/packaged_model.py).
 
 It is written to disk and then loaded like any other checkpoint, so the real loading
 path runs everywhere, and transformers can load the same directory to pin correctness.
 """
 from __future__ import annotations
 
-import errno
-import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.atomic_dir import cached_dir, fsync_file, write_dir_atomically, write_json
 from common.cache_root import baton_cache_root
 from common.engine.checkpoint import expected_tensors
 from common.engine.config import ModelConfig
@@ -77,26 +75,8 @@ def write_default_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Pat
     either absent or complete. Raises FileExistsError if `out_dir` is non-empty (also
     when another writer renamed its checkpoint there first). Returns `out_dir`.
     """
-    out_dir = Path(out_dir)
     _size_dims(size)  # an unknown size fails before anything is written
-    _require_empty_or_absent(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp_dir.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
-        _write_checkpoint_files(tmp_dir, size, seed)
-        _fsync_dir(tmp_dir)
-        try:
-            os.rename(tmp_dir, out_dir)  # atomic; replaces out_dir only if it is empty
-        except OSError as exc:
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            raise FileExistsError(f"{out_dir}: already holds a checkpoint "
-                                  f"(written concurrently by another process)") from exc
-        _fsync_dir(out_dir.parent)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
+    return write_dir_atomically(Path(out_dir), lambda tmp_dir: _write_checkpoint_files(tmp_dir, size, seed))
 
 
 def default_model_path(cache_root: Path | None = None, size: str = "tiny", seed: int = 0) -> Path:
@@ -111,14 +91,9 @@ def default_model_dir(cache_root: Path | None = None, size: str = "tiny",
     `cache_root` defaults to $BATON_CACHE_DIR, else ~/.cache/baton. Safe when several
     processes race to create it: the losers use the winner's copy, identical anyway.
     """
-    model_dir = default_model_path(cache_root, size, seed)
-    if _is_non_empty_dir(model_dir):
-        return model_dir
-    try:
-        write_default_model(model_dir, size=size, seed=seed)
-    except FileExistsError:
-        pass  # another process won the rename; its checkpoint is complete
-    return model_dir
+    _size_dims(size)
+    return cached_dir(default_model_path(cache_root, size, seed),
+                      lambda tmp_dir: _write_checkpoint_files(tmp_dir, size, seed))
 
 
 # ----------------------------------------------------------------------- files
@@ -126,8 +101,8 @@ def default_model_dir(cache_root: Path | None = None, size: str = "tiny",
 
 def _write_checkpoint_files(out_dir: Path, size: str, seed: int) -> None:
     dims = _size_dims(size)
-    _write_json(out_dir / "config.json", _hf_config(dims))
-    _write_json(out_dir / "generation_config.json", {
+    write_json(out_dir / "config.json", _hf_config(dims))
+    write_json(out_dir / "generation_config.json", {
         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
         "do_sample": False,
     })
@@ -173,15 +148,15 @@ def _write_weights(path: Path, cfg: ModelConfig, seed: int) -> None:
         weight = torch.empty(shape).normal_(0.0, std, generator=generator)
         tensors[name] = weight.to(torch.bfloat16)
     save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
+    fsync_file(path)
 
 
 def _write_tokenizer_files(out_dir: Path, vocab_size: int, seed: int) -> None:
     build_tokenizer(vocab_size, seed).save(str(out_dir / "tokenizer.json"))
-    _fsync_file(out_dir / "tokenizer.json")
+    fsync_file(out_dir / "tokenizer.json")
     special = dict(zip(("bos_token", "eos_token", "unk_token", "pad_token"), SPECIAL_TOKENS))
-    _write_json(out_dir / "special_tokens_map.json", special)
-    _write_json(out_dir / "tokenizer_config.json", {
+    write_json(out_dir / "special_tokens_map.json", special)
+    write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "model_max_length": MODEL_MAX_LENGTH,
@@ -189,36 +164,6 @@ def _write_tokenizer_files(out_dir: Path, vocab_size: int, seed: int) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
     })
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-    _fsync_file(path)
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _require_empty_or_absent(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir}: exists and is not a directory")
-    if _is_non_empty_dir(out_dir):
-        raise FileExistsError(f"{out_dir}: directory exists and is not empty; "
-                              f"refusing to write a checkpoint over it")
-
-
-def _is_non_empty_dir(path: Path) -> bool:
-    return path.is_dir() and any(path.iterdir())
 
 
 def _size_dims(size: str) -> dict[str, Any]:

