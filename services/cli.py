@@ -291,12 +291,14 @@ def _checkpoint_dir(model: str | Path) -> Path:
     first use (common/engine/gguf.py), or the directory as given."""
     from common.engine.checkpoint import CheckpointError
     from common.engine.gguf import checkpoint_dir
+    from common.progress import heartbeat
 
     def announce(path: Path, out_dir: Path) -> None:
         click.echo(f"converting {path} into {out_dir}, once ...", err=True)
 
     try:
-        return checkpoint_dir(model, on_convert=announce)
+        with heartbeat(f"model: reading {model}"):
+            return checkpoint_dir(model, on_convert=announce)
     except CheckpointError as error:
         raise click.ClickException(f"model: {error}") from error
 
@@ -565,6 +567,7 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, fu
     from common.engine.checkpoint import CheckpointError
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine, EngineConfigError
+    from common.progress import heartbeat
     from services.eval.profiler import FULL_GRID, GRID, QUICK_GRID, ProfilerError, run_profile
 
     if threads:
@@ -575,9 +578,10 @@ def profile(model_dir, out, name, dtype, device, threads, kv_cache_gb, quick, fu
     model_dir = model_dir or _default_model()
     label = _model_label(model_dir)
     try:
-        engine = Engine(EngineConfig(model_dir=_checkpoint_dir(model_dir),
-                                     dtype=dtype, device=device, kv_cache_gb=kv_cache_gb,
-                                     max_num_batched_tokens=grid.max_batched_tokens))
+        with heartbeat("profile: loading the model and building its kernels"):
+            engine = Engine(EngineConfig(model_dir=_checkpoint_dir(model_dir),
+                                         dtype=dtype, device=device, kv_cache_gb=kv_cache_gb,
+                                         max_num_batched_tokens=grid.max_batched_tokens))
         data = run_profile(engine, grid, name or f"{label}-{device}")
     except (CheckpointError, ConfigError, EngineConfigError, ProfilerError, ProfileError) as error:
         raise click.ClickException(str(error)) from error

@@ -14,6 +14,7 @@ from common.engine.default_model import default_model_dir
 from common.engine.engine import Engine
 from common.engine.step_log import StepLogWriter
 from common.logs import get_logger
+from common.progress import heartbeat
 from services.worker.service import KvEventBuffer, WorkerService
 
 log = get_logger("worker")
@@ -53,9 +54,10 @@ def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
     if config.threads:
         torch.set_num_threads(config.threads)
     events = KvEventBuffer()
-    engine = Engine(engine_config(config, index), kv_events=events)
+    with heartbeat(f"{role}-{index}: loading the model and building its kernels"):
+        engine = Engine(engine_config(config, index), kv_events=events)
+        warm_up_s = engine.warm_up()
     service = service_class(role)
-    warm_up_s = engine.warm_up()
     log.info("engine_settings", worker_id=f"{role}-{index}", warm_up_ms=round(warm_up_s * 1e3, 1),
              **engine_settings(engine.config))
     step_log = None
