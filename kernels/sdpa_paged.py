@@ -13,10 +13,10 @@ tail past each sequence's length.
 
 On the CPU, where Baton's C++ kernel (kernels/csrc/paged_attention.cpp) built, the
 single-token queries go to it instead: it reads their context from the pool in place.
-In bf16 on CPUs with AMX tiles, every chunk, fresh or over cached context, likewise goes
-to kernels/csrc/amx_attention.cpp (`amx_chunks`), with no gather and no mask: on fresh
-1,024-token prompts it prefilled the small model ~7% and the tiny one ~20% faster than
-SDPA's flash kernel.
+In bf16 on CPUs with AMX tiles, chunks over cached context and fresh chunks of up to
+AMX_FRESH_MAX_TOKENS likewise go to kernels/csrc/amx_attention.cpp (`amx_chunks`), with
+no gather and no mask: on fresh 1,024-token prompts it prefilled the small model ~7% and
+the tiny one ~20% faster than SDPA's flash kernel.
 
 Without it, the decode group keeps a mirror: its sequences' K/V, dense, per layer.
 While the same sequences decode step after step, each step appends one token per
@@ -44,6 +44,10 @@ from kernels.attention import AttentionBackend, AttentionInputs
 CUDA_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MIRROR_POOL_SHARE = 8  # the mirror holds at most this fraction (1/8) of the pool's tokens
 MIRROR_HEADROOM = 64  # positions a rebuilt mirror leaves for the steps after it
+# Fresh chunks up to this many tokens go to the AMX kernel: on the small model it beat
+# SDPA's flash kernel by 7 % at 1,024 tokens and 3 % at 2,080, and lost by 8 % at 4,000
+# (its softmax runs on vector lanes, and its cost grows with the square of the length).
+AMX_FRESH_MAX_TOKENS = 2048
 
 
 @dataclass
@@ -147,7 +151,8 @@ class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
         rows (see _attend_decode_folded); None decides by device: on CUDA only (on the
         CPU, broadcasting was 1.0-1.7x faster at decode shapes of both default models).
         native: decode tokens through the C++ kernel; None: on the CPU where it builds.
-        amx_chunks: every chunk through the AMX kernel (bf16, CPUs with AMX; see
+        amx_chunks: chunks over cached context and fresh chunks of up to
+        AMX_FRESH_MAX_TOKENS through the AMX kernel (bf16, CPUs with AMX; see
         amx_chunks_fit) instead of SDPA (and a gather, for chunks over cached context)."""
         self.on_cuda = torch.device(device).type == "cuda"
         self.fold_decode = self.on_cuda if fold_decode is None else fold_decode
@@ -171,15 +176,15 @@ class SdpaPagedBackend(AttentionBackend[SdpaMetadata]):
             groups.append(_single_token_group(inputs))
             mirror_step = self._plan_mirror(inputs)
         first = inputs.num_single
-        if self.amx_chunks:  # every chunk, fresh or not: faster than SDPA's flash kernel for both
-            if first < inputs.num_seqs:
-                groups.append(_native_chunk_group(inputs, list(range(first, inputs.num_seqs))))
-        else:
-            fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
-            groups += _fresh_groups(inputs, fresh)
-            continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
-            if continuing:
-                groups.append(_chunk_group(inputs, continuing))
+        fresh = [i for i in range(first, inputs.num_seqs) if inputs.context_lens[i] == inputs.query_lens[i]]
+        if self.amx_chunks:  # the kernel takes fresh chunks too, up to the length where flash overtakes it
+            fresh = [i for i in fresh if inputs.query_lens[i] > AMX_FRESH_MAX_TOKENS]
+        groups += _fresh_groups(inputs, fresh)
+        continuing = [i for i in range(first, inputs.num_seqs) if i not in set(fresh)]
+        if continuing and self.amx_chunks:
+            groups.append(_native_chunk_group(inputs, continuing))
+        elif continuing:
+            groups.append(_chunk_group(inputs, continuing))
         covers = len(groups) == 1 and (isinstance(groups[0], _Fresh)
                                        or isinstance(groups[0], _Paged) and groups[0].row_index is None)
         return SdpaMetadata(inputs.slot_mapping, groups, covers, mirror_step)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionInputs, select_backend
-from kernels.sdpa_paged import _Native, amx_chunks_fit
+from kernels.sdpa_paged import AMX_FRESH_MAX_TOKENS, _Fresh, _Native, amx_chunks_fit
 from tests.kernels.test_amx_linear import cpu_has_amx
 from tests.kernels.test_native import call_with, paged_problem, reference
 
@@ -111,8 +111,8 @@ def backend_step(shape, heads=4, kv_heads=2, dim=64, block_size=16):
     [(7, 1), (30, 5), (0, 3), (64, 2)],
 ])
 def test_the_sdpa_backend_sends_every_chunk_to_it(amx_attention, shape):
-    """Fresh prompts too: on the small model's 1,024-token prefills the kernel was ~7%
-    faster end to end than SDPA's flash kernel (same greedy tokens)."""
+    """Fresh prompts too (up to AMX_FRESH_MAX_TOKENS): on the small model's 1,024-token
+    prefills the kernel was ~7% faster end to end than SDPA's flash kernel."""
     inputs, query, key, value, kv_layer, expected = backend_step(shape)
     backend = select_backend("sdpa", torch.device("cpu"), 64, torch.bfloat16)
     assert backend.amx_chunks and backend.native
@@ -120,6 +120,17 @@ def test_the_sdpa_backend_sends_every_chunk_to_it(amx_attention, shape):
     chunks = [g for g in metadata.groups if isinstance(g, _Native) and g.amx]
     assert len(chunks) == 1 and chunks[0].query_lens.tolist() == [n for c, n in shape if n > 1]
     assert len(metadata.groups) == 1 + (inputs.num_single > 0)  # no SDPA group left
+    output = backend.forward(query, key, value, kv_layer, metadata)
+    torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_fresh_chunk_past_its_length_limit_stays_with_sdpa(amx_attention):
+    shape = [(3, 1), (0, AMX_FRESH_MAX_TOKENS + 1), (64, 2)]
+    inputs, query, key, value, kv_layer, expected = backend_step(shape)
+    backend = select_backend("sdpa", torch.device("cpu"), 64, torch.bfloat16)
+    metadata = backend.prepare(inputs)
+    assert [g.query_lens.tolist() for g in metadata.groups if isinstance(g, _Native) and g.amx] == [[2]]
+    assert [g.query_len for g in metadata.groups if isinstance(g, _Fresh)] == [AMX_FRESH_MAX_TOKENS + 1]
     output = backend.forward(query, key, value, kv_layer, metadata)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
 
