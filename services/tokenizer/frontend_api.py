@@ -28,6 +28,9 @@ class StreamEvent:
     num_cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    # On the finished event only: a disaggregated request's TTFT split as its workers
+    # measured it (queue_s, prefill_s, decode_wait_s, transfer_s; checked and merged).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class FrontendApi(Protocol):

@@ -111,6 +111,7 @@ class Output:
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     echo: str | None = None  # the echoed prompt's text, which comes before `text`
+    timings: dict[str, float] = field(default_factory=dict)  # the finished event's TTFT split
 
     def add(self, event: StreamEvent) -> None:
         self.text += event.text
@@ -118,6 +119,7 @@ class Output:
         self.logprobs.extend(event.logprobs)
         self.prompt_logprobs.extend(event.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        self.timings.update(event.timings)
         if event.finished:
             self.finish_reason = finish_reason(event.finish_reason)
 
@@ -536,8 +538,13 @@ def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
 
 
 def _usage(job: Job, output: Output) -> dict[str, Any]:
+    """OpenAI's usage object, and Baton's `ttft_split` where the workers measured one (a
+    disaggregated request: docs/openai-api.md)."""
     prompt_tokens = len(job.prompt_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": output.num_tokens,
-            "total_tokens": prompt_tokens + output.num_tokens,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": output.num_tokens,
+                             "total_tokens": prompt_tokens + output.num_tokens,
+                             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+    if output.timings:
+        usage["ttft_split"] = dict(sorted(output.timings.items()))
+    return usage
 

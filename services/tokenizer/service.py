@@ -15,7 +15,8 @@ sent to the old one and never placed fails the same way.
 Tokens for a request this tokenizer does not know (it restarted, or the request ended
 here first) make it abort that request upstream, so no worker computes for nobody.
 The timings workers attach to a disaggregated request's Tokens (its queue, prefill, decode
-wait and KV transfer) are checked, merged over its stream and sent on its final Chunk.
+wait and KV transfer) are checked, merged over its stream and sent on its final event: the
+SDK's final Chunk, and the HTTP gateway's usage (`ttft_split`, docs/openai-api.md).
 A text prompt is held to `prompt_byte_limit` before it is tokenized, and a long one is
 tokenized on `pool`, off the event loop, on either door (services/tokenizer/text_prompts.py).
 An empty text prompt is tokenized like any other, as the HTTP gateway and vLLM do: served
@@ -219,7 +220,7 @@ class TokenizerService:
         if state is not None and not state.done:
             state.done = True
             await self._send_router(Abort(request_id=request_id))
-            self._deliver(state, StreamEvent([], "", finished=True, finish_reason="abort"))
+            self._deliver(state, StreamEvent([], "", finished=True, finish_reason="abort", timings=dict(state.timings)))
 
     def router_reachable(self) -> bool:
         return time.monotonic() - self.last_status_at < self.config.worker_timeout_s
@@ -423,7 +424,8 @@ class TokenizerService:
         text = self._releasable_text(state, finished)
         event = StreamEvent(message.token_ids, text, finished,
                             "stop" if stopped else message.finish_reason,
-                            message.num_prompt_tokens, message.num_cached_tokens, message.logprobs)
+                            message.num_prompt_tokens, message.num_cached_tokens, message.logprobs,
+                            timings=dict(state.timings) if finished else {})
         if stopped and not message.finished:
             asyncio.ensure_future(self._send_router(Abort(request_id=state.request_id, reason="stop string")))
         self._deliver(state, event)
@@ -672,7 +674,7 @@ class TokenizerService:
                 request_id=client_id, token_ids=item.token_ids, text=item.text, finished=item.finished,
                 finish_reason=item.finish_reason, num_prompt_tokens=item.num_prompt_tokens,
                 num_cached_tokens=item.num_cached_tokens, logprobs=item.logprobs,
-                timings=dict(state.timings) if item.finished else {}, prompt_logprobs=item.prompt_logprobs))
+                timings=item.timings, prompt_logprobs=item.prompt_logprobs))
             if not item.finished:
                 return
             self._record_finish(state, item)

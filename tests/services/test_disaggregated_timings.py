@@ -1,9 +1,11 @@
 """A real disaggregated cluster (one prefill, one decode worker, every prompt's KV moved):
-the split its workers measure reaches the SDK's result and `svc bench`'s report."""
+the split its workers measure reaches the SDK's result, the HTTP gateway's usage and `svc
+bench`'s report."""
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from click.testing import CliRunner
 
@@ -30,6 +32,22 @@ def test_the_result_and_the_final_chunk_carry_the_whole_split(pd_cluster, random
     assert sum(len(chunk.token_ids) for chunk in chunks) == 4
     assert all(chunk.timings == {} for chunk in chunks[:-1])
     assert set(chunks[-1].timings) == SPLIT and all(value >= 0 for value in chunks[-1].timings.values())
+
+
+def test_the_http_usage_carries_the_split_streamed_and_not(pd_cluster, random_prompts):
+    api = openai.OpenAI(base_url=pd_cluster.http + "/v1", api_key="none", max_retries=0, timeout=60)
+    prompt, = random_prompts([120], seed=11)
+    chunks = list(api.completions.create(model="baton-default", prompt=prompt, max_tokens=4, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    usage = chunks[-1].usage.model_dump()
+    assert usage["completion_tokens"] == 4
+    assert set(usage["ttft_split"]) == SPLIT and all(value >= 0 for value in usage["ttft_split"].values())
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    chat = api.chat.completions.create(model="baton-default", max_tokens=3, temperature=0,
+                                       messages=[{"role": "user", "content": "a fresh question " * 20}])
+    split = chat.usage.model_dump()["ttft_split"]
+    assert set(split) == SPLIT and split["prefill_s"] > 0
 
 
 def test_svc_bench_reports_the_split_of_a_disaggregated_cluster(pd_cluster):
