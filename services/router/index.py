@@ -27,7 +27,7 @@ neither a worker nor the store holds is forgotten.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Set
 
 import numpy as np
@@ -82,9 +82,9 @@ _NO_KEYS = BlockKeys(b"", 1)
 
 
 class BlockNode:
-    """One named block (or, with no holders and depth -1, the root of a hash chain)."""
+    """One named block (or, with depth -1 and no parent, the root of a hash chain)."""
 
-    __slots__ = ("block_hash", "parent", "key", "depth", "holders", "signature", "children",
+    __slots__ = ("block_hash", "parent", "key", "depth", "run", "children",
                  "hit_epoch", "hits_now", "hits_before", "lead", "ahead")
 
     def __init__(self, block_hash: int):
@@ -92,8 +92,9 @@ class BlockNode:
         self.parent: BlockNode | None = None
         self.key = b""  # this block's token bytes, the key in parent.children
         self.depth = -1  # index of the block in its prompt; -1 while unknown
-        self.holders: dict[str, float] = {}  # worker id -> expiry (NEVER with KV events)
-        self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
+        # The run of blocks that share this one's holders and LRU places; None while no
+        # worker holds it (docs/router.md §2).
+        self.run: Run | None = None
         # The children by key: None, the one child (most blocks have one: its key is its
         # own), or a dict once a second is linked; no dict per node (docs/evaluation.md §3.4).
         self.children: BlockNode | dict[bytes, BlockNode] | None = None
@@ -107,6 +108,64 @@ class BlockNode:
         # node's segment (its parent the head).
         self.lead: BlockNode | None = None
         self.ahead: dict[bytes, tuple[bytes, list[BlockNode]]] | None = None
+
+
+class Run:
+    """Blocks that share fate: the same holders, each holder's same expiry, and one place
+    in each holder's LRU, where they lie next to each other in `nodes`' order (least
+    recent first). The index keeps holders and LRU places per run, not per block, and cuts
+    a run only where an event, a credit or a reuse treats its blocks apart."""
+
+    __slots__ = ("nodes", "holders", "signature")
+
+    def __init__(self, nodes: list[BlockNode]):
+        self.nodes = nodes
+        self.holders: dict[str, Hold] = {}  # worker id -> the run's place in its LRU, in holding order
+        self.signature = 0  # XOR of the holders' worker bits: equal signatures, equal holder sets
+
+
+class Hold:
+    """A worker's hold on a run: its link in the worker's LRU of runs (a circular list
+    through the worker's `Lru.head`) and its expiry (NEVER with KV events)."""
+
+    __slots__ = ("run", "expiry", "prev", "next")
+
+    def __init__(self, run: Run | None, expiry: float):
+        self.run = run  # None for an Lru's head
+        self.expiry = expiry
+        self.prev: Hold = self
+        self.next: Hold = self
+
+    def unlink(self) -> None:
+        self.prev.next = self.next
+        self.next.prev = self.prev
+
+    def insert_before(self, other: Hold) -> None:
+        """Link this hold just before `other` (before the head: at the recent end)."""
+        last = other.prev
+        self.prev, self.next = last, other
+        last.next = self
+        other.prev = self
+
+
+class Lru:
+    """A worker's runs, least recently used first, and how many blocks they hold."""
+
+    __slots__ = ("head", "blocks")
+
+    def __init__(self) -> None:
+        self.head = Hold(None, NEVER)
+        self.blocks = 0
+
+    def __iter__(self) -> Iterator[BlockNode]:
+        """The blocks, least recent first (as they stand: deferred credits and moves not made)."""
+        head = self.head
+        hold = head.next
+        while hold is not head:
+            run = hold.run
+            assert run is not None  # only a head has none
+            yield from run.nodes
+            hold = hold.next
 
 
 def window_hits(node: BlockNode, current: int) -> int:
@@ -152,6 +211,26 @@ class Reuse:
         self.path = path
 
 
+def _stretch(seq: list[BlockNode] | list[BlockNode | None], i: int, nodes: list[BlockNode], first: int) -> int:
+    """Where the stretch of `seq` from i that is `nodes` from `first` on, in order, ends."""
+    stop, end = i + 1, len(seq)
+    at = first + 1
+    while stop < end and at < len(nodes) and seq[stop] is nodes[at]:
+        stop += 1
+        at += 1
+    return stop
+
+
+def _stretch_down(seq: list[BlockNode | None], i: int, nodes: list[BlockNode], first: int) -> int:
+    """Where the stretch of `seq` from i that is `nodes` from `first` down, in reverse order, ends."""
+    stop, end = i + 1, len(seq)
+    at = first - 1
+    while stop < end and at >= 0 and seq[stop] is nodes[at]:
+        stop += 1
+        at -= 1
+    return stop
+
+
 class PrefixIndex:
     def __init__(self, block_size: int, window_s: float = 180.0, ttl_s: float | None = None):
         """`ttl_s` None: entries live until a removed event (events mode); otherwise
@@ -162,10 +241,7 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.nodes: dict[int, BlockNode] = {}
         self.roots: dict[int, BlockNode] = {}
-        # Per worker, its blocks' nodes least recent first. Keyed by the node itself: a read
-        # walks the keys alone (values() would look each up again), and a probe compares
-        # pointers, not integers.
-        self.lru: dict[str, OrderedDict[BlockNode, None]] = {}
+        self.lru: dict[str, Lru] = {}  # per worker, its runs least recent first
         self.changed: set[str] = set()  # workers whose LRU changed since the owner last looked
         self.worker_bits: dict[str, int] = {}
         self.expiries: deque[tuple[float, str, int]] = deque()  # approximate mode, in time order
@@ -260,25 +336,36 @@ class PrefixIndex:
     def match(self, path: list[BlockNode]) -> dict[str, int]:
         """Worker id -> how many leading blocks of `path` it holds (only workers with ≥ 1).
 
-        Holder sets are compared only where a node's signature differs from its parent's,
-        so a match costs O(blocks) cheap steps however many workers share the prefix
-        (holder sets rarely change along a chain). Call expire() first in approximate mode.
+        Holder sets are compared only where the path enters a run whose signature differs
+        from the one before, so a match costs O(blocks) pointer comparisons however many
+        workers share the prefix (holder sets rarely change along a chain). Call expire()
+        first in approximate mode.
         """
         if not path:
             return {}
         matched: dict[str, int] = {}
-        alive: Set[str] = path[0].holders.keys()
-        signature = path[0].signature
+        run = path[0].run
+        if run is None:
+            return matched
+        alive: Set[str] = run.holders.keys()
+        signature = run.signature
+        depth = 0
         for node in path:  # the loop does no more than compare: changes are rare
-            if node.signature != signature:
-                depth = path.index(node)
-                still = alive & node.holders.keys()
-                for worker_id in alive - still:
-                    matched[worker_id] = depth
-                if not still:
+            here = node.run
+            if here is not run:
+                run = here
+                if here is None:
+                    for worker_id in alive:
+                        matched[worker_id] = depth
                     return matched
-                alive, signature = still, node.signature
-        depth = len(path)
+                if here.signature != signature:
+                    still = alive & here.holders.keys()
+                    for worker_id in alive - still:
+                        matched[worker_id] = depth
+                    if not still:
+                        return matched
+                    alive, signature = still, here.signature
+            depth += 1
         for worker_id in alive:
             matched[worker_id] = depth
         return matched
@@ -292,11 +379,18 @@ class PrefixIndex:
     def lru_blocks(self, worker_id: str) -> Iterator[BlockNode]:
         """The worker's blocks, least recently used first."""
         self._name_credits_of(worker_id)
-        return iter(self.lru.get(worker_id, ()))
+        lru = self.lru.get(worker_id)
+        return iter(lru) if lru is not None else iter(())
 
     def num_blocks(self, worker_id: str) -> int:
         self._name_credits_of(worker_id)
-        return len(self.lru.get(worker_id, ()))
+        lru = self.lru.get(worker_id)
+        return lru.blocks if lru is not None else 0
+
+    def holders(self, node: BlockNode) -> dict[str, float]:
+        """Worker id -> when its hold on the block expires (NEVER with KV events)."""
+        run = node.run
+        return {worker_id: hold.expiry for worker_id, hold in run.holders.items()} if run is not None else {}
 
     def __len__(self) -> int:
         self.name_credits()
@@ -344,44 +438,87 @@ class PrefixIndex:
         self._hold(worker_id, held, now)
 
     def _hold(self, worker_id: str, held: list[BlockNode], now: float) -> None:
-        """`stored` for the blocks' nodes: the worker holds them, most recently used last."""
+        """`stored` for the blocks' nodes: the worker holds them, most recently used last.
+
+        Taken a run at a time: each stretch of `held` that is a stretch of one run is cut
+        out of it (in every holder's LRU) and moved to the worker's recent end, or joined
+        by the worker; a stretch of blocks no one held becomes a run of its own."""
         expiry = now + self.ttl_s if self.ttl_s is not None else NEVER
-        lru = self.lru.setdefault(worker_id, OrderedDict())
+        lru = self._lru_of(worker_id)
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
         credited = self.unconfirmed.get(worker_id)
         if credited:  # only held blocks are on credit: discarding any other is a no-op
             credited.difference_update([node.block_hash for node in held])
-        touch = lru.move_to_end
-        for node in held:
-            holders = node.holders
-            if worker_id in holders:
-                touch(node)
+        head = lru.head
+        count = len(held)
+        i = 0
+        while i < count:
+            node = held[i]
+            run = node.run
+            if run is None:  # no one holds it: it starts a run with the unheld blocks after it
+                piece = Run([node])
+                node.run = piece
+                i += 1
+                while i < count and held[i].run is None:
+                    held[i].run = piece
+                    piece.nodes.append(held[i])
+                    i += 1
             else:
-                node.signature ^= bit
-                lru[node] = None
-            holders[worker_id] = expiry
+                first = run.nodes.index(node)
+                stop = _stretch(held, i, run.nodes, first)
+                piece = self._isolate(run, first, first + stop - i)
+                i = stop
+            hold = piece.holders.get(worker_id)
+            if hold is None:
+                hold = piece.holders[worker_id] = Hold(piece, expiry)
+                piece.signature ^= bit
+                lru.blocks += len(piece.nodes)
+            else:
+                hold.unlink()
+                hold.expiry = expiry
+            hold.insert_before(head)
         if self.ttl_s is not None:
             self.expiries.extend((expiry, worker_id, node.block_hash) for node in held)
-        self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + len(held)
+        self.lru_clock[worker_id] = self.lru_clock.get(worker_id, 0) + count
 
     def removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        """The worker no longer holds these blocks (a KV event): a stretch of one run at a
+        time, in either direction (an engine evicts a chain's tail first)."""
         self.name_credits()
-        lru = self.lru.get(worker_id)
         bit = self._worker_bit(worker_id)
         self._touched(worker_id)
+        lru = self.lru.get(worker_id)
+        if lru is None:  # it holds nothing
+            return
         credited = self.unconfirmed.get(worker_id)
-        known, stored = self.nodes.get, self.store_tiers
-        for block_hash in block_hashes:
-            node = known(block_hash)
-            if node is not None and node.holders.pop(worker_id, None) is not None:
-                node.signature ^= bit
-                if credited:
-                    credited.discard(block_hash)
-                if lru is not None:
-                    lru.pop(node, None)
-                if not node.holders and block_hash not in stored:
-                    self._forget(node)
+        known = self.nodes.get
+        found = [known(block_hash) for block_hash in block_hashes]
+        count = len(found)
+        i = 0
+        while i < count:
+            node = found[i]
+            run = node.run if node is not None else None
+            if node is None or run is None or worker_id not in run.holders:
+                i += 1
+                continue
+            nodes = run.nodes
+            first = nodes.index(node)
+            stop = _stretch(found, i, nodes, first)
+            if stop > i + 1:
+                piece = self._isolate(run, first, first + stop - i)
+            else:
+                stop = _stretch_down(found, i, nodes, first)
+                piece = self._isolate(run, first - (stop - i) + 1, first + 1)
+            hold = piece.holders.pop(worker_id)
+            hold.unlink()
+            piece.signature ^= bit
+            lru.blocks -= stop - i
+            if credited:
+                credited.difference_update([found_node.block_hash for found_node in piece.nodes])
+            if not piece.holders:
+                self._let_go([gone for gone in found[i:stop] if gone is not None])  # in the event's order
+            i = stop
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything a worker held (it left or restarted with an empty cache)."""
@@ -390,10 +527,26 @@ class PrefixIndex:
         self.lru_clock.pop(worker_id, None)
         self.last_touch.pop(worker_id, None)
         self.unconfirmed.pop(worker_id, None)
-        for node in self.lru.pop(worker_id, None) or ():
-            if node.holders.pop(worker_id, None) is not None:
-                node.signature ^= bit
-            if not node.holders and node.block_hash not in self.store_tiers:
+        lru = self.lru.pop(worker_id, None)
+        if lru is None:
+            return
+        head = lru.head
+        hold = head.next
+        while hold is not head:
+            run = hold.run
+            assert run is not None  # only a head has none
+            del run.holders[worker_id]
+            run.signature ^= bit
+            if not run.holders:
+                self._let_go(run.nodes)
+            hold = hold.next
+
+    def _let_go(self, nodes: list[BlockNode]) -> None:
+        """These blocks' run has lost its last holder: forget those the store lacks."""
+        stored = self.store_tiers
+        for node in nodes:
+            node.run = None
+            if node.block_hash not in stored:
                 self._forget(node)
 
     def store_stored(self, block_hashes: list[int], tiers: list[int]) -> None:
@@ -413,7 +566,7 @@ class PrefixIndex:
         for block_hash in block_hashes:
             if self.store_tiers.pop(block_hash, None) is not None:
                 node = self.nodes[block_hash]  # a stored block always has its node
-                if not node.holders:
+                if node.run is None:
                     self._forget(node)
 
     def drop_store(self) -> None:
@@ -422,7 +575,7 @@ class PrefixIndex:
         stored, self.store_tiers = self.store_tiers, {}
         for block_hash in stored:
             node = self.nodes[block_hash]
-            if not node.holders:
+            if node.run is None:
                 self._forget(node)
 
     def record_hits(self, path: list[BlockNode], worker_id: str, now: float) -> None:
@@ -451,22 +604,33 @@ class PrefixIndex:
         self.deferred_workers.add(worker_id)
 
     def _move_to_recent(self, reuse: Reuse) -> None:
-        """The LRU move record_hits deferred."""
+        """The LRU move record_hits deferred: each stretch of the path that is a stretch
+        of a run the worker holds, cut out and moved to its recent end."""
         worker_id, path = reuse.worker_id, reuse.path
         tail = path[-1]
-        lru = self.lru.setdefault(worker_id, OrderedDict())
+        lru = self._lru_of(worker_id)
         clock = self.lru_clock.get(worker_id, 0)
         last = self.last_touch.get(worker_id)
-        if (last is not None and last[0] is tail and len(lru) > EXACT_LRU_BLOCKS
-                and clock - last[1] < len(lru) // 2):
+        if (last is not None and last[0] is tail and lru.blocks > EXACT_LRU_BLOCKS
+                and clock - last[1] < lru.blocks // 2):
             return
-        touch = lru.move_to_end
-        for node in path:
-            try:
-                touch(node)
-            except KeyError:  # not the worker's: a caller passed more than the worker holds
-                pass
-        self.lru_clock[worker_id] = clock = clock + len(path)
+        head = lru.head
+        count = len(path)
+        i = 0
+        while i < count:
+            node = path[i]
+            run = node.run
+            if run is None or worker_id not in run.holders:  # not the worker's: a caller passed more than it holds
+                i += 1
+                continue
+            first = run.nodes.index(node)
+            stop = _stretch(path, i, run.nodes, first)
+            piece = self._isolate(run, first, first + stop - i)
+            hold = piece.holders[worker_id]
+            hold.unlink()
+            hold.insert_before(head)
+            i = stop
+        self.lru_clock[worker_id] = clock = clock + count
         self.last_touch[worker_id] = (tail, clock)
 
     def flush_hits(self) -> None:
@@ -556,7 +720,7 @@ class PrefixIndex:
         """What the credit holds: the known blocks the worker lacked and the rest of the
         prompt. O(blocks after `held`)."""
         worker_id, path = credit.worker_id, credit.path
-        held = [node for node in path[credit.held:] if worker_id not in node.holders]
+        held = [node for node in path[credit.held:] if node.run is None or worker_id not in node.run.holders]
         held += self._name_rest(credit.root_hash, credit.keys, path)
         credit.blocks = blocks = [node.block_hash for node in held]
         credit.release()
@@ -599,7 +763,9 @@ class PrefixIndex:
         while self.expiries and self.expiries[0][0] <= now:
             expiry, worker_id, block_hash = self.expiries.popleft()
             node = self.nodes.get(block_hash)
-            if node is not None and node.holders.get(worker_id) == expiry:  # not refreshed since
+            run = node.run if node is not None else None
+            hold = run.holders.get(worker_id) if run is not None else None
+            if hold is not None and hold.expiry == expiry:  # not refreshed since
                 self.removed(worker_id, (block_hash,))
                 dropped += 1
         return dropped
@@ -617,6 +783,52 @@ class PrefixIndex:
 
     def _touched(self, worker_id: str) -> None:
         self.changed.add(worker_id)
+
+    def _lru_of(self, worker_id: str) -> Lru:
+        lru = self.lru.get(worker_id)
+        if lru is None:
+            lru = self.lru[worker_id] = Lru()
+        return lru
+
+    @staticmethod
+    def _isolate(run: Run, start: int, stop: int) -> Run:
+        """The run of exactly `run`'s blocks start to stop - 1, cut from the rest (in every
+        holder's LRU, those before it just before it and those after just after). The
+        largest part stays in `run`, so a cut relinks the fewer blocks."""
+        nodes = run.nodes
+        size = len(nodes)
+        if start == 0 and stop == size:
+            return run
+        parts = [(low, high) for low, high in ((0, start), (start, stop), (stop, size)) if low < high]
+        kept = 0
+        for k in range(1, len(parts)):
+            if parts[k][1] - parts[k][0] > parts[kept][1] - parts[kept][0]:
+                kept = k
+        runs: list[Run] = []
+        for k, (low, high) in enumerate(parts):
+            if k == kept:
+                runs.append(run)
+                continue
+            part = Run(nodes[low:high])
+            for node in part.nodes:
+                node.run = part
+            part.signature = run.signature
+            runs.append(part)
+        low, high = parts[kept]
+        run.nodes = nodes[low:high]
+        for worker_id, hold in run.holders.items():
+            expiry = hold.expiry
+            neighbour = hold
+            for k in range(kept - 1, -1, -1):  # the parts before, each just before the next
+                link = runs[k].holders[worker_id] = Hold(runs[k], expiry)
+                link.insert_before(neighbour)
+                neighbour = link
+            neighbour = hold
+            for k in range(kept + 1, len(runs)):  # the parts after, each just after the one before
+                link = runs[k].holders[worker_id] = Hold(runs[k], expiry)
+                link.insert_before(neighbour.next)
+                neighbour = link
+        return runs[1] if start > 0 else runs[0]
 
     @staticmethod
     def _link(parent: BlockNode, key: bytes, child: BlockNode, depth: int) -> None:

@@ -130,9 +130,9 @@ def test_a_stored_event_holds_the_named_nodes_down_linked_and_branching_chains()
     for block_hash in named:
         node = index.nodes[block_hash]
         assert node.block_hash == block_hash
-    assert {h for h, node in index.nodes.items() if "c" in node.holders} == set(named)
-    assert {h for h, node in index.nodes.items() if "d" in node.holders} == set(unlinked)
-    assert {h for h, node in index.nodes.items() if "e" in node.holders} == set(skip)
+    assert {h for h, node in index.nodes.items() if "c" in index.holders(node)} == set(named)
+    assert {h for h, node in index.nodes.items() if "d" in index.holders(node)} == set(unlinked)
+    assert {h for h, node in index.nodes.items() if "e" in index.holders(node)} == set(skip)
     assert match(index, right) == {"a": 6, "b": 11, "c": 11, "e": 3}
     assert match(index, left) == {"a": 11, "b": 6, "c": 11, "e": 3}
 
