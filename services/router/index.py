@@ -212,23 +212,34 @@ class Reuse:
 
 
 def _stretch(seq: list[BlockNode] | list[BlockNode | None], i: int, nodes: list[BlockNode], first: int) -> int:
-    """Where the stretch of `seq` from i that is `nodes` from `first` on, in order, ends."""
-    stop, end = i + 1, len(seq)
-    at = first + 1
-    while stop < end and at < len(nodes) and seq[stop] is nodes[at]:
-        stop += 1
-        at += 1
-    return stop
+    """Where the stretch of `seq` from i that is `nodes` from `first` on, in order, ends
+    (seq[i] is nodes[first]). Compared a slice at a time: nodes are equal only to
+    themselves, so a list comparison is a row of pointer comparisons in C."""
+    low, high = 1, min(len(seq) - i, len(nodes) - first)
+    if seq[i:i + high] == nodes[first:first + high]:  # most often the whole rest
+        return i + high
+    while low < high - 1:  # the first `low` items agree, the first `high` do not
+        mid = (low + high) // 2
+        if seq[i:i + mid] == nodes[first:first + mid]:
+            low = mid
+        else:
+            high = mid
+    return i + low
 
 
 def _stretch_down(seq: list[BlockNode | None], i: int, nodes: list[BlockNode], first: int) -> int:
-    """Where the stretch of `seq` from i that is `nodes` from `first` down, in reverse order, ends."""
-    stop, end = i + 1, len(seq)
-    at = first - 1
-    while stop < end and at >= 0 and seq[stop] is nodes[at]:
-        stop += 1
-        at -= 1
-    return stop
+    """Where the stretch of `seq` from i that is `nodes` from `first` down, in reverse
+    order, ends (seq[i] is nodes[first]): an engine names what it evicts tail first."""
+    low, high = 1, min(len(seq) - i, first + 1)
+    if seq[i:i + high] == nodes[first + 1 - high:first + 1][::-1]:
+        return i + high
+    while low < high - 1:  # the first `low` items agree, the first `high` do not
+        mid = (low + high) // 2
+        if seq[i:i + mid] == nodes[first + 1 - mid:first + 1][::-1]:
+            low = mid
+        else:
+            high = mid
+    return i + low
 
 
 class PrefixIndex:
@@ -769,6 +780,44 @@ class PrefixIndex:
                 self.removed(worker_id, (block_hash,))
                 dropped += 1
         return dropped
+
+    def check(self) -> None:
+        """Raise AssertionError where the runs break their contract: each worker's LRU a
+        closed list of holds on non-empty runs that name it back, its block count theirs;
+        each run's nodes pointing to it and in it once, its signature its holders' bits;
+        a node held exactly when its run is in some LRU; a node nobody holds kept only
+        while the store holds it. For tests: O(blocks)."""
+        seen: dict[int, Run] = {}  # id(run) -> run, every run some LRU links
+        for worker_id, lru in self.lru.items():
+            head, blocks = lru.head, 0
+            hold = head.next
+            assert head.run is None and head.next.prev is head, worker_id
+            while hold is not head:
+                run = hold.run
+                assert run is not None and run.holders.get(worker_id) is hold, worker_id
+                assert hold.next.prev is hold and hold.prev.next is hold, worker_id
+                assert run.nodes, "an empty run"
+                blocks += len(run.nodes)
+                seen[id(run)] = run
+                hold = hold.next
+            assert blocks == lru.blocks, (worker_id, blocks, lru.blocks)
+        placed: set[int] = set()  # id(node) of every node in a run
+        for run in seen.values():
+            signature = 0
+            for worker_id in run.holders:
+                assert worker_id in self.lru, worker_id
+                signature ^= self._worker_bit(worker_id)
+            assert signature == run.signature, "a stale signature"
+            for node in run.nodes:
+                assert node.run is run and id(node) not in placed, node.block_hash
+                assert self.nodes.get(node.block_hash) is node, node.block_hash
+                placed.add(id(node))
+        for block_hash, node in self.nodes.items():
+            assert node.block_hash == block_hash
+            if node.run is None:
+                assert block_hash in self.store_tiers, f"{block_hash} is kept with no holder"
+            else:
+                assert id(node) in placed, f"{block_hash} is in a run no LRU links"
 
     # ---- internals -------------------------------------------------------------------
 
