@@ -164,25 +164,24 @@ def primitive_ns() -> dict[str, float]:
                 children[i] = node
         return _timed(body)
 
+    # A per-block index keeps a holder map per block (the live index keeps one per run).
     def hold() -> float:  # record the holder, put the block at the LRU's recent end
-        held = [BlockNode(i) for i in range(n)]
+        held = [(BlockNode(i), dict[str, float]()) for i in range(n)]
         lru: OrderedDict[int, BlockNode] = OrderedDict()
 
         def body() -> None:
-            for node in held:
-                node.holders["w"] = 1.0
+            for node, holders in held:
+                holders["w"] = 1.0
                 lru[node.block_hash] = node
         return _timed(body)
 
     def remove() -> float:  # drop the holder and the LRU entry
-        held = [BlockNode(i) for i in range(n)]
-        for node in held:
-            node.holders["w"] = 1.0
-        lru = OrderedDict((node.block_hash, node) for node in held)
+        held = [(BlockNode(i), {"w": 1.0}) for i in range(n)]
+        lru = OrderedDict((node.block_hash, node) for node, _ in held)
 
         def body() -> None:
-            for node in held:
-                del node.holders["w"]
+            for node, holders in held:
+                del holders["w"]
                 del lru[node.block_hash]
         return _timed(body)
 
