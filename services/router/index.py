@@ -8,8 +8,9 @@ the requests that share its prompt and arrive meanwhile must find it. A credit i
 block by block only when something could see it (docs/router.md §2), so placing a
 request costs O(1) here and the naming is paid by the event or the request that reads
 it. For each block the
-index keeps its holders, the time each holder last used it, and its hits over a sliding
-window.
+index keeps its hits over a sliding window; its holders, each holder's expiry and its
+place in each holder's LRU are kept per run of blocks that share them (`Run`), cut only
+where an event, a credit or a reuse treats the run's blocks apart.
 
 Matching a prompt walks its blocks from the root and stops at the first block no worker
 holds, so it costs O(matched blocks), never O(tokens × workers). Each node also keeps
