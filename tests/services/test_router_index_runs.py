@@ -32,22 +32,31 @@ CHAINS = [chain_hashes(ROOT, prompt, BLOCK) for prompt in PROMPTS]
 
 
 class Model:
-    """Per block: its holders in holding order; per worker: its blocks least recent first."""
+    """Per block: its holders in holding order, each with its expiry; per worker: its
+    blocks least recent first; the blocks the store holds."""
 
-    def __init__(self) -> None:
-        self.holders: dict[int, dict[str, None]] = {}
+    def __init__(self, ttl_s: float | None) -> None:
+        self.ttl_s = ttl_s
+        self.holders: dict[int, dict[str, float]] = {}
         self.lru: dict[str, list[int]] = {}
         self.unconfirmed: dict[str, set[int]] = {}
+        self.stored: set[int] = set()
 
-    def hold(self, worker_id: str, block_hashes: list[int]) -> None:
+    def hold(self, worker_id: str, block_hashes: list[int], now: float = 0.0) -> None:
         lru = self.lru.setdefault(worker_id, [])
         self.unconfirmed.get(worker_id, set()).difference_update(block_hashes)
+        expiry = now + self.ttl_s if self.ttl_s is not None else float("inf")
         for block_hash in block_hashes:
             holders = self.holders.setdefault(block_hash, {})
             if worker_id in holders:
                 lru.remove(block_hash)
-            holders[worker_id] = None
+            holders[worker_id] = expiry
             lru.append(block_hash)
+
+    def expire(self, now: float) -> None:
+        for block_hash, holders in list(self.holders.items()):
+            for worker_id in [w for w, expiry in holders.items() if expiry <= now]:
+                self.removed(worker_id, [block_hash])
 
     def removed(self, worker_id: str, block_hashes: list[int]) -> None:
         for block_hash in block_hashes:
@@ -58,6 +67,9 @@ class Model:
                 self.unconfirmed.get(worker_id, set()).discard(block_hash)
                 if not holders:
                     del self.holders[block_hash]
+
+    def known(self) -> set[int]:
+        return set(self.holders) | self.stored
 
     def drop(self, worker_id: str) -> None:
         self.removed(worker_id, list(self.lru.get(worker_id, [])))
@@ -72,13 +84,13 @@ class Model:
                 lru.append(block_hash)
 
     def match(self, chain: list[int]) -> dict[str, int]:
-        known = 0
-        while known < len(chain) and chain[known] in self.holders:
+        known, named = 0, self.known()
+        while known < len(chain) and chain[known] in named:
             known += 1
         matched: dict[str, int] = {}
         for worker_id in WORKERS:
             count = 0
-            while count < known and worker_id in self.holders[chain[count]]:
+            while count < known and worker_id in self.holders.get(chain[count], {}):
                 count += 1
             if count:
                 matched[worker_id] = count
@@ -105,6 +117,8 @@ _step = st.one_of(
     st.tuples(st.just("place"), _worker, _prompt),
     st.tuples(st.just("settle"), st.integers(0, 5)),
     st.tuples(st.just("drop"), _worker),
+    st.tuples(st.just("store"), _prompt, _span),
+    st.tuples(st.just("unstore"), _prompt, _span),
 )
 
 
@@ -115,7 +129,7 @@ def _apply(index: PrefixIndex, model: Model, credits: list[tuple[Credit, str]], 
         block_hashes = _ordered(CHAINS[prompt][min(start, stop):max(start, stop)], order)
         if kind == "stored":
             index.stored(worker_id, block_hashes, now)
-            model.hold(worker_id, block_hashes)
+            model.hold(worker_id, block_hashes, now)
         else:
             index.removed(worker_id, block_hashes)
             model.removed(worker_id, block_hashes)
@@ -130,7 +144,7 @@ def _apply(index: PrefixIndex, model: Model, credits: list[tuple[Credit, str]], 
         model.reuse(worker_id, chain[:held])
         # Known blocks the worker lacks, then every block past the walk, as _name makes them.
         lacked = [h for h in chain[held:len(path)] if worker_id not in model.holders.get(h, {})] + chain[len(path):]
-        model.hold(worker_id, lacked)
+        model.hold(worker_id, lacked, now)
         model.unconfirmed.setdefault(worker_id, set()).update(lacked)
         assert index.credited(credit) == lacked
         credits.append((credit, worker_id))
@@ -141,6 +155,15 @@ def _apply(index: PrefixIndex, model: Model, credits: list[tuple[Credit, str]], 
             unconfirmed = [h for h in credit.blocks or [] if h in pending]
             index.settle(credit)
             model.removed(worker_id, unconfirmed)
+    elif kind in ("store", "unstore"):  # the KV store's events
+        _, prompt, (start, stop) = step
+        block_hashes = CHAINS[prompt][min(start, stop):max(start, stop)]
+        if kind == "store":
+            index.store_stored(block_hashes, [0] * len(block_hashes))
+            model.stored.update(block_hashes)
+        else:
+            index.store_evicted(block_hashes)
+            model.stored.difference_update(block_hashes)
     else:
         index.drop_worker(step[1])
         model.drop(step[1])
@@ -152,27 +175,33 @@ def _same(index: PrefixIndex, model: Model) -> None:
     for worker_id in WORKERS:
         assert [node.block_hash for node in index.lru_blocks(worker_id)] == model.lru.get(worker_id, [])
         assert index.num_blocks(worker_id) == len(model.lru.get(worker_id, []))
-    assert set(index.nodes) == set(model.holders)
+    assert set(index.nodes) == model.known()
     for block_hash, holders in model.holders.items():
+        assert index.holders(index.nodes[block_hash]) == holders
         assert list(index.holders(index.nodes[block_hash])) == list(holders)
     for prompt, chain in zip(PROMPTS, CHAINS):
         assert index.match(index.walk(ROOT, index.block_keys(prompt))) == model.match(chain)
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(_step, max_size=30))
-def test_runs_hold_order_and_match_as_the_per_block_rules_do(steps):
-    index, model = PrefixIndex(BLOCK), Model()
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_step, min_size=5, max_size=40), st.sampled_from((None, 3.0)))
+def test_runs_hold_order_and_match_as_the_per_block_rules_do(steps, ttl_s):
+    """Events mode, and approximate mode (entries expire ttl_s after their last hold)."""
+    index, model = PrefixIndex(BLOCK, ttl_s=ttl_s), Model(ttl_s)
     credits: list[tuple[Credit, str]] = []
     for n, step in enumerate(steps):
-        _apply(index, model, credits, step, float(n))
+        now = float(n)
+        if ttl_s is not None:
+            index.expire(now)
+            model.expire(now)
+        _apply(index, model, credits, step, now)
         _same(index, model)
 
 
 def test_a_cut_run_keeps_its_place_in_every_holders_lru():
     """Cutting a run shared by two workers (one reuses the middle of it) leaves the other
     worker's order untouched and moves only the middle for the first."""
-    index, model = PrefixIndex(BLOCK), Model()
+    index, model = PrefixIndex(BLOCK), Model(None)
     chain = CHAINS[3]
     for worker_id in ("a", "b"):
         index.stored(worker_id, chain, 0.0)
