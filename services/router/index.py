@@ -212,6 +212,16 @@ class Reuse:
         self.path = path
 
 
+def _position(nodes: list[BlockNode], node: BlockNode) -> int:
+    """Where `node` is in its run's `nodes`. The ends first: a stretch most often starts a
+    run (a reuse, a chain stored again) or ends it (an eviction, tail first), and
+    list.index reads every node before it (cold, in a large index)."""
+    if nodes[0] is node:
+        return 0
+    last = len(nodes) - 1
+    return last if nodes[last] is node else nodes.index(node)
+
+
 def _stretch(seq: list[BlockNode] | list[BlockNode | None], i: int, nodes: list[BlockNode], first: int) -> int:
     """Where the stretch of `seq` from i that is `nodes` from `first` on, in order, ends
     (seq[i] is nodes[first]). Compared a slice at a time: nodes are equal only to
@@ -477,7 +487,7 @@ class PrefixIndex:
                     piece.nodes.append(held[i])
                     i += 1
             else:
-                first = run.nodes.index(node)
+                first = _position(run.nodes, node)
                 stop = _stretch(held, i, run.nodes, first)
                 piece = self._isolate(run, first, first + stop - i)
                 i = stop
@@ -515,7 +525,7 @@ class PrefixIndex:
                 i += 1
                 continue
             nodes = run.nodes
-            first = nodes.index(node)
+            first = _position(nodes, node)
             stop = _stretch(found, i, nodes, first)
             if stop > i + 1:
                 piece = self._isolate(run, first, first + stop - i)
@@ -635,7 +645,7 @@ class PrefixIndex:
             if run is None or worker_id not in run.holders:  # not the worker's: a caller passed more than it holds
                 i += 1
                 continue
-            first = run.nodes.index(node)
+            first = _position(run.nodes, node)
             stop = _stretch(path, i, run.nodes, first)
             piece = self._isolate(run, first, first + stop - i)
             hold = piece.holders[worker_id]
