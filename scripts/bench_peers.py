@@ -18,9 +18,10 @@ per request).
 
 Rounds alternate the servers, one at a time under load (Baton, llama.cpp[, vLLM], Baton,
 ...), each after --settle-s seconds of quiet; each round draws fresh prompts, the same for
-every server in it, so no server finds them cached. Per server and round: aggregate output tok/s, TTFT p50/p99 (to the first chunk
-with text) and TPOT p50 (the rest of the stream over the tokens after the first); then
-the medians over rounds and the median of each round's Baton/peer ratio. A request counts
+every server in it, so no server finds them cached. Per server and round: aggregate output
+tok/s, TTFT p50/p99 (to the first chunk with text) and TPOT p50 (the rest of the stream
+over the tokens after the first); then the medians over rounds and the median of each
+round's Baton/peer ratio. A request counts
 only if it answered 200, streamed well-formed chunks, finished with `length` and its
 usage says --max-tokens tokens; any other is an error, counted and reported per server,
 never a crash. Before the rounds each server streams two requests with logprobs, one
