@@ -308,6 +308,17 @@ def _validate_slo_classes(config: ClusterConfig) -> None:
                           f"{_known_classes(config)}")
 
 
+def model_dir(config: ClusterConfig) -> Path:
+    """The checkpoint directory the roles that read the model run on. `svc start` and `svc
+    up` set `model` to it before a role starts (a GGUF file's conversion, or the packaged
+    default model's when none is named: services/cli.py), so every role of a node reads
+    the same one; an empty `model` here is a role started some other way."""
+    if not config.model:
+        raise ConfigError("model: no checkpoint directory; start the role with `svc start` or `svc up`, "
+                          "which resolve the default model")
+    return Path(config.model)
+
+
 def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
     """Defaults, then the TOML file, then BATON_* variables, then `overrides` (flags;

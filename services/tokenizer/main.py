@@ -3,24 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 
-from common.config import ClusterConfig, ConfigError
+from common.config import ClusterConfig, model_dir
 from services.tokenizer.service import TokenizerService
-
-
-def model_dir(config: ClusterConfig) -> Path:
-    """The checkpoint to tokenise for; the default must already exist (a worker or
-    `svc up` writes it) because writing weights needs torch, which this role avoids."""
-    if config.model:
-        return Path(config.model)
-    from common.engine.default_model import default_model_path
-
-    path = default_model_path()
-    if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"model: no --model given and the default model is not at {path} yet; "
-                          "run `svc model init` there or start a worker first")
-    return path
 
 
 async def serve(config: ClusterConfig) -> None:

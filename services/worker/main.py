@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from common.config import ClusterConfig
+from common.config import ClusterConfig, model_dir
 from common.engine.config import EngineConfig, engine_settings
-from common.engine.default_model import default_model_dir
 from common.engine.engine import Engine
 from common.engine.step_log import StepLogWriter
 from common.logs import get_logger
@@ -32,7 +31,7 @@ def worker_device(device: str, index: int, visible_gpus: int) -> str:
 def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
     """Worker `index`'s engine: every engine setting of `config`, on its own device."""
     settings = engine_settings(config) | {"device": worker_device(config.device, index, torch.cuda.device_count())}
-    return EngineConfig(model_dir=Path(config.model) if config.model else default_model_dir(), **settings)
+    return EngineConfig(model_dir=model_dir(config), **settings)
 
 
 def service_class(role: str) -> type[WorkerService]:
