@@ -98,6 +98,9 @@ class ClusterConfig(EngineSettings):
     cpus: str = setting("", "the CPUs this process runs on, a Linux CPU list such as 1-2 ('': all it may use; "
                         "svc up gives each engine cores of its own where they go round)",
                         check=Check(is_cpu_list, "a CPU list such as 0-3,6"))
+    io_cpus: str = setting("", "the CPUs an engine's ZeroMQ I/O threads run on, off its compute cores ('': "
+                           "where the engine runs; svc up gives them the other roles' cores)",
+                           check=Check(is_cpu_list, "a CPU list such as 0-3,6"))
     step_log_dir: str = setting("", "each worker appends its engine steps (sizes, seconds) to "
                                 "DIR/worker-N.steps.jsonl (default: off)", check=NEW_OR_DIRECTORY)
 

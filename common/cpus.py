@@ -6,6 +6,9 @@ did exactly that to the served worker. So `svc up` gives each engine cores of it
 the light roles (router, tokenizer, KV store) the rest, and each process pins itself at
 start. Where the cores do not go round (more engine threads than cores less one), no one
 is pinned: the operating system's scheduler shares them better than a bad plan would.
+An engine's ZeroMQ I/O threads go to the other roles' cores too (`io_cpus`,
+common/sockets.py `engine_context`): each send wakes one, and woken on the engine's core
+it ran before the engine's next step.
 """
 from __future__ import annotations
 

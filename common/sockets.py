@@ -28,6 +28,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from common.config import ClusterConfig, ConfigError
+from common.cpus import parse_cpu_list
 from common.protocol import ProtocolError, decode, encode
 
 if TYPE_CHECKING:
@@ -300,6 +301,18 @@ def is_loopback(host: str) -> bool:
         return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
+def engine_context(io_cpus: str) -> zmq.Context:
+    """The ZeroMQ context of an engine process, its I/O threads on `io_cpus` (a CPU list;
+    "": where the process runs). Every send wakes an I/O thread, which on the engine's own
+    core takes that core from the engine until it has sent: on a 2-core machine a
+    32-sequence decode step's send then cost 139 µs instead of 85 (common/cpus.py). Call
+    it before the process makes any socket: the threads start with the first."""
+    context = zmq.Context()
+    for cpu in sorted(parse_cpu_list(io_cpus)) if io_cpus else ():
+        context.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+    return context
+
+
 def _socket(context: zmq.Context[SocketT], kind: int) -> SocketT:
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
@@ -325,4 +338,5 @@ def split_routed(frames: list) -> tuple[bytes, list]:
 
 
 __all__ = ["CurveKeys", "ROLES", "Security", "check_bind_policy", "check_endpoint", "connect", "decode",
-           "generate_curve_keys", "is_loopback", "load_curve_keys", "peer_role", "send", "split_routed"]
+           "engine_context", "generate_curve_keys", "is_loopback", "load_curve_keys", "peer_role", "send",
+           "split_routed"]

@@ -386,11 +386,12 @@ def up(workers: int | None, prefill: int, decode: int, no_kvstore: bool, config_
         passed += ["--config", str(config_path)]
     cpus = _cpu_plan(config, len(engines), flags.get("threads") or config.threads)
     others = ["--cpus", cpus.others] if cpus.others else []
+    io = ["--io-cpus", cpus.others] if cpus.others and not config.io_cpus else []  # I/O threads off its cores
     children = [Child("router", [*base, "router", *passed, *others])]
     if not no_kvstore:  # before the engines, which connect to it
         children.append(Child("kvstore", [*base, "kvstore", *passed, *others]))
     children += [Child(f"{role}-{i}", [*base, role, "--index", str(i), *passed,
-                                       *(["--cpus", engine_cpus] if engine_cpus else [])])
+                                       *(["--cpus", engine_cpus, *io] if engine_cpus else [])])
                  for (role, i), engine_cpus in zip(engines, cpus.engines, strict=True)]
     children.append(Child("tokenizer", [*base, "tokenizer", *passed, *others]))
     supervisor = Supervisor(children)

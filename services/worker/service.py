@@ -61,7 +61,7 @@ from common.protocol import (
     split_prompt_logprobs,
 )
 from common.sampling_params import InvalidRequestError, SamplingParams
-from common.sockets import Security, check_endpoint, send
+from common.sockets import Security, check_endpoint, engine_context, send
 from services.worker.kv_store_use import (
     MAX_FETCHES_IN_FLIGHT,
     TIER_NAMES,
@@ -255,7 +255,7 @@ class WorkerService:
         self.deadlines: dict[str, float] = {}
         self.finished: list[FinishedRequest] = []  # ended this turn: sent when it ends
         self.progress: dict[str, RequestProgress] = {}  # what the router learns when each ends
-        self.context = zmq.Context()
+        self.context = engine_context(config.io_cpus)
         self.security = Security(self.context, config, self.role)
         # No chosen identity: the router names each connection itself, and believes the one
         # this worker joined on (docs/architecture.md §3).

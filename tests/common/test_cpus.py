@@ -1,13 +1,15 @@
-"""Which cores each process of a node runs on (common/cpus.py), and a role pinning itself."""
+"""Which cores each process of a node runs on (common/cpus.py), a role pinning itself, and an
+engine's I/O threads kept off its cores."""
 import os
 import subprocess
 import sys
 
 import pytest
+import zmq
 
 from common.config import ConfigError, load_config
 from common.cpus import CpuPlan, format_cpu_list, parse_cpu_list, plan_cpus
-from services.local_cluster import REPO, child_env, free_port_base
+from services.local_cluster import REPO, child_env, free_port_base, start_cluster
 
 
 @pytest.mark.parametrize("text, cpus", [("0", {0}), ("0-3,6", {0, 1, 2, 3, 6}), (" 2 , 4-5", {2, 4, 5})])
@@ -61,3 +63,43 @@ def test_a_role_started_with_cpus_runs_on_them():
 def _allowed(status_path: str) -> str:
     with open(status_path) as status:
         return next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list:"))
+
+
+def _io_threads(pid: int | str) -> dict[str, str]:
+    """Each ZeroMQ I/O thread of process `pid` (by thread id) and the CPUs it may run on."""
+    threads = {}
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{thread}/comm") as comm:
+            if comm.read().startswith("ZMQbg"):
+                threads[thread] = _allowed(f"/proc/{pid}/task/{thread}/status")
+    return threads
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell a thread's CPUs from the process's")
+def test_an_engine_context_starts_its_io_threads_on_the_cpus_given():
+    from common.sockets import engine_context
+
+    cpu = max(os.sched_getaffinity(0))
+    before = _io_threads("self")
+    context = engine_context(str(cpu))
+    try:
+        context.socket(zmq.PUSH).close(0)  # the threads start with the first socket
+        started = {thread: cpus for thread, cpus in _io_threads("self").items() if thread not in before}
+        assert started and set(started.values()) == {str(cpu)}, started
+    finally:
+        context.term()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="svc up pins nothing on one CPU")
+def test_svc_up_keeps_an_engines_io_threads_off_its_cores(tiny_model_dir):
+    plan = plan_cpus(frozenset(os.sched_getaffinity(0)), 1, 1)
+    cluster = start_cluster(tiny_model_dir, extra=["--threads", "1", "--profile", "tiny-cpu", "--kv-cache-gb", "0.05",
+                                                   "--max-model-len", "512"])
+    try:
+        pid = cluster.worker_health(0)["pid"]
+        io_threads = _io_threads(pid)
+        compute = _allowed(f"/proc/{pid}/status")
+    finally:
+        cluster.stop()
+    assert compute == plan.engines[0]
+    assert io_threads and set(io_threads.values()) == {plan.others}, io_threads
