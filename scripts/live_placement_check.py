@@ -24,7 +24,7 @@ sends the same requests.
 process), so the router, the tokenizer and the load generator never wait behind an
 engine step: what a node whose engines compute on accelerators gives them. Without it,
 on a machine with fewer cores than processes, a policy that keeps both workers busy
-also slows every request's trip through the frontends (docs/router.md §4.7).
+also slows every request's trip through the frontends (docs/performance.md §3.9).
 """
 from __future__ import annotations
 

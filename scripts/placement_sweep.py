@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed += sum(not judge(cell, args.policy, baselines, args.reference, args.tolerance).passed
                       for cell in cells)
     command = " ".join(["scripts/placement_sweep.py", *(argv if argv is not None else sys.argv[1:])])
-    text = "\n".join([f"# Placement sweep\n\nWritten by `{command}`; see docs/router.md §4.7.\n", *tables])
+    text = "\n".join([f"# Placement sweep\n\nWritten by `{command}`; see docs/performance.md §2.\n", *tables])
     print(text)
     if args.markdown:
         args.markdown.write_text(text)

@@ -191,7 +191,7 @@ class ClusterState:
         # self.workers): a decision reads them whole, 64 items in a row where 64 dict entries,
         # scattered by the events between decisions, are 200 cache misses. Lists, not arrays:
         # compiled code reads a list's float or int in place, where an array item is a generic
-        # call that makes a new object per read (docs/router.md §8.10).
+        # call that makes a new object per read (docs/router.md §8.3).
         self.slots: dict[str, int] = {}
         self.slot_ids: list[str] = []
         self.loads_by_slot: list[float] = []

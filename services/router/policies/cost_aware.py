@@ -192,7 +192,7 @@ def tail_weight(step_s: float, fastest_step_s: float) -> float:
     added to the requests nearest the tail. Only on a worker without a queue: where
     prefills wait, the queue terms price the overload, and weighting there too moved
     questions off their documents' holders (loogle at load 8, 4,000 requests: 1.23 / 1.29
-    of lpm's mean / p99, against 0.95 / 0.88)."""
+    of lpm's mean / p99, against 0.95 / 0.88; docs/performance.md §2.4)."""
     if fastest_step_s <= 0.0 or step_s <= fastest_step_s:
         return 1.0
     return step_s / fastest_step_s
