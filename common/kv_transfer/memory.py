@@ -2,7 +2,7 @@
 
 On one host UCX moves a large message by having the kernel copy it between the two
 processes (CMA), page by page; with 2 MiB pages instead of 4 KiB ones that copy ran
-about twice as fast here (docs/kv-transfer.md §7). The pool is already written when a
+about twice as fast here (docs/kv-transfer.md §1). The pool is already written when a
 transport gets it, so asking for huge pages (MADV_HUGEPAGE) is not enough: MADV_COLLAPSE
 (Linux 6.1 and later) turns its pages into huge ones at once, keeping the contents.
 """

@@ -46,7 +46,7 @@ def _tag(nonce: int, index: int) -> int:
 class UcxTransport(KvTransport):
     name = "ucx"
     # Fewer, larger messages: each costs a rendezvous round trip; 4 MiB beat 1 MiB here
-    # (docs/kv-transfer.md §7).
+    # (docs/kv-transfer.md §4).
     default_piece_bytes = 4 << 20
 
     def _start_data_plane(self) -> None:
