@@ -107,6 +107,8 @@ class ClusterConfig(EngineSettings):
     policy: str = setting("cost_aware", "how the router places requests (docs/router.md §4)",
                           choices=ROUTER_POLICIES)
     heartbeat_interval_s: float = setting(0.5, "how often workers report", check=POSITIVE)
+    stream_interval_ms: float = setting(5.0, "a worker sends a request's new tokens at most this often, its first and "
+                                        "last at once (0: after every step)", check=NOT_NEGATIVE)
     worker_timeout_s: float = setting(3.0, "a worker silent this long is dropped", check=POSITIVE)
     worker_stall_timeout_s: float = setting(30.0, "a worker whose loop has not turned this long stops "
                                             "heartbeating", check=POSITIVE)

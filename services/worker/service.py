@@ -19,6 +19,7 @@ jobs and takes its results without waiting.
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -262,6 +263,8 @@ class WorkerService:
         self.router = self.security.client(zmq.DEALER, config.router, "router")
         self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
         self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
+        self.unsent: dict[str, list[Tokens]] = {}  # tokenizer stream address -> tokens the interval holds
+        self.last_flush = 0.0
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
                                             self.registry, self.health)
         self.last_report = 0.0
@@ -402,6 +405,8 @@ class WorkerService:
         self._tend()
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
+        if self.unsent and self._flush_wait_s() <= 0:
+            self._flush()
         self._publish_events()
         self._send_finished()
         if time.monotonic() - self.last_report >= self.config.heartbeat_interval_s:
@@ -410,6 +415,8 @@ class WorkerService:
     def _wait_ms(self) -> int:
         """How long a turn may wait for a message: not at all while the engine has work."""
         wait_ms = 0 if self.engine.has_unfinished() else int(self.config.heartbeat_interval_s * 500)
+        if self.unsent:
+            wait_ms = min(wait_ms, math.ceil(self._flush_wait_s() * 1000))
         return self.store.wait_ms(wait_ms) if self.store is not None else wait_ms
 
     def _tend(self) -> None:
@@ -488,16 +495,19 @@ class WorkerService:
             self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        """One TokensBatch per tokenizer per step, not one message per token (more where
-        prompt logprobs would not fit one message: docs/wire.md §3)."""
-        batches: dict[str, list[Tokens]] = {}
-        generated, prompt_logprobs = 0, False
+        """Hold the step's tokens for their tokenizers, and send what is held once the
+        stream interval has passed or when a request's first or last tokens are among
+        them: steps shorter than the interval share one send (docs/architecture.md §4)."""
+        urgent = False
+        generated = 0
         for output in outputs:
+            progress = self.progress.get(output.request_id)
+            first = progress is not None and progress.output_tokens == 0
             address = self.streams.get(output.request_id)
             tokens = self._tokens(output)
             if address is not None and tokens is not None:
-                batches.setdefault(address, []).append(tokens)
-                prompt_logprobs = prompt_logprobs or bool(tokens.prompt_logprobs)
+                self.unsent.setdefault(address, []).append(tokens)
+                urgent = urgent or first or tokens.finished or tokens.position >= 0 or bool(tokens.prompt_logprobs)
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
             self._note_progress(output)
@@ -505,13 +515,29 @@ class WorkerService:
             if tokens is not None and tokens.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
         self.metrics.generated.inc(generated)
-        for address, items in batches.items():
-            if not prompt_logprobs:
-                self._push_to(address, TokensBatch(items=items))
+        if urgent or self._flush_wait_s() <= 0:
+            self._flush()
+
+    def _flush_wait_s(self) -> float:
+        """How long until the held tokens are due (<= 0: now)."""
+        return self.last_flush + self.config.stream_interval_ms / 1000 - time.monotonic()
+
+    def _flush(self, only: str | None = None) -> None:
+        """Send the held tokens (of one tokenizer: `only`): one TokensBatch per tokenizer,
+        more where prompt logprobs would not fit one message (docs/wire.md §3)."""
+        addresses = [only] if only is not None else list(self.unsent)
+        for address in addresses:
+            items = self.unsent.pop(address, None)
+            if not items:
+                continue
+            if not any(item.prompt_logprobs for item in items):
+                self._send_to(address, TokensBatch(items=items))
                 continue
             pieces = [piece for item in items for piece in split_prompt_logprobs(item)]
             for group in pack_by_prompt_logprobs(pieces):
-                self._push_to(address, TokensBatch(items=group))
+                self._send_to(address, TokensBatch(items=group))
+        if only is None:
+            self.last_flush = time.monotonic()
 
     def _tokens(self, output: RequestOutput) -> Tokens | None:
         """What the tokenizer gets of one output (None: nothing)."""
@@ -547,6 +573,12 @@ class WorkerService:
             self._push_to(address, message)
 
     def _push_to(self, address: str, message) -> None:
+        """Send `message` after the tokens held for the same tokenizer (an error ends a
+        stream after its tokens)."""
+        self._flush(only=address)
+        self._send_to(address, message)
+
+    def _send_to(self, address: str, message) -> None:
         pusher = self.pushers.get(address)
         if pusher is None:
             if len(self.pushers) >= MAX_STREAMS:

@@ -1,0 +1,27 @@
+"""A worker holds a request's tokens for the stream interval and sends them together; the
+first token and the last go at once (services/worker/service.py `_emit`)."""
+import time
+
+import pytest
+
+from services.client import Client
+
+
+@pytest.mark.parametrize("interval_ms, held", [(60_000, True), (0, False)])
+def test_tokens_between_the_first_and_last_wait_for_the_interval(make_cluster, interval_ms, held):
+    cluster = make_cluster(extra=["--stream-interval-ms", str(interval_ms)])
+    with Client(cluster.sdk, timeout_s=120) as client:
+        client.generate("warm", max_tokens=2, temperature=0, ignore_eos=True)
+        sent = time.perf_counter()
+        arrivals, tokens = [], []
+        for chunk in client.stream("The baton passes", max_tokens=200, temperature=0, ignore_eos=True):
+            arrivals.append(time.perf_counter())
+            tokens += chunk.token_ids
+    assert len(tokens) == 200
+    first, rest = arrivals[0] - sent, arrivals[-1] - arrivals[0]
+    middle = arrivals[-2] - arrivals[1]  # tokens 2..199: held with the last, or streamed
+    assert first < rest, (first, rest)  # the first token did not wait for the others
+    if held:
+        assert middle < 0.2 * rest, (middle, rest)
+    else:
+        assert middle > 0.5 * rest, (middle, rest)
