@@ -32,9 +32,11 @@ With --device cuda, Baton and HF run on the GPU; each timing waits for the GPU w
 queued. With --vllm-python, scripts/vllm_bench_worker.py runs under that interpreter on the same
 token ids, as a server of rounds: each round's vLLM decode runs right after Baton's and
 HF's, and its prefix pair right after theirs, so `ratio_vs_vllm_paired` compares runs
-moments apart. vLLM binds its threads as it does on its own (--vllm-bind auto): on a
-machine this small its scheduler needs a core of its own, and taking it away
-(--vllm-bind match) costs a quarter to a half of its decode speed.
+moments apart; after each vLLM round the bench waits until vLLM's processes are quiet
+(its worker's threads kept a core busy for about a second after a round). vLLM binds
+its threads as it does on its own (--vllm-bind auto): on a machine this small its
+scheduler needs a core of its own, and taking it away (--vllm-bind match) costs a quarter
+to a half of its decode speed.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --json
     PYTHONPATH=. .venv/bin/python scripts/bench_engine.py --size small \
@@ -563,6 +565,34 @@ def vllm_binding(env: dict[str, str]) -> dict[str, str]:
     return {k: env[k] for k in VLLM_THREAD_VARS if k in env}
 
 
+SETTLE_WINDOW_S, SETTLE_CPU_SHARE, SETTLE_MAX_S = 0.5, 0.04, 15.0
+
+
+def process_tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) that process `root` and its descendants have used, as
+    /proc has them (0 where it cannot be read: not Linux, or gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(used.get(pid, 0.0) for pid in tree)
+
+
 class VllmError(RuntimeError):
     """The vLLM worker failed, timed out or answered nonsense."""
 
@@ -597,12 +627,27 @@ class VllmWorker:
         return info
 
     def round(self, command: str) -> dict:
+        """Run one round; return once vLLM's processes have gone quiet after it."""
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
         answer = self._answer()
         if "error" in answer:
             raise VllmError(answer["error"])
+        self._settle()
         return answer
+
+    def _settle(self) -> None:
+        """Wait until vLLM's processes use under 4 % of a core (over 0.5 s; 15 s at most):
+        its worker's threads kept a core busy for about a second after each round, which
+        fell on the Baton measurement that came next."""
+        deadline = time.monotonic() + SETTLE_MAX_S
+        used = process_tree_cpu_s(self.process.pid)
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_WINDOW_S)
+            now = process_tree_cpu_s(self.process.pid)
+            if now - used < SETTLE_CPU_SHARE * SETTLE_WINDOW_S:
+                return
+            used = now
 
     def close(self) -> None:
         try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -64,3 +67,25 @@ def flops_per_token(config: dict, context: float) -> float:
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
     weights = config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden
     return 2 * weights + 4 * config["num_hidden_layers"] * q_size * context
+
+
+def test_a_process_trees_cpu_time_counts_its_children():
+    """What the bench waits on after each vLLM round: a child's busy loop counts for its
+    parent's tree, and a quiet tree's count stays put."""
+    bench = load_script("bench_engine")
+    busy = ("import sys, time\nend = time.process_time() + 0.6\n"
+            "while time.process_time() < end: pass\nsys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, "
+                               f"'-c', {busy!r}])"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while bench.process_tree_cpu_s(parent.pid) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bench.process_tree_cpu_s(parent.pid) >= 0.6  # the child's loop, seen from the parent
+        time.sleep(0.2)  # past the loop's last tick
+        used = bench.process_tree_cpu_s(parent.pid)
+        time.sleep(0.5)
+        assert bench.process_tree_cpu_s(parent.pid) - used < 0.05  # the child now waits on its stdin
+    finally:
+        parent.kill()
+        parent.wait()
