@@ -26,11 +26,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.cost_model import StorePricing, load_cost_model
@@ -47,7 +45,6 @@ from common.protocol import (
     Heartbeat,
     Hello,
     KvEvents,
-    KvHandle,
     KvLeaseUpdate,
     KvReady,
     Placed,
@@ -64,14 +61,13 @@ from common.protocol import (
 from common.sockets import ENGINE_ROLES, Security, check_endpoint, connect, peer_role, send, split_routed
 from services.router.admission import AdmissionConfig, AdmissionControl
 from services.router.cluster import ClusterState, Placement
+from services.router.handoff import HandoffDesk
 from services.router.members import Member, Members
 from services.router.native import compiled
-from services.router.pairing import computes_locally, pick_decode_worker
 from services.router.policies import make_policy
 
 log = get_logger("router")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
-PARKED_LEASE_SHARE = 0.5  # how much of a prefill lease a hand-off may wait for a decode worker
 # 10 µs to 50 ms: a placement takes ~0.1 ms at bench_router's sizes (docs/router.md §8), more behind a burst of events.
 PLACEMENT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05)
 MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
@@ -80,28 +76,6 @@ ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
                  "prefill": (Hello, Heartbeat, KvEvents, KvReady, RequestsFinished),
                  "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, RequestsFinished),
                  "tokenizer": (Generate, Abort, StatusRequest)}
-
-
-@dataclass
-class Handoff:
-    """A disaggregated request whose prefill runs: what its decode worker will be sent."""
-
-    request: Generate
-    prompt: Any  # the prompt's token id array (payload 0)
-    prefill_worker_id: str
-
-
-@dataclass
-class ParkedHandoff:
-    """A prefilled request that no decode worker could take when its KV was ready (the
-    decode pool is restarting, say): tried again as decode workers join, until `deadline`,
-    well within the prefill worker's lease."""
-
-    request: Generate
-    prompt: Any
-    ready: KvReady
-    prefill_identity: bytes
-    deadline: float
 
 
 class RouterMetrics:
@@ -154,8 +128,6 @@ class RouterService:
         self.decode_pool = ClusterState(config.block_size, cost, config.load_window_s, ttl, store, chunk)
         self.store_tiers = len(store.tiers) if store else 0
         self.store_id = ""  # the store instance whose events the index holds
-        self.handoffs: dict[str, Handoff] = {}  # request id -> its pending hand-off
-        self.parked: dict[str, ParkedHandoff] = {}  # request id -> a prefilled request waiting for a decode worker
         self.prefill_pool: set[str] = set()  # the prefill workers among self.cluster's
         self.admission = AdmissionControl(
             AdmissionConfig(config.admission, config.max_queued_requests, config.max_queued_tokens),
@@ -170,6 +142,10 @@ class RouterService:
         self.requests_routed = 0
         self.kv_events_received = 0
         self.failed_over: dict[str, set[str]] = {}  # dropped worker -> its requests failed meanwhile
+        # The P/D hand-offs in flight (docs/router.md §6): pending, parked, and their leases.
+        self.handoffs = HandoffDesk(config, self.cluster, self.decode_pool, self.members, self.policy, self._reply,
+                                    self._root_hash, self.origins.__contains__, self._fail_unavailable,
+                                    self.metrics.handoffs_parked)
         self.context = zmq.Context()
         self.security = Security(self.context, config, "router")
         self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
@@ -205,7 +181,7 @@ class RouterService:
                 if self.store_events is not None and self.store_events in ready:
                     self._drain(self.store_events, self._on_store_event)
                 self._drop_silent_workers()
-                self._retry_parked(time.monotonic())
+                self.handoffs.retry_parked(time.monotonic())
         finally:
             self.close()
 
@@ -401,7 +377,7 @@ class RouterService:
                  resumed=len(hello.running) - len(abort), aborted=len(abort))
         self._reply(identity, Welcome(accepted=True, abort=abort, session=member.session))
         if hello.role == "decode":
-            self._retry_parked(time.monotonic())
+            self.handoffs.retry_parked(time.monotonic())
 
     def _events_of(self, hello: Hello, previous: Member | None) -> zmq.Socket | str:
         """The subscriber to this worker's KV events (its own socket, so that whatever
@@ -497,17 +473,13 @@ class RouterService:
         pool = self._pool_for(member.hello.role)
         for finished in message.finished:
             request_id = finished.request_id
-            if self._placed_elsewhere(request_id, worker_id):
+            if self.handoffs.placed_elsewhere(request_id, worker_id):
                 continue  # this worker's part ended; the request goes on on another
             self.origins.pop(request_id, None)
-            self.handoffs.pop(request_id, None)
+            self.handoffs.forget(request_id)
             placement = pool.finish(request_id, finished.output_tokens, now)
             if placement is not None and pool is self.cluster:
                 self.policy.finished(placement, finished.ttft_s, now)
-
-    def _placed_elsewhere(self, request_id: str, worker_id: str) -> bool:
-        placement = self.cluster.placements.get(request_id) or self.decode_pool.placements.get(request_id)
-        return placement is not None and placement.worker_id != worker_id
 
     def _drop_silent_workers(self) -> None:
         now = time.monotonic()
@@ -525,7 +497,7 @@ class RouterService:
 
     def _fail_requests(self, placements: list[Placement], worker_id: str, why: str) -> None:
         for placement in placements:
-            self.handoffs.pop(placement.request_id, None)
+            self.handoffs.forget(placement.request_id)
             origin = self.origins.pop(placement.request_id, None)
             if origin is not None:
                 self.metrics.placed.inc(outcome="worker_lost")
@@ -548,9 +520,12 @@ class RouterService:
                          UNAVAILABLE_RETRY_AFTER_S, "unavailable")
             return
         now = time.monotonic()
-        if self.decode_pool.worker_ids and self._place_on_decode(identity, request, payloads, now):
-            self.metrics.placement_seconds.observe(time.perf_counter() - started)
-            return
+        if self.decode_pool.worker_ids:
+            decode_worker = self.handoffs.place_on_decode(request, payloads, now)
+            if decode_worker is not None:
+                self._placed(identity, request.request_id, decode_worker)
+                self.metrics.placement_seconds.observe(time.perf_counter() - started)
+                return
         candidate = self.cluster.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
                                          request.sampling.max_tokens, now, request.slo_class)
         preference = self.policy.choose(candidate, self.cluster, now)
@@ -566,7 +541,7 @@ class RouterService:
             if self._reply(self.members[verdict.worker_id].identity, request, payloads):
                 self.cluster.place(candidate, verdict.worker_id, now)
                 if verdict.worker_id in self.prefill_pool:
-                    self.handoffs[request.request_id] = Handoff(request, payloads[0], verdict.worker_id)
+                    self.handoffs.hold(request, payloads[0], verdict.worker_id)
                 self._placed(identity, request.request_id, verdict.worker_id)
                 self.metrics.placement_seconds.observe(time.perf_counter() - started)
                 return
@@ -580,123 +555,28 @@ class RouterService:
         self.metrics.placed.inc(outcome="placed")
         self._reply(identity, Placed(request_id=request_id, worker_id=worker_id))
 
-    def _place_on_decode(self, identity: bytes, request: Generate, payloads, now: float) -> bool:
-        """Conditional disaggregation: send the request straight to a decode worker when its
-        missing prefill is short (or nothing else can prefill). False: place it as usual."""
-        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), payloads[0],
-                                             request.sampling.max_tokens, now, request.slo_class)
-        worker_id = pick_decode_worker(candidate, self.decode_pool, now)
-        if worker_id is None:
-            return False
-        if self.cluster.worker_ids and not computes_locally(candidate, worker_id,
-                                                            self.config.max_local_prefill_tokens):
-            return False
-        if not self._reply(self.members[worker_id].identity, request, payloads):
-            return False
-        self.decode_pool.place(candidate, worker_id, now)
-        self._placed(identity, request.request_id, worker_id)
-        return True
-
     def _on_kv_ready(self, identity: bytes, ready: KvReady, _payloads) -> None:
-        """A prefill worker holds a request's KV: finish its prefill placement and send the
-        request, with the handle, to the decode worker pairing picks (or park it until one
-        can take it)."""
+        """A prefill worker holds a request's KV: the hand-off goes on (services/router/handoff.py)."""
         member = self._member_on(identity, "KvReady")
-        if member is None:
-            return
-        prefill_worker_id = member.hello.worker_id
-        handoff = self.handoffs.get(ready.request_id)
-        if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
-            self._drop_handoff(identity, prefill_worker_id, ready)
-            return
-        del self.handoffs[ready.request_id]
-        now = time.monotonic()
-        placement = self.cluster.finish(ready.request_id, now=now)
-        if placement is not None:
-            self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
-        hello = member.hello
-        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address,
-                          prefill_instance_id=hello.instance_id, lease_id=ready.lease_id,
-                          block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
-                          first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
-                          first_logprob=ready.first_logprob)
-        request = replace(handoff.request, kv_handle=handle)
-        if not self._send_to_decode(request, handoff.prompt, now):
-            # Wait for a decode worker within the lease, leaving the other half of it for
-            # the pull (docs/disaggregation.md §2).
-            deadline = now + self.config.kv_lease_ttl_s * PARKED_LEASE_SHARE
-            self.parked[ready.request_id] = ParkedHandoff(request, handoff.prompt, ready, identity, deadline)
-            log.warning("handoff_parked", request_id=ready.request_id, wait_s=round(deadline - now, 1))
+        if member is not None:
+            self.handoffs.kv_ready(identity, member.hello, ready, time.monotonic())
 
-    def _send_to_decode(self, request: Generate, prompt, now: float) -> bool:
-        """Send a prefilled request to the decode worker pairing picks, the next one if
-        that send fails; False if none took it."""
-        candidate = self.decode_pool.prepare(request.request_id, self._root_hash(request.tenant), prompt,
-                                             request.sampling.max_tokens, now, request.slo_class)
-        tried: frozenset[str] = frozenset()
-        while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
-            if self._reply(self.members[worker_id].identity, request, [prompt]):
-                self.decode_pool.place(candidate, worker_id, now)
-                return True
-            tried |= {worker_id}
-        return False
-
-    def _retry_parked(self, now: float) -> None:
-        """Send parked hand-offs to a decode worker that can take them now; end those
-        whose wait is over."""
-        for request_id, parked in list(self.parked.items()):
-            if request_id not in self.origins:  # aborted or failed meanwhile
-                del self.parked[request_id]
-                self._release_lease(parked.prefill_identity, parked.ready)
-            elif self.decode_pool.worker_ids and self._send_to_decode(parked.request, parked.prompt, now):
-                del self.parked[request_id]
-                self.metrics.handoffs_parked.inc(outcome="placed")
-            elif now >= parked.deadline:
-                del self.parked[request_id]
-                self.metrics.handoffs_parked.inc(outcome="expired")
-                self._end_handoff(parked.prefill_identity, parked.ready,
-                                  "no decode worker could take the prefilled request within its lease")
-
-    def _drop_handoff(self, identity: bytes, prefill_worker_id: str, ready: KvReady) -> None:
-        """KvReady for a hand-off this router does not hold (it restarted since the
-        placement, say): the request cannot go on without its Generate, so it ends."""
-        log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
-        if self._placed_elsewhere(ready.request_id, prefill_worker_id):
-            self._release_lease(identity, ready)
-            return
-        self.cluster.finish(ready.request_id)
-        self._end_handoff(identity, ready, "the router lost the request's hand-off (it restarted during the prefill)")
-
-    def _end_handoff(self, identity: bytes, ready: KvReady, why: str) -> None:
-        """Release the lease and fail the request to its tokenizer."""
-        self._release_lease(identity, ready)
-        origin = self.origins.pop(ready.request_id, None)
+    def _fail_unavailable(self, request_id: str, why: str) -> None:
+        """Tell a request's tokenizer that its hand-off cannot go on (unavailable)."""
+        origin = self.origins.pop(request_id, None)
         if origin is not None:
             self.metrics.placed.inc(outcome="unavailable")
-            self._reply(origin, Error(request_id=ready.request_id, code=ErrorCode.UNAVAILABLE, message=why))
-
-    def _release_lease(self, prefill_identity: bytes, ready: KvReady) -> None:
-        prefill_worker_id = self.members.by_connection.get(prefill_identity, "")
-        self._reply(prefill_identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
-                                                    prefill_worker_id=prefill_worker_id, action="release"))
+            self._reply(origin, Error(request_id=request_id, code=ErrorCode.UNAVAILABLE, message=why))
 
     def _on_lease_update(self, identity: bytes, update: KvLeaseUpdate, _payloads) -> None:
-        """A decode worker renews or releases a lease of a request placed on it: pass it
-        to the prefill worker."""
+        """A decode worker renews or releases a lease of a request placed on it: passed to
+        the prefill worker, or refused if the request is not placed on the sender."""
         sender = self._member_on(identity, "KvLeaseUpdate")
         if sender is None:
             return
-        placement = self.decode_pool.placements.get(update.request_id)
-        if sender.hello.role != "decode" or (placement is not None and placement.worker_id != sender.hello.worker_id):
-            self._identity_refused("KvLeaseUpdate", sender.hello.worker_id,
-                                   f"request {update.request_id} is not placed on it")
-            return
-        member = self.members.get(update.prefill_worker_id)
-        if member is None or member.hello.role != "prefill":
-            log.warning("lease_update_dropped", request_id=update.request_id, prefill=update.prefill_worker_id,
-                        why="no such prefill worker")
-            return
-        self._reply(member.identity, update)
+        why = self.handoffs.lease_update(sender.hello, update)
+        if why:
+            self._identity_refused("KvLeaseUpdate", sender.hello.worker_id, why)
 
     def _refuse(self, identity: bytes, request: Generate, code: ErrorCode, why: str, retry_after_s: float,
                 outcome: str) -> None:
@@ -712,10 +592,8 @@ class RouterService:
         return self.root_hashes[tenant]
 
     def _on_abort(self, identity: bytes, abort: Abort, _payloads) -> None:
-        parked = self.parked.pop(abort.request_id, None)
-        if parked is not None:
+        if self.handoffs.abort(abort.request_id):  # a parked hand-off: its lease released
             self.origins.pop(abort.request_id, None)
-            self._release_lease(parked.prefill_identity, parked.ready)
             return
         placement = self.cluster.placements.get(abort.request_id) or \
             self.decode_pool.placements.get(abort.request_id)

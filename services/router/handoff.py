@@ -1,0 +1,223 @@
+"""The router's side of the prefill/decode hand-off (docs/router.md §6, docs/disaggregation.md §2).
+
+A disaggregated request passes the router twice. Its Generate is placed like any other,
+on an engine that prefills, and when that is a prefill worker the Generate is held here
+as a pending hand-off. When the prefill worker says KvReady (the prompt's KV held under a
+lease), the prefill placement ends and the request goes, with a `kv_handle` naming the
+lease, to the decode worker services/router/pairing.py picks. If none takes it, the
+hand-off is parked and sent to the first decode worker that can take it, for up to half
+the lease; past that, or on an abort, the lease is released (docs/disaggregation.md §3).
+Decode workers' lease renewals and releases pass through here to the prefill worker.
+
+`HandoffDesk` keeps this state and no socket or clock of its own: the router
+(services/router/service.py) checks who sent each message, gives the time, and lends the
+desk its send function, its two pools and its members.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from msgspec.structs import replace
+
+from common.config import ClusterConfig
+from common.logs import get_logger
+from common.metrics import Counter
+from common.protocol import Generate, Hello, KvHandle, KvLeaseUpdate, KvReady
+from services.router.cluster import ClusterState
+from services.router.members import Members
+from services.router.pairing import computes_locally, pick_decode_worker
+from services.router.policies.base import PlacementPolicy
+
+log = get_logger("router")
+PARKED_LEASE_SHARE = 0.5  # how much of a prefill lease a hand-off may wait for a decode worker
+
+
+class Send(Protocol):
+    """Send a message (and its payloads) to the peer on a connection; False if it failed."""
+
+    def __call__(self, identity: bytes, message: Any, payloads: list | None = None, /) -> bool: ...
+
+
+@dataclass
+class Handoff:
+    """A disaggregated request whose prefill runs: what its decode worker will be sent."""
+
+    request: Generate
+    prompt: Any  # the prompt's token id array (payload 0)
+    prefill_worker_id: str
+
+
+@dataclass
+class ParkedHandoff:
+    """A prefilled request that no decode worker could take when its KV was ready (the
+    decode pool is restarting, say): tried again as decode workers join, until `deadline`,
+    well within the prefill worker's lease."""
+
+    request: Generate
+    prompt: Any
+    ready: KvReady
+    prefill_identity: bytes
+    deadline: float
+
+
+class HandoffDesk:
+    """The hand-offs in flight: pending (a prefill runs) and parked (prefilled, waiting for
+    a decode worker), and the leases they hold on prefill workers.
+
+    `cluster` is the pool of engines that prefill, `decode_pool` the decode workers';
+    `live(request_id)` says whether the request still has a tokenizer to answer (not
+    aborted or ended meanwhile), and `fail(request_id, why)` ends it there as unavailable.
+    `parked_total` counts parked hand-offs by outcome."""
+
+    def __init__(self, config: ClusterConfig, cluster: ClusterState, decode_pool: ClusterState, members: Members,
+                 policy: PlacementPolicy, send: Send, root_hash: Callable[[str], int],
+                 live: Callable[[str], bool], fail: Callable[[str, str], None], parked_total: Counter):
+        self.config = config
+        self.cluster = cluster
+        self.decode_pool = decode_pool
+        self.members = members
+        self.policy = policy
+        self.send = send
+        self.root_hash = root_hash
+        self.live = live
+        self.fail = fail
+        self.parked_total = parked_total
+        self.pending: dict[str, Handoff] = {}  # request id -> its pending hand-off
+        self.parked: dict[str, ParkedHandoff] = {}  # request id -> a prefilled request waiting for a decode worker
+
+    # ---- before the prefill --------------------------------------------------------
+
+    def place_on_decode(self, request: Generate, payloads: list, now: float) -> str | None:
+        """Conditional disaggregation: send the request straight to a decode worker when its
+        missing prefill is short (or nothing else can prefill); that worker's id. None:
+        place it as usual."""
+        candidate = self.decode_pool.prepare(request.request_id, self.root_hash(request.tenant), payloads[0],
+                                             request.sampling.max_tokens, now, request.slo_class)
+        worker_id = pick_decode_worker(candidate, self.decode_pool, now)
+        if worker_id is None:
+            return None
+        if self.cluster.worker_ids and not computes_locally(candidate, worker_id,
+                                                            self.config.max_local_prefill_tokens):
+            return None
+        if not self.send(self.members[worker_id].identity, request, payloads):
+            return None
+        self.decode_pool.place(candidate, worker_id, now)
+        return worker_id
+
+    def hold(self, request: Generate, prompt: Any, prefill_worker_id: str) -> None:
+        """The request's prefill was placed on a prefill worker: keep what its decode worker
+        will be sent."""
+        self.pending[request.request_id] = Handoff(request, prompt, prefill_worker_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (or its worker was lost) before its KV was ready."""
+        self.pending.pop(request_id, None)
+
+    # ---- the prefill worker holds the KV -------------------------------------------
+
+    def kv_ready(self, identity: bytes, hello: Hello, ready: KvReady, now: float) -> None:
+        """The prefill worker `hello` (on connection `identity`) holds a request's KV: finish
+        its prefill placement and send the request, with the handle, to the decode worker
+        pairing picks (or park it until one can take it)."""
+        prefill_worker_id = hello.worker_id
+        handoff = self.pending.get(ready.request_id)
+        if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
+            self._drop(identity, prefill_worker_id, ready)
+            return
+        del self.pending[ready.request_id]
+        placement = self.cluster.finish(ready.request_id, now=now)
+        if placement is not None:
+            self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
+        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address,
+                          prefill_instance_id=hello.instance_id, lease_id=ready.lease_id,
+                          block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
+                          first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
+                          first_logprob=ready.first_logprob)
+        request = replace(handoff.request, kv_handle=handle)
+        if not self._send_to_decode(request, handoff.prompt, now):
+            # Wait for a decode worker within the lease, leaving the other half of it for
+            # the pull (docs/disaggregation.md §2).
+            deadline = now + self.config.kv_lease_ttl_s * PARKED_LEASE_SHARE
+            self.parked[ready.request_id] = ParkedHandoff(request, handoff.prompt, ready, identity, deadline)
+            log.warning("handoff_parked", request_id=ready.request_id, wait_s=round(deadline - now, 1))
+
+    def _send_to_decode(self, request: Generate, prompt: Any, now: float) -> bool:
+        """Send a prefilled request to the decode worker pairing picks, the next one if
+        that send fails; False if none took it."""
+        candidate = self.decode_pool.prepare(request.request_id, self.root_hash(request.tenant), prompt,
+                                             request.sampling.max_tokens, now, request.slo_class)
+        tried: frozenset[str] = frozenset()
+        while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
+            if self.send(self.members[worker_id].identity, request, [prompt]):
+                self.decode_pool.place(candidate, worker_id, now)
+                return True
+            tried |= {worker_id}
+        return False
+
+    def retry_parked(self, now: float) -> None:
+        """Send parked hand-offs to a decode worker that can take them now; end those
+        whose wait is over."""
+        for request_id, parked in list(self.parked.items()):
+            if not self.live(request_id):  # aborted or failed meanwhile
+                del self.parked[request_id]
+                self._release_lease(parked.prefill_identity, parked.ready)
+            elif self.decode_pool.worker_ids and self._send_to_decode(parked.request, parked.prompt, now):
+                del self.parked[request_id]
+                self.parked_total.inc(outcome="placed")
+            elif now >= parked.deadline:
+                del self.parked[request_id]
+                self.parked_total.inc(outcome="expired")
+                self._end(parked.prefill_identity, parked.ready,
+                          "no decode worker could take the prefilled request within its lease")
+
+    def abort(self, request_id: str) -> bool:
+        """An abort of a parked hand-off releases its lease; False if it is not parked."""
+        parked = self.parked.pop(request_id, None)
+        if parked is None:
+            return False
+        self._release_lease(parked.prefill_identity, parked.ready)
+        return True
+
+    def _drop(self, identity: bytes, prefill_worker_id: str, ready: KvReady) -> None:
+        """KvReady for a hand-off this router does not hold (it restarted since the
+        placement, say): the request cannot go on without its Generate, so it ends."""
+        log.warning("kv_ready_unknown", request_id=ready.request_id, worker_id=prefill_worker_id)
+        if self.placed_elsewhere(ready.request_id, prefill_worker_id):
+            self._release_lease(identity, ready)
+            return
+        self.cluster.finish(ready.request_id)
+        self._end(identity, ready, "the router lost the request's hand-off (it restarted during the prefill)")
+
+    def _end(self, identity: bytes, ready: KvReady, why: str) -> None:
+        """Release the lease and fail the request to its tokenizer."""
+        self._release_lease(identity, ready)
+        self.fail(ready.request_id, why)
+
+    def _release_lease(self, prefill_identity: bytes, ready: KvReady) -> None:
+        prefill_worker_id = self.members.by_connection.get(prefill_identity, "")
+        self.send(prefill_identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+                                                  prefill_worker_id=prefill_worker_id, action="release"))
+
+    # ---- the decode worker holds the request ---------------------------------------
+
+    def lease_update(self, sender: Hello, update: KvLeaseUpdate) -> str:
+        """A decode worker (`sender`) renews or releases a lease of a request placed on it:
+        pass it to the prefill worker. Returns why the sender may not ("" if it may)."""
+        placement = self.decode_pool.placements.get(update.request_id)
+        if sender.role != "decode" or (placement is not None and placement.worker_id != sender.worker_id):
+            return f"request {update.request_id} is not placed on it"
+        member = self.members.get(update.prefill_worker_id)
+        if member is None or member.hello.role != "prefill":
+            log.warning("lease_update_dropped", request_id=update.request_id, prefill=update.prefill_worker_id,
+                        why="no such prefill worker")
+            return ""
+        self.send(member.identity, update)
+        return ""
+
+    def placed_elsewhere(self, request_id: str, worker_id: str) -> bool:
+        """Whether the request is placed on another worker than `worker_id` (it moved on
+        from its prefill worker, say)."""
+        placement = self.cluster.placements.get(request_id) or self.decode_pool.placements.get(request_id)
+        return placement is not None and placement.worker_id != worker_id
