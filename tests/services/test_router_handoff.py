@@ -1,0 +1,245 @@
+"""The router's side of the prefill/decode hand-off (services/router/handoff.py,
+docs/router.md §6, docs/disaggregation.md §2), as plain bookkeeping: real pools,
+members, policy and metrics, caller-given times, and a send function that collects what
+the router would put on its socket."""
+import numpy as np
+import pytest
+
+from common.config import ClusterConfig
+from common.cost_model import TINY_CPU
+from common.hashing import root_hash
+from common.metrics import Registry
+from common.protocol import PROTOCOL_VERSION, Generate, Hello, KvLeaseUpdate, KvReady, Sampling
+from services.router.cluster import ClusterState
+from services.router.handoff import PARKED_LEASE_SHARE, HandoffDesk
+from services.router.members import Members
+from services.router.policies import make_policy
+from services.router.service import RouterMetrics
+
+BLOCK = 16
+ROOT = root_hash("model", "tokenizer", "", "bfloat16", BLOCK)
+LEASE_TTL_S = 10.0
+BLOCKS = 80  # 1280 tokens: more than max_local_prefill_tokens (1000), so a decode worker does not compute it
+PROMPT = np.random.default_rng(1).integers(0, 30000, BLOCKS * BLOCK).astype(np.uint32)
+
+
+class Desk:
+    """A HandoffDesk with what the router lends it: the pools, the members, a send that
+    records (connection, message, payloads), the tokenizers still waiting (`origins`) and
+    the requests failed to them (`failed`)."""
+
+    def __init__(self) -> None:
+        self.cluster = ClusterState(BLOCK, TINY_CPU)
+        self.decode_pool = ClusterState(BLOCK, TINY_CPU)
+        self.members = Members()
+        self.sent: list[tuple[bytes, object, list | None]] = []
+        self.unreachable: set[bytes] = set()  # connections whose sends fail
+        self.origins: set[str] = set()
+        self.failed: list[tuple[str, str]] = []
+        self.registry = Registry()
+        self.metrics = RouterMetrics(self.registry)
+        self.desk = HandoffDesk(ClusterConfig(kv_lease_ttl_s=LEASE_TTL_S), self.cluster, self.decode_pool,
+                                self.members, make_policy("least_load"), self.send, lambda tenant: ROOT,
+                                self.origins.__contains__, self.fail, self.metrics.handoffs_parked)
+
+    def send(self, identity: bytes, message, payloads=None) -> bool:
+        if identity in self.unreachable:
+            return False
+        self.sent.append((identity, message, payloads))
+        return True
+
+    def fail(self, request_id: str, why: str) -> None:
+        self.origins.discard(request_id)
+        self.failed.append((request_id, why))
+
+    def join(self, worker_id: str, role: str) -> bytes:
+        identity = f"conn-{worker_id}".encode()
+        hello = Hello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, role=role, model_fingerprint="model",
+                      tokenizer_fingerprint="tokenizer", kv_blocks=1000, block_size=BLOCK, max_model_len=4096,
+                      events_address="tcp://127.0.0.1:7001", metrics_address="", instance_id=f"{worker_id}-1",
+                      kv_dtype="bfloat16", kv_address="tcp://127.0.0.1:7040" if role == "prefill" else "")
+        self.members.join(identity, hello, None, 0.0)
+        (self.decode_pool if role == "decode" else self.cluster).add_worker(worker_id, hello.kv_blocks)
+        return identity
+
+    def prefill(self, request_id: str, prefill_worker: str, now: float = 0.0) -> Generate:
+        """Place the request's prefill on `prefill_worker` and hold its hand-off, as the
+        router does for a Generate the policy puts on a prefill worker."""
+        request = Generate(request_id=request_id, sampling=Sampling(max_tokens=16),
+                           stream_address="tcp://127.0.0.1:7002")
+        self.cluster.place(self.cluster.prepare(request_id, ROOT, PROMPT, 16, now), prefill_worker, now)
+        self.desk.hold(request, PROMPT, prefill_worker)
+        self.origins.add(request_id)
+        return request
+
+    def parked_total(self, outcome: str) -> float:
+        return self.registry.collectors.get_sample_value("baton_router_handoffs_parked_total",
+                                                         {"outcome": outcome}) or 0.0
+
+
+def ready(request_id: str) -> KvReady:
+    return KvReady(request_id=request_id, lease_id="ab" * 16, block_ids=list(range(BLOCKS)),
+                   block_hashes=list(range(100, 100 + BLOCKS)), num_tokens=len(PROMPT), first_token_id=7, queue_s=0.01,
+                   prefill_s=0.2)
+
+
+def releases(sent) -> list[tuple[bytes, KvLeaseUpdate]]:
+    return [(identity, message) for identity, message, _ in sent
+            if isinstance(message, KvLeaseUpdate) and message.action == "release"]
+
+
+def test_a_prefilled_request_goes_to_a_decode_worker_with_its_handle():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    decode = d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    assert "r-1" not in d.cluster.placements  # the prefill placement ended
+    assert d.decode_pool.placements["r-1"].worker_id == "d0"
+    [(identity, request, payloads)] = d.sent
+    assert identity == decode and isinstance(request, Generate) and payloads is not None
+    assert payloads[0] is PROMPT
+    handle = request.kv_handle
+    assert handle is not None
+    assert (handle.prefill_worker_id, handle.kv_address, handle.prefill_instance_id) == \
+        ("p0", "tcp://127.0.0.1:7040", "p0-1")
+    assert (handle.lease_id, handle.num_tokens, handle.first_token_id) == ("ab" * 16, len(PROMPT), 7)
+    assert not d.desk.pending and not d.desk.parked and not d.failed
+
+
+def test_with_no_decode_worker_a_hand_off_is_parked_and_expires_within_the_lease():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    assert d.sent == [] and list(d.desk.parked) == ["r-1"]
+    deadline = 1.0 + LEASE_TTL_S * PARKED_LEASE_SHARE
+    assert d.desk.parked["r-1"].deadline == pytest.approx(deadline)
+
+    d.desk.retry_parked(deadline - 0.01)  # still waiting
+    assert d.sent == [] and list(d.desk.parked) == ["r-1"]
+
+    d.desk.retry_parked(deadline)
+    assert not d.desk.parked
+    [(identity, release)] = releases(d.sent)
+    assert identity == prefill
+    assert (release.request_id, release.lease_id, release.prefill_worker_id) == ("r-1", "ab" * 16, "p0")
+    assert d.failed == [("r-1", "no decode worker could take the prefilled request within its lease")]
+    assert d.parked_total("expired") == 1 and d.parked_total("placed") == 0
+
+    d.desk.retry_parked(deadline + 1.0)  # gone: nothing more
+    assert len(d.sent) == 1 and len(d.failed) == 1
+
+
+def test_a_parked_hand_off_goes_to_the_first_decode_worker_that_can_take_it():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    assert list(d.desk.parked) == ["r-1"]
+
+    d.unreachable.add(d.join("d0", "decode"))  # joins, but its send fails
+    d.desk.retry_parked(2.0)
+    assert d.sent == [] and list(d.desk.parked) == ["r-1"]
+
+    decode = d.join("d1", "decode")
+    d.desk.retry_parked(3.0)
+    [(identity, request, payloads)] = d.sent
+    assert identity == decode and isinstance(request, Generate) and request.kv_handle is not None
+    assert request.kv_handle.lease_id == "ab" * 16 and payloads is not None and payloads[0] is PROMPT
+    assert d.decode_pool.placements["r-1"].worker_id == "d1"
+    assert not d.desk.parked and not d.failed and releases(d.sent) == []
+    assert d.parked_total("placed") == 1 and d.parked_total("expired") == 0
+
+
+def test_an_aborted_parked_hand_off_releases_its_lease_once():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    assert d.desk.abort("r-1")
+    assert [identity for identity, _ in releases(d.sent)] == [prefill]
+    assert not d.desk.abort("r-1")  # not parked any more
+    d.desk.retry_parked(100.0)
+    assert len(d.sent) == 1 and not d.failed
+
+
+def test_a_parked_hand_off_whose_request_ended_meanwhile_releases_its_lease_once():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    d.origins.discard("r-1")  # its tokenizer is no longer waiting (the request ended elsewhere)
+    d.join("d0", "decode")
+    d.desk.retry_parked(2.0)
+    [(identity, release)] = releases(d.sent)
+    assert identity == prefill and release.request_id == "r-1"
+    assert len(d.sent) == 1  # not sent on to the decode worker
+    d.desk.retry_parked(100.0)
+    assert len(d.sent) == 1 and not d.failed and not d.desk.parked
+    assert d.parked_total("placed") == 0 and d.parked_total("expired") == 0
+
+
+def test_kv_ready_for_a_hand_off_the_router_does_not_hold_ends_the_request():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    other = d.join("p1", "prefill")
+    d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(other, d.members["p1"].hello, ready("r-1"), 1.0)  # not the worker it was placed on
+    [(identity, release)] = releases(d.sent)
+    assert identity == other and release.prefill_worker_id == "p1"
+    assert d.failed == []  # r-1 is placed on p0, which goes on with it
+    assert "r-1" in d.desk.pending and d.cluster.placements["r-1"].worker_id == "p0"
+
+    d.sent.clear()
+    d.origins.add("r-2")  # a request this router never placed (it restarted since, say)
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-2"), 1.0)
+    assert [identity for identity, _ in releases(d.sent)] == [prefill] and len(d.sent) == 1
+    assert [request_id for request_id, _ in d.failed] == ["r-2"]
+
+
+def test_a_forgotten_hand_off_is_not_sent_on():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.forget("r-1")  # the prefill worker was lost, say
+    d.cluster.finish("r-1")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    assert [message for _, message, _ in d.sent if isinstance(message, Generate)] == []
+    assert len(releases(d.sent)) == 1 and [request_id for request_id, _ in d.failed] == ["r-1"]
+
+
+def test_lease_updates_pass_from_the_decode_worker_holding_the_request_to_its_prefill_worker():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.join("d0", "decode")
+    d.join("d1", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    d.sent.clear()
+    holder = d.decode_pool.placements["r-1"].worker_id
+    bystander = "d1" if holder == "d0" else "d0"
+    renew = KvLeaseUpdate(request_id="r-1", lease_id="ab" * 16, prefill_worker_id="p0", action="renew")
+
+    assert d.desk.lease_update(d.members[holder].hello, renew) == ""
+    assert d.sent == [(prefill, renew, None)]
+    assert d.desk.lease_update(d.members[bystander].hello, renew) == "request r-1 is not placed on it"
+    assert d.desk.lease_update(d.members["p0"].hello, renew) == "request r-1 is not placed on it"
+    unknown = KvLeaseUpdate(request_id="r-1", lease_id="ab" * 16, prefill_worker_id="p9", action="renew")
+    assert d.desk.lease_update(d.members[holder].hello, unknown) == ""  # dropped, logged
+    assert len(d.sent) == 1
+
+
+def test_a_short_prompt_goes_straight_to_a_decode_worker_and_a_long_one_is_prefilled():
+    d = Desk()
+    d.join("p0", "prefill")
+    decode = d.join("d0", "decode")
+    short = Generate(request_id="r-short", sampling=Sampling(max_tokens=16), stream_address="tcp://127.0.0.1:7002")
+    assert d.desk.place_on_decode(short, [PROMPT[:4 * BLOCK]], 0.0) == "d0"
+    assert [(identity, message) for identity, message, _ in d.sent] == [(decode, short)]
+    assert d.decode_pool.placements["r-short"].worker_id == "d0"
+    long = Generate(request_id="r-long", sampling=Sampling(max_tokens=16), stream_address="tcp://127.0.0.1:7002")
+    assert d.desk.place_on_decode(long, [PROMPT], 0.0) is None
+    assert len(d.sent) == 1 and "r-long" not in d.decode_pool.placements
