@@ -5,6 +5,8 @@ Workers and tokenizers connect DEALER sockets to one ROUTER socket. A worker say
 the requests it finished; its KV events feed the prefix index. A tokenizer sends Generate
 and Abort. Each Generate is matched against the index, ranked by the placement policy
 and admitted (or refused early) by admission control; see services/router/cluster.py.
+With prefill and decode pools, the hand-off from a prefill worker to a decode worker is
+services/router/handoff.py's (docs/router.md §6).
 A worker silent for `worker_timeout_s` is dropped and each of its requests is failed
 back to the tokenizer that sent it (WORKER_LOST), which retries it elsewhere when nothing
 was streamed yet.
