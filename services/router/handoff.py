@@ -1,17 +1,19 @@
 """The router's side of the prefill/decode hand-off (docs/router.md §6, docs/disaggregation.md §2).
 
-A disaggregated request passes the router twice. Its Generate is placed like any other,
-on an engine that prefills, and when that is a prefill worker the Generate is held here
-as a pending hand-off. When the prefill worker says KvReady (the prompt's KV held under a
-lease), the prefill placement ends and the request goes, with a `kv_handle` naming the
-lease, to the decode worker services/router/pairing.py picks. If none takes it, the
-hand-off is parked and sent to the first decode worker that can take it, for up to half
-the lease; past that, or on an abort, the lease is released (docs/disaggregation.md §3).
-Decode workers' lease renewals and releases pass through here to the prefill worker.
+A request whose missing prefill on the decode worker services/router/pairing.py picks is
+short, or that no other engine can prefill, goes straight to that worker (conditional
+disaggregation). Any other is placed like a co-located request, on an engine that
+prefills, and when that is a prefill worker its Generate is held here as a pending
+hand-off. When the prefill worker says KvReady (the prompt's KV held under a lease), the
+prefill placement ends and the request goes, with a `kv_handle` naming the lease, to the
+decode worker pairing picks. If none takes it, the hand-off is parked and sent to the
+first decode worker that can take it, for up to half the lease; past that, or on an
+abort, the lease is released. Decode workers' lease renewals and releases pass through
+here to the prefill worker.
 
 `HandoffDesk` keeps this state and no socket or clock of its own: the router
 (services/router/service.py) checks who sent each message, gives the time, and lends the
-desk its send function, its two pools and its members.
+desk its send function, its two pools, its members and its policy.
 """
 from __future__ import annotations
 
