@@ -415,8 +415,8 @@ class WorkerService:
     def _wait_ms(self) -> int:
         """How long a turn may wait for a message: not at all while the engine has work."""
         wait_ms = 0 if self.engine.has_unfinished() else int(self.config.heartbeat_interval_s * 500)
-        if self.unsent:
-            wait_ms = min(wait_ms, math.ceil(self._flush_wait_s() * 1000))
+        if self.unsent:  # never negative: poll(-1) would wait for a message, however long
+            wait_ms = min(wait_ms, max(0, math.ceil(self._flush_wait_s() * 1000)))
         return self.store.wait_ms(wait_ms) if self.store is not None else wait_ms
 
     def _tend(self) -> None:

@@ -25,3 +25,22 @@ def test_tokens_between_the_first_and_last_wait_for_the_interval(make_cluster, i
         assert middle < 0.2 * rest, (middle, rest)
     else:
         assert middle > 0.5 * rest, (middle, rest)
+
+
+def test_a_turn_waits_no_longer_than_the_held_tokens_and_never_forever(make_engine):
+    """`_wait_ms` bounds a turn's poll by when the held tokens are due, and an overdue flush
+    means no wait, never a negative one (ZeroMQ reads -1 as: until a message comes)."""
+    from common.config import load_config
+    from common.protocol import Tokens
+    from services.worker.service import WorkerService
+
+    service = WorkerService.__new__(WorkerService)  # the loop's timing only: no sockets
+    service.config = load_config(None, env={"BATON_STREAM_INTERVAL_MS": "5"})
+    service.engine, service.store, service.unsent = make_engine(), None, {}
+    idle_ms = int(service.config.heartbeat_interval_s * 500)
+    service.last_flush = time.monotonic()
+    assert service._wait_ms() == idle_ms  # nothing held: the idle wait
+    service.unsent = {"tcp://127.0.0.1:1": [Tokens(request_id="r", token_ids=[1])]}
+    assert 0 < service._wait_ms() <= 5
+    service.last_flush = time.monotonic() - 10  # long overdue
+    assert service._wait_ms() == 0
