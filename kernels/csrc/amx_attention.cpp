@@ -159,6 +159,23 @@ void lay_out_context(const Problem& p, int64_t seq, int64_t kv_head, int64_t con
   }
 }
 
+// 2^t lane by lane: t = n + f with n the nearest integer, 2^f by its degree-5 Taylor
+// polynomial on [-0.5, 0.5] (relative error < 3e-6, against bf16's 4e-3 that the weights
+// are rounded to next), and scalef to multiply by 2^n, which saturates to 0 or infinity
+// where fp32 would underflow or overflow. Half the instructions of exp_lanes: the
+// softmax's exponentials, not the tiles, bounded a long prefill's attention.
+inline __m512 exp2_lanes(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 inline __mmask16 lanes_below(int64_t count, int64_t k) {
   if (count <= k) return 0;
   return count - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (count - k)) - 1);
@@ -170,7 +187,8 @@ inline __mmask16 lanes_below(int64_t count, int64_t k) {
 // as bf16 (zero for keys the row does not see).
 void softmax_chunk(Scratch& s, const int64_t* visible, int64_t rows, int64_t chunk_start, int64_t chunk_keys,
                    int64_t dim, float scale) {
-  const __m512 scale_lanes = _mm512_set1_ps(scale);
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 scale_lanes = _mm512_set1_ps(scale * kLog2e);  // scores to base-2 exponents
   for (int64_t r = 0; r < rows; ++r) {
     const float* scores = s.scores.data() + r * kChunkKeys;
     uint16_t* weights = s.weights.data() + r * kChunkKeys;
@@ -185,12 +203,11 @@ void softmax_chunk(Scratch& s, const int64_t* visible, int64_t rows, int64_t chu
     }
     const float old_max = s.running_max[r];
     const float new_max = std::max(old_max, _mm512_reduce_max_ps(max_lanes) * scale);
-    const __m512 max_lanes_new = _mm512_set1_ps(new_max);
+    const __m512 max_lanes_new = _mm512_set1_ps(new_max * kLog2e);
     __m512 sum_lanes = _mm512_setzero_ps();
     for (int64_t k = 0; k < chunk_keys; k += 16) {
       const __m512 shifted = _mm512_fmsub_ps(_mm512_loadu_ps(scores + k), scale_lanes, max_lanes_new);
-      const __m512 weight = _mm512_maskz_mov_ps(lanes_below(count, k),
-                                                static_cast<__m512>(exp_lanes(static_cast<Lanes>(shifted))));
+      const __m512 weight = _mm512_maskz_mov_ps(lanes_below(count, k), exp2_lanes(shifted));
       sum_lanes = _mm512_add_ps(sum_lanes, weight);
       const __m256bh rounded = _mm512_cvtneps_pbh(weight);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + k), reinterpret_cast<const __m256i&>(rounded));
