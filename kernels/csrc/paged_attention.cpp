@@ -80,12 +80,13 @@ struct Problem {
 
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
-  int64_t row_begin;  // rows are (token j, group member g) in that order: r = j * group + g
+  int64_t kv_head_begin;  // the item's KV heads: [kv_head_begin, kv_head_end)
+  int64_t kv_head_end;
+  int64_t row_begin;  // each head's rows are (token j, group member g) in that order: r = j * group + g
   int64_t row_end;
 };
 
-// One thread's buffers, sized for a work item of at most kRowTile rows.
+// One thread's buffers, sized for a work item of at most kRowTile rows (over all its heads).
 struct Scratch {
   explicit Scratch(int64_t dim)
       : query(kRowTile * dim / kKeyTile), acc(kRowTile * dim / kKeyTile), running_max(kRowTile),
@@ -163,11 +164,47 @@ void attend_rows(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64
   }
 }
 
-// One work item: rows [row_begin, row_end) of one sequence's query heads sharing kv_head.
+// The keys [start, start + count) of one sequence that one tile scores: at most kKeyTile,
+// within one block, before `end`; `first_slot` is the first one's slot in the pool.
+struct Tile {
+  int64_t first_slot;
+  int64_t count;
+};
+
+template <typename T>
+Tile tile_at(const Problem<T>& p, int64_t seq, int64_t start, int64_t end) {
+  const int64_t block = start / p.block_size, offset = start % p.block_size;
+  return {p.block_table[seq * p.table_width + block] * p.block_size + offset,
+          std::min({kKeyTile, p.block_size - offset, end - start})};
+}
+
+// Asks for a tile's K and V lines of heads [kv_head_begin, kv_head_end) before they are
+// used: a sequence's next tile is often in another block, where the hardware's prefetchers
+// cannot follow, and a decode step's KV comes from DRAM (between two layers the weights
+// pass through the caches). kLocality 3 keeps the lines in L1, 2 in L2.
+template <int kLocality, typename T>
+void prefetch_tile(const Problem<T>& p, Tile tile, int64_t kv_head_begin, int64_t kv_head_end, int64_t dim) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements in a cache line
+  for (int64_t i = 0; i < tile.count; ++i) {
+    const int64_t base = (tile.first_slot + i) * p.cache_stride;
+    for (int64_t e = kv_head_begin * dim; e < kv_head_end * dim; e += kLine) {
+      __builtin_prefetch(p.key_cache + base + e, 0, kLocality);
+      __builtin_prefetch(p.value_cache + base + e, 0, kLocality);
+    }
+  }
+}
+
+// One work item: rows [row_begin, row_end) of each of one sequence's KV heads in
+// [kv_head_begin, kv_head_end), the query heads sharing it. Scratch row hi * head_rows + r
+// holds row r of the item's hi-th head. A tile's keys are read for every head of the item
+// before the next tile, so a decode item with all heads reads each slot's K and V whole.
+// While it works on a tile, the next tile's keys are fetched into L1 and the same tile of
+// the thread's next item (`ahead`, or null) into L2.
 // kDim > 0 fixes the head dim at compile time (the common 64 and 128), so the rows' sums
 // stay in registers; 0 reads `dim` (a multiple of 16, at most kMaxDim).
 template <typename T, int64_t kDim>
-void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runtime, Scratch& scratch) {
+void attend_item(const Problem<T>& p, const WorkItem& item, const WorkItem* ahead, int64_t dim_at_runtime,
+                 Scratch& scratch) {
   constexpr int64_t kRowBlock = 4;  // rows sharing each key's and value's loads
   const int64_t dim = kDim > 0 ? kDim : dim_at_runtime;
   const int64_t chunks = dim / kKeyTile;
@@ -176,43 +213,60 @@ void attend_item(const Problem<T>& p, const WorkItem& item, int64_t dim_at_runti
   const int64_t query_len = p.query_lens[seq];
   const int64_t context_len = p.context_lens[seq];
   const int64_t query_start = p.query_starts[seq];
-  const int64_t rows = item.row_end - item.row_begin;
+  const int64_t head_rows = item.row_end - item.row_begin;
+  const int64_t heads = item.kv_head_end - item.kv_head_begin;
+  const int64_t rows = heads * head_rows;
 
   int64_t* limit = scratch.limit.data();
   std::fill(scratch.acc.begin(), scratch.acc.begin() + rows * chunks, Lanes{});
   std::fill(scratch.running_max.begin(), scratch.running_max.begin() + rows, -kInfinity);
   std::fill(scratch.total.begin(), scratch.total.begin() + rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = item.row_begin + r;
-    const int64_t token = row / group, head = item.kv_head * group + row % group;
-    limit[r] = context_len - query_len + token + 1;
-    const T* src = p.query + (query_start + token) * p.query_stride + head * dim;
-    for (int64_t c = 0; c < chunks; ++c) scratch.query[r * chunks + c] = load_lanes(src + c * kKeyTile) * p.scale;
+  for (int64_t r = 0; r < head_rows; ++r) limit[r] = context_len - query_len + (item.row_begin + r) / group + 1;
+  for (int64_t hi = 0; hi < heads; ++hi) {
+    for (int64_t r = 0; r < head_rows; ++r) {
+      const int64_t row = item.row_begin + r;
+      const int64_t token = row / group, head = (item.kv_head_begin + hi) * group + row % group;
+      const T* src = p.query + (query_start + token) * p.query_stride + head * dim;
+      Lanes* dst = &scratch.query[(hi * head_rows + r) * chunks];
+      for (int64_t c = 0; c < chunks; ++c) dst[c] = load_lanes(src + c * kKeyTile) * p.scale;
+    }
   }
-  const int64_t keys_needed = limit[rows - 1];  // rows ascend by token, so by limit
+  const int64_t keys_needed = limit[head_rows - 1];  // rows ascend by token, so by limit
 
   int64_t first_seeing = 0;  // rows before it see none of this tile or any later one
   int64_t visible[kRowTile];
-  for (int64_t tile_start = 0; tile_start < keys_needed;) {
-    const int64_t block = tile_start / p.block_size, offset = tile_start % p.block_size;
-    const int64_t count = std::min({kKeyTile, p.block_size - offset, keys_needed - tile_start});
-    const int64_t first_slot = p.block_table[seq * p.table_width + block] * p.block_size + offset;
-    while (limit[first_seeing] <= tile_start) ++first_seeing;
-    for (int64_t r = first_seeing; r < rows; ++r) visible[r] = std::min(count, limit[r] - tile_start);
-    for (int64_t r = first_seeing; r < rows; r += kRowBlock) {
-      attend_rows<T, kDim>(p, first_slot, item.kv_head, count, &visible[r], r, std::min(kRowBlock, rows - r),
-                           chunks, scratch);
+  Tile tile = tile_at(p, seq, 0, keys_needed);
+  prefetch_tile<3>(p, tile, item.kv_head_begin, item.kv_head_end, dim);
+  for (int64_t tile_start = 0;;) {
+    const int64_t next_start = tile_start + tile.count;
+    const Tile next = next_start < keys_needed ? tile_at(p, seq, next_start, keys_needed) : Tile{0, 0};
+    prefetch_tile<3>(p, next, item.kv_head_begin, item.kv_head_end, dim);
+    if (ahead != nullptr && tile_start < p.context_lens[ahead->seq]) {
+      prefetch_tile<2>(p, tile_at(p, ahead->seq, tile_start, p.context_lens[ahead->seq]), ahead->kv_head_begin,
+                       ahead->kv_head_end, dim);
     }
-    tile_start += count;
+    while (limit[first_seeing] <= tile_start) ++first_seeing;
+    for (int64_t r = first_seeing; r < head_rows; ++r) visible[r] = std::min(tile.count, limit[r] - tile_start);
+    for (int64_t hi = 0; hi < heads; ++hi) {
+      for (int64_t r = first_seeing; r < head_rows; r += kRowBlock) {
+        attend_rows<T, kDim>(p, tile.first_slot, item.kv_head_begin + hi, tile.count, &visible[r], hi * head_rows + r,
+                             std::min(kRowBlock, head_rows - r), chunks, scratch);
+      }
+    }
+    if (next.count == 0) break;
+    tile_start = next_start;
+    tile = next;
   }
 
   const int64_t out_stride = p.num_heads * dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = item.row_begin + r;
-    const int64_t token = row / group, head = item.kv_head * group + row % group;
-    T* dst = p.out + (query_start + token) * out_stride + head * dim;
-    const float inverse = 1.0f / scratch.total[r];
-    for (int64_t c = 0; c < chunks; ++c) store_lanes(dst + c * kKeyTile, scratch.acc[r * chunks + c] * inverse);
+  for (int64_t hi = 0; hi < heads; ++hi) {
+    for (int64_t r = 0; r < head_rows; ++r) {
+      const int64_t row = item.row_begin + r, at = hi * head_rows + r;
+      const int64_t token = row / group, head = (item.kv_head_begin + hi) * group + row % group;
+      T* dst = p.out + (query_start + token) * out_stride + head * dim;
+      const float inverse = 1.0f / scratch.total[at];
+      for (int64_t c = 0; c < chunks; ++c) store_lanes(dst + c * kKeyTile, scratch.acc[at * chunks + c] * inverse);
+    }
   }
 }
 
@@ -221,12 +275,13 @@ void run(const Problem<T>& p, const std::vector<WorkItem>& items, int64_t dim) {
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(dim);
     for (int64_t i = begin; i < end; ++i) {
+      const WorkItem* ahead = i + 1 < end ? &items[i + 1] : nullptr;
       if (dim == 64) {
-        attend_item<T, 64>(p, items[i], dim, scratch);
+        attend_item<T, 64>(p, items[i], ahead, dim, scratch);
       } else if (dim == 128) {
-        attend_item<T, 128>(p, items[i], dim, scratch);
+        attend_item<T, 128>(p, items[i], ahead, dim, scratch);
       } else {
-        attend_item<T, 0>(p, items[i], dim, scratch);
+        attend_item<T, 0>(p, items[i], ahead, dim, scratch);
       }
     }
   });
@@ -249,11 +304,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const int64_t* lens = query_lens.data_ptr<int64_t>();
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_starts.data_ptr<int64_t>();
+  // A sequence whose rows for all its KV heads fit one item is one item, unless that leaves
+  // too few items to share among the threads.
+  const bool whole_sequences = num_seqs >= 2 * at::get_num_threads();
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = lens[s] * group;
+    if (whole_sequences && rows * kv_heads <= kRowTile) {
+      items.push_back({s, 0, kv_heads, 0, rows});
+      continue;
+    }
     for (int64_t kv = 0; kv < kv_heads; ++kv)
-      for (int64_t r = 0; r < rows; r += kRowTile) items.push_back({s, kv, r, std::min(rows, r + kRowTile)});
+      for (int64_t r = 0; r < rows; r += kRowTile) items.push_back({s, kv, kv + 1, r, std::min(rows, r + kRowTile)});
   }
 
   auto dispatch = [&](auto tag) {

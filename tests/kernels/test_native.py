@@ -68,6 +68,10 @@ CASES = [  # shape [(context, new)], heads, kv_heads, dim, block_size
     ([(5, 1), (0, 7), (30, 9)], 4, 4, 16, 4),          # no GQA; small blocks
     ([(50, 1), (21, 3)], 6, 1, 80, 24),                # MQA; dim 80; tiles split at blocks
     ([(300, 1)], 14, 2, 64, 32),                       # Qwen-like group of 7
+    # A decode batch of 16 (>= 2 items a thread on 8 threads): sequences whose rows for
+    # both KV heads fit one item are one, the 9-token query (54 rows) is split by head.
+    ([(40, 1), (3, 2), (100, 1), (16, 1), (7, 1), (60, 3), (0, 1), (200, 1), (10, 9), (33, 1), (1, 1), (64, 1),
+      (65, 1), (15, 2), (90, 1), (5, 1)], 6, 2, 64, 16),
 ]
 
 
