@@ -118,44 +118,99 @@ def make_engine(model_dir: Path, dtype: str):
     return Engine(EngineConfig(model_dir=model_dir, dtype=dtype))
 
 
-def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+def run_inprocess(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list, tuple[int, float]]:
+    """Wall seconds, per-request records, and the (tokens, seconds) of decode steps the
+    timed run added to the engine's stats."""
     from common.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:2], params)  # warm-up
     engine.block_manager.reset_prefix_cache()
+    decode_before = (engine.stats.decode_tokens, engine.stats.decode_seconds)
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     wall = time.perf_counter() - start
+    decode = (engine.stats.decode_tokens - decode_before[0], engine.stats.decode_seconds - decode_before[1])
     return wall, [{"tokens": len(r.token_ids), "ttft_s": r.ttft_s,
-                   "tpot_s": (r.e2e_s - r.ttft_s) / max(len(r.token_ids) - 1, 1)} for r in results]
+                   "tpot_s": (r.e2e_s - r.ttft_s) / max(len(r.token_ids) - 1, 1)} for r in results], decode
+
+
+def worker_decode_counters(metrics_url: str) -> tuple[float, float]:
+    """The worker's baton_worker_decode_{tokens,seconds}_total, once two reads a report
+    interval apart agree (the worker refreshes its metrics with each heartbeat)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read() -> tuple[float, float]:
+        with urlopen(metrics_url, timeout=10) as response:
+            samples = {sample.name: sample.value
+                       for family in text_string_to_metric_families(response.read().decode())
+                       for sample in family.samples}
+        return samples["baton_worker_decode_tokens_total"], samples["baton_worker_decode_seconds_total"]
+
+    deadline = time.monotonic() + 10
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    raise RuntimeError(f"{metrics_url}: the decode counters did not settle within 10 s")
+
+
+def decode_rate(decode: tuple[float, float]) -> float:
+    tokens, seconds = decode
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 def run_served(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     if args.url:
         wall, records = asyncio.run(run_http(args.url, None, prompts, args.max_tokens, args.concurrency))
         return summarise("baton-http", wall, records)
+    before = worker_decode_counters(args.worker_metrics) if args.worker_metrics else None
     wall, records = asyncio.run(run_sdk(args.address, prompts, args.max_tokens, args.concurrency))
-    return summarise("baton-sdk", wall, records)
+    summary = summarise("baton-sdk", wall, records)
+    if before is not None:
+        after = worker_decode_counters(args.worker_metrics)
+        summary["decode_tok_s"] = decode_rate((after[0] - before[0], after[1] - before[1]))
+    return summary
 
 
 def run_inprocess_batches(engine, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """The same requests, `concurrency` at a time, as the served run had them."""
     batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-    walls, records = 0.0, []
+    walls, records, decode_tokens, decode_seconds = 0.0, [], 0, 0.0
     for batch in batches:
-        wall, batch_records = run_inprocess(engine, batch, args.max_tokens)
+        wall, batch_records, (tokens, seconds) = run_inprocess(engine, batch, args.max_tokens)
         walls += wall
         records += batch_records
-    return summarise("inprocess", walls, records)
+        decode_tokens += tokens
+        decode_seconds += seconds
+    return {**summarise("inprocess", walls, records), "decode_tok_s": decode_rate((decode_tokens, decode_seconds))}
+
+
+def split_cpus(cluster) -> tuple[set[int], set[int]]:
+    """(where this process's client runs, where its in-process engine runs): with a
+    cluster started here whose worker `svc up` pinned, the cores the worker does not
+    have and the worker's own, so that the client never takes the served engine's core
+    and the in-process engine computes on the same cores; else this process's cores."""
+    mine = os.sched_getaffinity(0)
+    if cluster is None:
+        return mine, mine
+    worker_cpus = os.sched_getaffinity(cluster.worker_health(0)["pid"])
+    others = mine - worker_cpus
+    return (others or mine), worker_cpus
 
 
 def median_run(runs: list[dict]) -> dict:
     """Each figure's median over the rounds (the name and counts of the first)."""
     merged = dict(runs[0])
     for key in ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
-                "tpot_p99_ms"):
-        merged[key] = statistics.median(run[key] for run in runs)
+                "tpot_p99_ms", "decode_tok_s"):
+        if key in merged:
+            merged[key] = statistics.median(run[key] for run in runs)
     return merged
 
 
@@ -244,6 +299,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5, help="rounds of served then in-process runs")
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
+    parser.add_argument("--worker-metrics", help="with --address: the worker's /metrics URL, for the served "
+                        "decode rate (a cluster started here: its worker's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -268,24 +325,33 @@ def main() -> None:
 
         cluster = start_cluster(model_dir, workers=1, extra=["--dtype", args.dtype, "--threads", str(args.threads)])
         args.address = cluster.sdk
+        args.worker_metrics = args.worker_metrics or cluster.worker_metrics_url(0)
     import torch
 
     torch.set_num_threads(args.threads)  # like for like: the served worker has as many
     engine = make_engine(model_dir, args.dtype)
+    client_cpus, engine_cpus = split_cpus(cluster)
     rounds: list[tuple[dict, dict]] = []
     try:
         if not args.url:
             asyncio.run(run_sdk(args.address, prompts[:2], 4, 2))  # warm-up
         # disable=None: a bar on stderr when it is a terminal, nothing in logs and pipes.
         for _ in tqdm(range(args.repeats), desc="bench_serving", unit="round", disable=None):
-            rounds.append((run_served(args, prompts), run_inprocess_batches(engine, prompts, args)))
+            os.sched_setaffinity(0, client_cpus)
+            served_round = run_served(args, prompts)
+            os.sched_setaffinity(0, engine_cpus)
+            rounds.append((served_round, run_inprocess_batches(engine, prompts, args)))
     finally:
+        os.sched_setaffinity(0, client_cpus | engine_cpus)
         if cluster is not None:
             cluster.stop()
     served, inprocess = median_run([r[0] for r in rounds]), median_run([r[1] for r in rounds])
     report = {"tok_s": served["tok_s"], "inprocess_tok_s": inprocess["tok_s"],
               "ratio_vs_inprocess": served["tok_s"] / inprocess["tok_s"],
               "decode_ratio_vs_inprocess": inprocess["tpot_p50_ms"] / served["tpot_p50_ms"],
+              "decode_rate_ratio_vs_inprocess": (served["decode_tok_s"] / inprocess["decode_tok_s"]
+                                                 if "decode_tok_s" in served else None),
+              "served_decode_tok_s": served.get("decode_tok_s"), "inprocess_decode_tok_s": inprocess["decode_tok_s"],
               "ttft_overhead_ms": served["ttft_p50_ms"] - inprocess["ttft_p50_ms"],
               "served": served, "inprocess": inprocess, "concurrency": args.concurrency,
               "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -303,6 +369,10 @@ def main() -> None:
               f"{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p99_ms']:>9.2f}ms")
     print(f"ratio_vs_inprocess {report['ratio_vs_inprocess']:.3f}   decode_ratio_vs_inprocess "
           f"{report['decode_ratio_vs_inprocess']:.3f}   ttft_overhead_ms {report['ttft_overhead_ms']:.1f}")
+    if report["decode_rate_ratio_vs_inprocess"] is not None:
+        print(f"decode rate: served {report['served_decode_tok_s']:.0f} tok/s, in-process "
+              f"{report['inprocess_decode_tok_s']:.0f} tok/s, decode_rate_ratio_vs_inprocess "
+              f"{report['decode_rate_ratio_vs_inprocess']:.3f}")
     if args.json:
         print(json.dumps(report))
 

@@ -77,6 +77,10 @@ class Cluster:
     def worker_health(self, index: int) -> dict:
         return _health(self.port_base + 11 + 2 * index)
 
+    def worker_metrics_url(self, index: int) -> str:
+        """Where engine `index` serves /metrics (and /health, above)."""
+        return f"http://127.0.0.1:{self.port_base + 11 + 2 * index}/metrics"
+
     def router_health(self) -> dict:
         return _health(self.port_base + 3)
 

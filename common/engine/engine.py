@@ -91,6 +91,11 @@ class EngineStats:
     num_fetched_tokens: int = 0  # prompt tokens whose KV came from the KV store
     prefill_tokens: int = 0  # tokens computed by steps that prefilled at least a block ...
     prefill_seconds: float = 0.0  # ... and those steps' seconds (a measured prefill rate)
+    # A measured decode rate: the tokens of steps that prefilled nothing and after which
+    # work remained, and the seconds from each such step's start to the next step's start,
+    # so what the caller's loop does between two steps counts too.
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,7 @@ class Engine:
         # common.engine.step_log); None: no one is watching.
         self.step_observer: Callable[[SchedulePlan, float], None] | None = None
         self._seqs: dict[str, Sequence] = {}
+        self._decode_step: tuple[int, float] | None = None  # (tokens, start) of a decode step still being timed
         self.leases = KvLeases()
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
@@ -507,6 +513,8 @@ class Engine:
             return True
         del self._seqs[request_id]
         self.scheduler.finish(seq, "abort")
+        if not self.has_unfinished():  # the loop may now wait: that is no decode time
+            self._decode_step = None
         return True
 
     def has_unfinished(self) -> bool:
@@ -523,6 +531,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration; outputs for requests that got a token."""
         called = time.perf_counter()
+        self._end_decode_period(called)
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         if plan.is_empty:
@@ -548,7 +557,17 @@ class Engine:
             self.stats.prefill_seconds += now - started
         if self.step_observer is not None:
             self.step_observer(plan, time.perf_counter() - called)
+        if prefill_tokens == 0 and self.has_unfinished():
+            self._decode_step = (len(result.token_ids), called)
         return outputs
+
+    def _end_decode_period(self, now: float) -> None:
+        """Count the decode step being timed (EngineStats.decode_tokens) up to `now`."""
+        if self._decode_step is not None:
+            tokens, started = self._decode_step
+            self.stats.decode_tokens += tokens
+            self.stats.decode_seconds += now - started
+            self._decode_step = None
 
     def _advance(self, seq: Sequence, token_id: int, logprob: dict | None, now: float) -> RequestOutput:
         seq.append_token(token_id)

@@ -125,6 +125,11 @@ class WorkerMetrics:
         self.prefix_hits = registry.counter("baton_worker_prefix_hit_tokens_total",
                                             "Prompt tokens served from the prefix cache")
         self.queue_time = registry.histogram("baton_worker_queue_seconds", "Arrival to first step")
+        self.decode_tokens = registry.counter("baton_worker_decode_tokens_total",
+                                              "Tokens of decode steps (steps that prefilled nothing)")
+        self.decode_seconds = registry.counter("baton_worker_decode_seconds_total",
+                                               "Wall seconds of decode steps, each from its start to the next "
+                                               "step's: decode tokens over these is the served decode rate")
         self.running = registry.gauge("baton_worker_running_requests", "Requests in the running batch")
         self.waiting = registry.gauge("baton_worker_waiting_requests", "Requests waiting for admission")
         self.kv_used = registry.gauge("baton_worker_kv_blocks_used", "KV blocks referenced")
@@ -269,6 +274,7 @@ class WorkerService:
                                             self.registry, self.health)
         self.last_report = 0.0
         self.reported_prefix_hits = 0
+        self.reported_decode: tuple[int, float] = (0, 0.0)  # EngineStats.decode_* at the last report
         self.beat_lock = threading.Lock()
         self.beat: Heartbeat | None = None  # the latest load report, sent by the heartbeat thread
         self.rehello = threading.Event()  # the router forgot us: say hello again
@@ -628,16 +634,20 @@ class WorkerService:
         self.metrics.waiting.set(len(scheduler.waiting))
         self.metrics.kv_used.set(manager.num_used)
         self.metrics.kv_cached.set(manager.num_cached)
-        self.metrics.prefix_hits.inc(engine.stats.num_prefix_hit_tokens - self.reported_prefix_hits)
-        self.reported_prefix_hits = engine.stats.num_prefix_hit_tokens
+        stats = engine.stats
+        self.metrics.prefix_hits.inc(stats.num_prefix_hit_tokens - self.reported_prefix_hits)
+        self.metrics.decode_tokens.inc(stats.decode_tokens - self.reported_decode[0])
+        self.metrics.decode_seconds.inc(stats.decode_seconds - self.reported_decode[1])
+        self.reported_prefix_hits = stats.num_prefix_hit_tokens
+        self.reported_decode = (stats.decode_tokens, stats.decode_seconds)
         if self.store is not None:
             self.store.report()
         with self.beat_lock:
             self.beat = Heartbeat(
                 worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
                 kv_blocks_used=manager.num_used, kv_blocks_cached=manager.num_cached,
-                kv_blocks_total=manager.num_blocks, prefix_hit_tokens=engine.stats.num_prefix_hit_tokens,
-                computed_tokens=engine.stats.num_computed_tokens)
+                kv_blocks_total=manager.num_blocks, prefix_hit_tokens=stats.num_prefix_hit_tokens,
+                computed_tokens=stats.num_computed_tokens)
         self.last_report = time.monotonic()
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
