@@ -202,6 +202,7 @@ class _Exposure:
     block_ids: frozenset[int]
     lease_deadline: float
     serve: _Serve | None = None
+    reopen: bool = False  # a failed pull leaves it exposed for another (expose's reopen_on_failure)
 
 
 @dataclass
@@ -218,6 +219,7 @@ class _Serve:
     all_sent: bool = False
     ending: TransferEvent | None = None  # set when it is over: waiting for in-flight sends
     settle_deadline: float = 0.0
+    reopen: bool = False  # once settled, its exposure may be pulled again instead of ending
 
 
 class KvTransport:
@@ -297,12 +299,15 @@ class KvTransport:
         pulls fail, and the next `connect` handshakes anew."""
         self._call(self._drop_peer, address)
 
-    def expose(self, transfer_id: str, block_ids: list[int], lease_s: float) -> None:
+    def expose(self, transfer_id: str, block_ids: list[int], lease_s: float, reopen_on_failure: bool = False) -> None:
         """Let a peer pull these blocks under `transfer_id` until the lease ends; the
-        exposure ends with one TransferEvent (see `next_event`). The caller's writes to the
-        blocks must be queued already: a CUDA pool waits for the caller's stream here."""
+        exposure ends with one TransferEvent (see `next_event`). With `reopen_on_failure`
+        a pull that fails (its deadline, either side's transport) does not end it: once
+        that pull's sends have settled it may be pulled again, by any accepted peer, until
+        the lease ends. The caller's writes to the blocks must be queued already: a CUDA
+        pool waits for the caller's stream here."""
         self.pool.settle_caller()
-        self._call(self._do_expose, transfer_id, list(block_ids), lease_s)
+        self._call(self._do_expose, transfer_id, list(block_ids), lease_s, reopen_on_failure)
 
     def renew(self, transfer_id: str, lease_s: float) -> bool:
         """Extend a waiting exposure's lease to now + lease_s; False if it is gone."""
@@ -578,7 +583,9 @@ class KvTransport:
                                  KvEnd(event.transfer_id, serve.nonce, "failed", tell_code, event.reason))
         serve.ending = event
         serve.settle_deadline = time.monotonic() + self.options.settle_timeout_s
-        self._exposures.pop(event.transfer_id, None)
+        serve.reopen = serve.exposure.reopen and event.status == "failed"
+        if not serve.reopen:
+            self._exposures.pop(event.transfer_id, None)
         self._settling.append(serve)
         self._try_settle(serve, time.monotonic())
 
@@ -588,7 +595,18 @@ class KvTransport:
             assert serve.ending is not None  # only an ending serve is settling
             self._settling.remove(serve)
             serve.ending.settled = settled
-            self._emit(serve.ending)
+            if serve.reopen:
+                self._reopen(serve)
+            else:
+                self._emit(serve.ending)
+
+    def _reopen(self, serve: _Serve) -> None:
+        """A failed pull of a reopening exposure has settled: the exposure waits for another
+        pull (or its lease's end) again."""
+        exposure = serve.exposure
+        if self._exposures.get(exposure.transfer_id) is exposure and exposure.serve is serve:
+            exposure.serve = None
+            log.info("kv_exposure_reopened", transfer_id=exposure.transfer_id)
 
     def _emit(self, event: TransferEvent) -> None:
         try:
@@ -619,7 +637,7 @@ class KvTransport:
 
     # ---- server side: exposures --------------------------------------------------------------
 
-    def _do_expose(self, transfer_id: str, block_ids: list[int], lease_s: float) -> None:
+    def _do_expose(self, transfer_id: str, block_ids: list[int], lease_s: float, reopen: bool) -> None:
         if not transfer_id or len(transfer_id) > MAX_ID_CHARS:
             raise ValueError(f"transfer id must have 1..{MAX_ID_CHARS} characters")
         if transfer_id in self._exposures:
@@ -629,7 +647,8 @@ class KvTransport:
         if len(self._exposures) + len(self._pulls) >= self.options.max_transfers:
             raise RuntimeError(f"{self.options.max_transfers} transfers at once, the limit")
         check_block_ids(block_ids, self.geometry.num_blocks, "exposed")
-        self._exposures[transfer_id] = _Exposure(transfer_id, frozenset(block_ids), time.monotonic() + lease_s)
+        self._exposures[transfer_id] = _Exposure(transfer_id, frozenset(block_ids), time.monotonic() + lease_s,
+                                                 reopen=reopen)
 
     def _do_renew(self, transfer_id: str, lease_s: float) -> bool:
         exposure = self._exposures.get(transfer_id)
@@ -642,8 +661,13 @@ class KvTransport:
         exposure = self._exposures.get(transfer_id)
         if exposure is None:
             return False
-        if exposure.serve is not None:
-            self._end_serve(exposure.serve, TransferEvent(transfer_id, "withdrawn", "withdrawn by the server"),
+        serve = exposure.serve
+        if serve is not None and serve.reopen:  # a failed pull settling: the exposure ends with it instead
+            serve.reopen = False
+            serve.ending = TransferEvent(transfer_id, "withdrawn", "withdrawn by the server")
+            del self._exposures[transfer_id]
+        elif serve is not None:
+            self._end_serve(serve, TransferEvent(transfer_id, "withdrawn", "withdrawn by the server"),
                             tell_code=ErrorCode.UNAVAILABLE)
         else:
             del self._exposures[transfer_id]

@@ -431,6 +431,32 @@ def test_deadline_expiry_tells_both_sides_without_hanging(spawn_server, transpor
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_reopening_exposure_outlives_a_failed_pull_and_another_peer_pulls_it(spawn_server, transport):
+    """expose(..., reopen_on_failure=True), as a prefill worker exposes a lease: a pull past
+    its deadline fails on both sides without ending the exposure (no event), and once
+    that pull has settled another puller pulls the blocks whole; then it ends done."""
+    small = TransferOptions(max_piece_bytes=4 << 10)
+    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.2, max_piece_bytes=4 << 10))
+    first, _ = puller(transport, options=small)
+    second, pool = puller(transport, options=small, seed=12)
+    with first, second:
+        server.ask("expose", "req-r", [9, 10], 30.0, True)
+        failed = first.pull(first.connect(server.address), "req-r", [9, 10], [9, 10], time.monotonic() + 0.3)
+        assert failed.wait(WAIT_S).status == "timeout"
+        assert server.event(1.0) is None  # still exposed
+        peer = second.connect(server.address)
+        deadline = time.monotonic() + WAIT_S
+        while (result := second.pull(peer, "req-r", [9, 10], [20, 21], time.monotonic() + WAIT_S).wait(WAIT_S)) \
+                .status != "done":
+            assert "already being pulled" in result.reason and time.monotonic() < deadline, result  # settling
+            time.sleep(0.1)
+        source = seeded_pool(GEOMETRY, SERVER_SEED)
+        assert [block_bytes(pool, GEOMETRY, b) for b in (20, 21)] == [block_bytes(source, GEOMETRY, b)
+                                                                       for b in (9, 10)]
+    assert server.event()[:2] == ("req-r", "done")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, transport):
     server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=4 << 10))
     client, _ = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
