@@ -145,6 +145,10 @@ class ClusterConfig(EngineSettings):
     kv_load_failure_policy: str = setting("recompute", "a decode worker whose KV pull failed recomputes the "
                                           "prompt, or fails the request (kv_transfer_failed)",
                                           choices=KV_LOAD_FAILURE_POLICIES)
+    kv_pull_replacements: int = setting(1, "a request whose KV pull failed on its decode worker (a timeout, an "
+                                        "unreachable prefill worker) is placed on another decode worker with "
+                                        "room at most this many times, then kv_load_failure_policy applies "
+                                        "(0: never)", check=NOT_NEGATIVE)
     kv_send_pause_s: float = setting(0.0, "fault injection: a prefill worker pauses this long before each KV "
                                      "piece it sends (tests slow transfers with it)", check=NOT_NEGATIVE)
 

@@ -57,6 +57,8 @@ class MessageType(enum.IntEnum):
     STORE_REQUEST = 24
     STORE_REPLY = 25
     REQUESTS_FINISHED = 26
+    KV_PULL_FAILED = 27
+    KV_PULL_VERDICT = 28
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -177,6 +179,7 @@ class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
     queue_s: float = 0.0  # on the prefill worker: arrival to first step
     prefill_s: float = 0.0  # on the prefill worker: first step to first token
     first_logprob: dict[str, Any] | None = None  # the first token's, when the request asked for logprobs
+    failed_on: list[str] = []  # decode workers whose pull of this lease failed: the router re-placed it since
 
 
 class Generate(msgspec.Struct, forbid_unknown_fields=True):
@@ -406,6 +409,33 @@ class KvEnd(msgspec.Struct, forbid_unknown_fields=True):
     reason: str = ""
 
 
+class KvPullFailed(msgspec.Struct, forbid_unknown_fields=True):
+    """Decode worker to router: the pull of a handed-off request failed in a way another
+    decode worker could avoid (`code`, docs/disaggregation.md §3); its blocks are freed
+    and the lease may still be held. `request` is the Generate it was sent (with its
+    `kv_handle`); the prompt's token ids travel as payload 0. The worker waits for a
+    KvPullVerdict until `reply_by` (wall clock, time.time()); past that the router places
+    the request nowhere else, and the worker falls back on kv_load_failure_policy."""
+
+    request: Generate
+    code: str
+    reason: str = ""
+    reply_by: float = 0.0
+
+
+class KvPullVerdict(msgspec.Struct, forbid_unknown_fields=True):
+    """Router to the decode worker of a KvPullFailed: `moved` (the request went to
+    `worker_id`, another decode worker, with the same lease: drop it without a word) or
+    `local` (no other can take it: fall back on kv_load_failure_policy here; `reason`
+    says why)."""
+
+    request_id: str
+    lease_id: str
+    action: str
+    worker_id: str = ""
+    reason: str = ""
+
+
 class StoreEvents(msgspec.Struct, forbid_unknown_fields=True):
     """The KV store to the router (PUB): blocks it can now serve, blocks that moved between
     its tiers, blocks it no longer holds. Keys are chained block hashes
@@ -494,9 +524,11 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.STORE_REQUEST: StoreRequest,
     MessageType.STORE_REPLY: StoreReply,
     MessageType.REQUESTS_FINISHED: RequestsFinished,
+    MessageType.KV_PULL_FAILED: KvPullFailed,
+    MessageType.KV_PULL_VERDICT: KvPullVerdict,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
-PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.SUBMIT: (0, 1),
+PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.KV_PULL_FAILED: (1,), MessageType.SUBMIT: (0, 1),
                   MessageType.KV_DATA: range(1, MAX_KV_FRAMES + 1),
                   MessageType.STORE_REQUEST: range(MAX_STORE_KEYS + 1),
                   MessageType.STORE_REPLY: range(MAX_STORE_KEYS + 1)}

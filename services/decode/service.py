@@ -7,8 +7,11 @@ worker's lease. While the pool or the batch is full the request waits here and i
 is renewed through the router. Once every byte has landed the request joins the decode
 batch with the prefill worker's first token (which the client has had already). A pull
 that fails or passes its deadline is cancelled, and only once no late byte can land are
-its blocks freed; then `kv_load_failure_policy` says what happens: `recompute` (the
-prompt and first token are prefilled here) or `fail` (kv_transfer_failed to the client).
+its blocks freed. A failure another decode worker could avoid (REPLACEABLE_CAUSES) is
+reported to the router (KvPullFailed), which places the request on another decode worker
+with the same lease, or says to go on here; otherwise, or without its word within
+VERDICT_WAIT_S, `kv_load_failure_policy` says what happens: `recompute` (the prompt and
+first token are prefilled here) or `fail` (kv_transfer_failed to the client).
 A Generate without a handle is served whole (conditional disaggregation: the router
 sends short prefills straight here).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from msgspec.structs import replace
 
 from common.config import ClusterConfig
@@ -24,7 +28,16 @@ from common.engine.engine import Engine, KvImport, KvImportError, RequestOutput
 from common.kv_transfer import HandshakeRefused, PullHandle, PullResult
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import ErrorCode, Generate, KvHandle, KvLeaseUpdate, Tokens, params_from_sampling
+from common.protocol import (
+    ErrorCode,
+    Generate,
+    KvHandle,
+    KvLeaseUpdate,
+    KvPullFailed,
+    KvPullVerdict,
+    Tokens,
+    params_from_sampling,
+)
 from common.sampling_params import InvalidRequestError
 from common.sockets import send
 from services.worker.service import KvEventBuffer, TransferringService
@@ -32,6 +45,15 @@ from services.worker.service import KvEventBuffer, TransferringService
 log = get_logger("decode")
 PULL_POLL_MS = 2
 UNREACHABLE_S = 5.0  # a KV peer whose handshake failed is not tried again for this long
+# Pull failures another decode worker could avoid: the deadline passed (a slow path or a
+# stalled transport between this worker and the prefill worker) or the prefill worker did
+# not answer this worker's handshake. A prefill worker that is gone looks the same from
+# here; the router, which knows whether it is still a member, tells the two apart.
+REPLACEABLE_CAUSES = frozenset({ErrorCode.TIMEOUT.value, "unreachable"})
+# Failures after which the prefill worker exposes the lease no more (withdrawn, closed, or
+# never known): a release would only be refused there.
+EXPOSURE_GONE = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.REFUSED.value})
+VERDICT_WAIT_S = 4.0  # a hand-back waits this long for the router's KvPullVerdict, then falls back here
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -49,6 +71,8 @@ class DecodeMetrics:
                                          "Lease renewals sent for requests waiting here for room")
         self.recomputed = registry.counter("baton_kv_imports_recomputed_total",
                                            "Requests whose pull failed and whose prompt was computed here")
+        self.replaced = registry.counter("baton_kv_imports_replaced_total", "Requests whose pull failed here "
+                                         "and which the router placed on another decode worker")
 
 
 @dataclass
@@ -64,6 +88,8 @@ class Import:
     pull: PullHandle | None = None
     pull_started: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    failure: str = ""  # how its pull failed, while handed back to the router
+    verdict_by: float = 0.0  # monotonic: handed back, it falls back here if no verdict came by then
 
 
 class DecodeService(TransferringService):
@@ -73,6 +99,7 @@ class DecodeService(TransferringService):
         super().__init__(config, index, engine, events)
         self.kv_metrics = DecodeMetrics(self.registry)
         self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
+        self.handed_back: dict[str, Import] = {}  # request id -> import whose failed pull the router may re-place
         self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
         self.recomputed: set[str] = set()  # requests whose prompt (plus first token) is prefilled here
         # Request id -> the prefill worker's first token (and its logprob), sent again with
@@ -173,6 +200,10 @@ class DecodeService(TransferringService):
                     self._landed(item)
                 else:
                     self._pull_failed(item, result)
+        for item in [i for i in self.handed_back.values() if now >= i.verdict_by]:
+            del self.handed_back[item.request.request_id]
+            log.warning("kv_verdict_missing", request_id=item.request.request_id, wait_s=VERDICT_WAIT_S)
+            self._fall_back(item, f"{item.failure}; no word from the router", release=True)
         waiting = sum(item.kv_import is None for item in self.imports.values())
         if retry:
             self.refused_room = self._room() if waiting else None
@@ -191,7 +222,8 @@ class DecodeService(TransferringService):
         self._emit([self.engine.complete_import(request_id)])
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
-        """Settle a pull that did not complete, then apply kv_load_failure_policy."""
+        """Settle a pull that did not complete; then hand the request back to the router if
+        another decode worker could avoid the failure, else apply kv_load_failure_policy."""
         request_id = item.request.request_id
         # The transports give the code as an ErrorCode or as its value: label with the value.
         cause = result.code.value if isinstance(result.code, ErrorCode) else result.code or result.status
@@ -204,12 +236,45 @@ class DecodeService(TransferringService):
             self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
             return
         self.engine.abort(request_id)
-        if item.kv_import is None:  # nothing was pulled: the lease may still be held
+        why = f"{result.status} ({result.reason})"
+        if cause in REPLACEABLE_CAUSES and len(item.handle.failed_on) < self.config.kv_pull_replacements:
+            self._hand_back(item, cause, why)
+        else:
+            self._fall_back(item, why, release=cause not in EXPOSURE_GONE)
+
+    def _hand_back(self, item: Import, cause: str, why: str) -> None:
+        """Ask the router to place the request on another decode worker (KvPullFailed), the
+        lease kept for it; its KvPullVerdict, or VERDICT_WAIT_S without one, decides what
+        happens here. The router re-places only until half that wait has passed, so that a
+        late verdict can never find the request recomputed here and running there too."""
+        item.failure = why
+        item.verdict_by = time.monotonic() + VERDICT_WAIT_S
+        self.handed_back[item.request.request_id] = item
+        send(self.router, KvPullFailed(request=item.request, code=cause, reason=why[:500],
+                                       reply_by=time.time() + VERDICT_WAIT_S / 2),
+             [np.asarray(item.prompt_ids, dtype=np.uint32)])
+
+    def _on_verdict(self, verdict: KvPullVerdict) -> None:
+        item = self.handed_back.get(verdict.request_id)
+        if item is None or item.handle.lease_id != verdict.lease_id:
+            log.warning("kv_verdict_unexpected", request_id=verdict.request_id, action=verdict.action)
+            return
+        del self.handed_back[verdict.request_id]
+        if verdict.action == "moved":
+            self.kv_metrics.replaced.inc()
+            log.info("kv_pull_replaced", request_id=verdict.request_id, worker_id=verdict.worker_id)
+            self._forget(verdict.request_id, "replaced", report=False)  # the router moved it already
+            return
+        self._fall_back(item, f"{item.failure}; not re-placed: {verdict.reason}", release=True)
+
+    def _fall_back(self, item: Import, why: str, release: bool) -> None:
+        """kv_load_failure_policy for a request whose pull failed: release the lease (when
+        the prefill worker may still expose it), then recompute here or fail it."""
+        if release:
             self._update_lease(item, "release")
         if self.config.kv_load_failure_policy == "fail":
-            self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED,
-                       f"the prompt's KV could not be moved from {item.handle.prefill_worker_id}: "
-                       f"{result.status} ({result.reason})")
+            self._fail(item.request.request_id, ErrorCode.KV_TRANSFER_FAILED,
+                       f"the prompt's KV could not be moved from {item.handle.prefill_worker_id}: {why}")
             return
         self._recompute(item)
 
@@ -237,7 +302,17 @@ class DecodeService(TransferringService):
         send(self.router, KvLeaseUpdate(request_id=item.request.request_id, lease_id=item.handle.lease_id,
                                         prefill_worker_id=item.handle.prefill_worker_id, action=action))
 
+    def _handle_role_message(self, message) -> bool:
+        if not isinstance(message, KvPullVerdict):
+            return False
+        self._on_verdict(message)
+        return True
+
     def _abort(self, request_id: str) -> bool:
+        handed_back = self.handed_back.pop(request_id, None)
+        if handed_back is not None:  # its blocks are freed already
+            self._update_lease(handed_back, "release")
+            return True
         item = self.imports.pop(request_id, None)
         if item is None:
             self.recomputed.discard(request_id)

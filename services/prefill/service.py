@@ -89,7 +89,10 @@ class PrefillService(TransferringService):
         queue_s = output.queue_s or 0.0
         prefill_s = max(0.0, time.monotonic() - progress.received - queue_s) if progress else 0.0
         try:
-            self.transport.expose(lease.lease_id, list(lease.block_ids), self.config.kv_lease_ttl_s)
+            # A failed pull leaves the exposure for the decode worker the router may re-place
+            # the request on (docs/disaggregation.md §3); the lease's end still bounds it.
+            self.transport.expose(lease.lease_id, list(lease.block_ids), self.config.kv_lease_ttl_s,
+                                  reopen_on_failure=True)
         except Exception as error:  # noqa: BLE001 (the transport is gone or full: the request ends here)
             log.error("kv_expose_failed", request_id=output.request_id, error=str(error))
             self.engine.release_lease(lease.lease_id, lease.request_id)

@@ -9,7 +9,10 @@ prefill placement ends and the request goes, with a `kv_handle` naming the lease
 decode worker pairing picks. If none takes it, the hand-off is parked and sent to the
 first decode worker that can take it, for up to half the lease; past that, or on an
 abort, the lease is released. Decode workers' lease renewals and releases pass through
-here to the prefill worker.
+here to the prefill worker. A decode worker whose pull failed in a way another could
+avoid hands the request back (KvPullFailed): it goes, with the same lease, to another
+decode worker with room, at most `kv_pull_replacements` times, else the worker falls back
+on kv_load_failure_policy (KvPullVerdict).
 
 `HandoffDesk` keeps this state and no socket or clock of its own: the router
 (services/router/service.py) checks who sent each message, gives the time, and lends the
@@ -26,7 +29,7 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.logs import get_logger
 from common.metrics import Counter
-from common.protocol import Generate, Hello, KvHandle, KvLeaseUpdate, KvReady
+from common.protocol import Generate, Hello, KvHandle, KvLeaseUpdate, KvPullFailed, KvPullVerdict, KvReady
 from services.router.cluster import ClusterState
 from services.router.members import Members
 from services.router.pairing import computes_locally, pick_decode_worker
@@ -71,11 +74,13 @@ class HandoffDesk:
     `cluster` is the pool of engines that prefill, `decode_pool` the decode workers';
     `live(request_id)` says whether the request still has a tokenizer to answer (not
     aborted or ended meanwhile), and `fail(request_id, why)` ends it there as unavailable.
-    `parked_total` counts parked hand-offs by outcome."""
+    `parked_total` counts parked hand-offs by outcome, `failed_pulls_total` decode workers'
+    failed pulls by verdict (moved, local)."""
 
     def __init__(self, config: ClusterConfig, cluster: ClusterState, decode_pool: ClusterState, members: Members,
                  policy: PlacementPolicy, send: Send, root_hash: Callable[[str], int],
-                 live: Callable[[str], bool], fail: Callable[[str, str], None], parked_total: Counter):
+                 live: Callable[[str], bool], fail: Callable[[str, str], None], parked_total: Counter,
+                 failed_pulls_total: Counter):
         self.config = config
         self.cluster = cluster
         self.decode_pool = decode_pool
@@ -86,6 +91,7 @@ class HandoffDesk:
         self.live = live
         self.fail = fail
         self.parked_total = parked_total
+        self.failed_pulls_total = failed_pulls_total
         self.pending: dict[str, Handoff] = {}  # request id -> its pending hand-off
         self.parked: dict[str, ParkedHandoff] = {}  # request id -> a prefilled request waiting for a decode worker
 
@@ -145,18 +151,22 @@ class HandoffDesk:
             self.parked[ready.request_id] = ParkedHandoff(request, handoff.prompt, ready, identity, deadline)
             log.warning("handoff_parked", request_id=ready.request_id, wait_s=round(deadline - now, 1))
 
-    def _send_to_decode(self, request: Generate, prompt: Any, now: float) -> bool:
-        """Send a prefilled request to the decode worker pairing picks, the next one if
-        that send fails; False if none took it."""
+    def _send_to_decode(self, request: Generate, prompt: Any, now: float, exclude: frozenset[str] = frozenset(),
+                        roomy_only: bool = False) -> str | None:
+        """Send a prefilled request to the decode worker pairing picks (not one of
+        `exclude`; with `roomy_only`, only one with room for its blocks), the next one if
+        that send fails; the worker's id, None if none took it."""
         candidate = self.decode_pool.prepare(request.request_id, self.root_hash(request.tenant), prompt,
                                              request.sampling.max_tokens, now, request.slo_class)
-        tried: frozenset[str] = frozenset()
+        tried = exclude
         while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
+            if roomy_only and self.decode_pool.free_blocks[worker_id] < candidate.blocks_needed(worker_id):
+                return None  # pairing prefers workers with room: none is left
             if self.send(self.members[worker_id].identity, request, [prompt]):
                 self.decode_pool.place(candidate, worker_id, now)
-                return True
+                return worker_id
             tried |= {worker_id}
-        return False
+        return None
 
     def retry_parked(self, now: float) -> None:
         """Send parked hand-offs to a decode worker that can take them now; end those
@@ -217,6 +227,50 @@ class HandoffDesk:
             return ""
         self.send(member.identity, update)
         return ""
+
+    def pull_failed(self, sender: Hello, failed: KvPullFailed, prompt: Any, now: float,
+                    wall_time: float) -> KvPullVerdict | str:
+        """A decode worker (`sender`) could not pull the KV of a request placed on it: send
+        the request, with the same lease, to another decode worker with room, and return
+        the sender's verdict: `moved`, or `local` (fall back on kv_load_failure_policy)
+        when it was re-placed `kv_pull_replacements` times already, the report came past
+        its `reply_by` (`wall_time` is time.time()), the prefill worker holding the lease
+        is gone (not a member, or another process: the lease went with it) or no other
+        decode worker has room. A str: why the sender may not ask (nothing is sent)."""
+        request, handle = failed.request, failed.request.kv_handle
+        placement = self.decode_pool.placements.get(request.request_id)
+        if handle is None or placement is None or placement.worker_id != sender.worker_id:
+            return f"request {request.request_id} is not handed off to it"
+        prefill = self.members.get(handle.prefill_worker_id)
+        if len(handle.failed_on) >= self.config.kv_pull_replacements:
+            return self._verdict(handle, request, "local", f"re-placed {len(handle.failed_on)} time(s) already")
+        if wall_time >= failed.reply_by:
+            return self._verdict(handle, request, "local", "reported too late to be re-placed")
+        if prefill is None or prefill.hello.role != "prefill" or \
+                prefill.hello.instance_id != handle.prefill_instance_id:
+            return self._verdict(handle, request, "local", f"the prefill worker {handle.prefill_worker_id} "
+                                 "that held its KV is gone")
+        # The address is the prefill worker's own, whatever the report says.
+        failed_on = [*handle.failed_on, sender.worker_id]
+        moved = replace(request, kv_handle=replace(handle, kv_address=prefill.hello.kv_address, failed_on=failed_on))
+        # The failed placement ends before the next is matched: the blocks credited to the
+        # sender never landed, and the match must not keep index nodes that settling drops.
+        self.decode_pool.finish(request.request_id, now=now)
+        worker_id = self._send_to_decode(moved, prompt, now, frozenset(failed_on), roomy_only=True)
+        if worker_id is None:
+            candidate = self.decode_pool.prepare(request.request_id, self.root_hash(request.tenant), prompt,
+                                                 request.sampling.max_tokens, now, request.slo_class)
+            self.decode_pool.place(candidate, sender.worker_id, now)
+            return self._verdict(handle, request, "local", "no other decode worker has room")
+        log.info("kv_pull_replaced", request_id=request.request_id, failed_on=sender.worker_id, worker_id=worker_id,
+                 code=failed.code)
+        return self._verdict(handle, request, "moved", worker_id=worker_id)
+
+    def _verdict(self, handle: KvHandle, request: Generate, action: str, reason: str = "",
+                 worker_id: str = "") -> KvPullVerdict:
+        self.failed_pulls_total.inc(outcome=action)
+        return KvPullVerdict(request_id=request.request_id, lease_id=handle.lease_id, action=action,
+                             worker_id=worker_id, reason=reason)
 
     def placed_elsewhere(self, request_id: str, worker_id: str) -> bool:
         """Whether the request is placed on another worker than `worker_id` (it moved on

@@ -48,6 +48,7 @@ from common.protocol import (
     Hello,
     KvEvents,
     KvLeaseUpdate,
+    KvPullFailed,
     KvReady,
     Placed,
     ProtocolError,
@@ -76,7 +77,7 @@ MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
 # What each role may send the router; with CURVE off no role is proven and all may.
 ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
                  "prefill": (Hello, Heartbeat, KvEvents, KvReady, RequestsFinished),
-                 "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, RequestsFinished),
+                 "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, KvPullFailed, RequestsFinished),
                  "tokenizer": (Generate, Abort, StatusRequest)}
 
 
@@ -106,6 +107,10 @@ class RouterMetrics:
         self.handoffs_parked = registry.counter(
             "baton_router_handoffs_parked_total", "Prefilled requests that waited for a decode worker, by outcome",
             labels=("outcome",))
+        self.failed_pulls = registry.counter(
+            "baton_router_failed_pulls_total", "Decode workers' KV pulls that failed in a way another decode worker "
+            "could avoid, by verdict: moved (re-placed on another) or local (the reporting worker falls back on "
+            "kv_load_failure_policy)", labels=("outcome",))
         self.placement_seconds = registry.histogram(
             "baton_router_placement_seconds", "A placed request's time in the router: Generate received to "
             "sent on to its worker (index match, policy, admission, forwarding)", PLACEMENT_BUCKETS)
@@ -147,7 +152,7 @@ class RouterService:
         # The P/D hand-offs in flight (docs/router.md §6): pending, parked, and their leases.
         self.handoffs = HandoffDesk(config, self.cluster, self.decode_pool, self.members, self.policy, self._reply,
                                     self._root_hash, self.origins.__contains__, self._fail_unavailable,
-                                    self.metrics.handoffs_parked)
+                                    self.metrics.handoffs_parked, self.metrics.failed_pulls)
         self.context = zmq.Context()
         self.security = Security(self.context, config, "router")
         self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
@@ -162,7 +167,7 @@ class RouterService:
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
             Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report,
-            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update,
+            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update, KvPullFailed: self._on_kv_pull_failed,
             RequestsFinished: self._on_requests_finished}
 
     def run(self, stop: threading.Event) -> None:
@@ -579,6 +584,19 @@ class RouterService:
         why = self.handoffs.lease_update(sender.hello, update)
         if why:
             self._identity_refused("KvLeaseUpdate", sender.hello.worker_id, why)
+
+    def _on_kv_pull_failed(self, identity: bytes, failed: KvPullFailed, payloads) -> None:
+        """A decode worker could not pull a request's KV: re-placed on another decode worker,
+        or the worker told to fall back (services/router/handoff.py); refused if the request
+        is not placed on the sender (which then falls back on its own)."""
+        sender = self._member_on(identity, "KvPullFailed")
+        if sender is None:
+            return
+        verdict = self.handoffs.pull_failed(sender.hello, failed, payloads[0], time.monotonic(), time.time())
+        if isinstance(verdict, str):
+            self._identity_refused("KvPullFailed", sender.hello.worker_id, verdict)
+            return
+        self._reply(identity, verdict)
 
     def _refuse(self, identity: bytes, request: Generate, code: ErrorCode, why: str, retry_after_s: float,
                 outcome: str) -> None:

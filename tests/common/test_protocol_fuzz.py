@@ -27,6 +27,8 @@ from common.protocol import (
     KvHello,
     KvLeaseUpdate,
     KvPull,
+    KvPullFailed,
+    KvPullVerdict,
     KvReady,
     KvWelcome,
     MessageType,
@@ -92,6 +94,12 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
                                          slots=[4, -1], lease_id=9, stats={"blocks": 2.0}),
                               [np.zeros(8, dtype=np.uint8)]),
     MessageType.REQUESTS_FINISHED: (RequestsFinished([FinishedRequest("r-1", 0.1, 3), FinishedRequest("r-2")]), []),
+    MessageType.KV_PULL_FAILED: (KvPullFailed(Generate(
+        request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",
+        kv_handle=KvHandle("prefill-1", "tcp://127.0.0.1:7141", "ab" * 16, "i-1", [4, 5, 6], [1, 2], 40, 9,
+                           failed_on=["decode-2"])), "timeout", "deadline passed", reply_by=1.5),
+        [np.array([5, 6, 7], dtype=np.uint32)]),
+    MessageType.KV_PULL_VERDICT: (KvPullVerdict("r-2", "ab" * 16, "moved", worker_id="decode-3"), []),
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",

@@ -4,12 +4,22 @@ members, policy and metrics, caller-given times, and a send function that collec
 the router would put on its socket."""
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.cost_model import TINY_CPU
 from common.hashing import root_hash
 from common.metrics import Registry
-from common.protocol import PROTOCOL_VERSION, Generate, Hello, KvLeaseUpdate, KvReady, Sampling
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Generate,
+    Hello,
+    KvLeaseUpdate,
+    KvPullFailed,
+    KvPullVerdict,
+    KvReady,
+    Sampling,
+)
 from services.router.cluster import ClusterState
 from services.router.handoff import PARKED_LEASE_SHARE, HandoffDesk
 from services.router.members import Members
@@ -40,7 +50,8 @@ class Desk:
         self.metrics = RouterMetrics(self.registry)
         self.desk = HandoffDesk(ClusterConfig(kv_lease_ttl_s=LEASE_TTL_S), self.cluster, self.decode_pool,
                                 self.members, make_policy("least_load"), self.send, lambda tenant: ROOT,
-                                self.origins.__contains__, self.fail, self.metrics.handoffs_parked)
+                                self.origins.__contains__, self.fail, self.metrics.handoffs_parked,
+                                self.metrics.failed_pulls)
 
     def send(self, identity: bytes, message, payloads=None) -> bool:
         if identity in self.unreachable:
@@ -243,3 +254,101 @@ def test_a_short_prompt_goes_straight_to_a_decode_worker_and_a_long_one_is_prefi
     long = Generate(request_id="r-long", sampling=Sampling(max_tokens=16), stream_address="tcp://127.0.0.1:7002")
     assert d.desk.place_on_decode(long, [PROMPT], 0.0) is None
     assert len(d.sent) == 1 and "r-long" not in d.decode_pool.placements
+
+
+# ---- a failed pull handed back by its decode worker ------------------------------------
+
+def handed_off(d: Desk, decode_workers: list[str]) -> tuple[str, Generate]:
+    """Join p0 and `decode_workers`, prefill r-1 on p0 and hand it off: its decode worker
+    and the Generate it was sent."""
+    prefill = d.join("p0", "prefill")
+    for worker_id in decode_workers:
+        d.join(worker_id, "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    [(_, request, _)] = d.sent
+    d.sent.clear()
+    return d.decode_pool.placements["r-1"].worker_id, request
+
+
+def failed(request: Generate, reply_by: float = 100.0) -> KvPullFailed:
+    return KvPullFailed(request=request, code="timeout", reason="deadline passed", reply_by=reply_by)
+
+
+def failed_pulls(d: Desk, outcome: str) -> float:
+    return d.registry.collectors.get_sample_value("baton_router_failed_pulls_total", {"outcome": outcome}) or 0.0
+
+
+def test_a_failed_pull_is_re_placed_on_another_decode_worker_with_the_same_lease():
+    d = Desk()
+    holder, request = handed_off(d, ["d0", "d1"])
+    other = "d1" if holder == "d0" else "d0"
+    forged = replace(request, kv_handle=replace(request.kv_handle, kv_address="tcp://10.0.0.9:1"))
+    verdict = d.desk.pull_failed(d.members[holder].hello, failed(forged), PROMPT, 2.0, 50.0)
+    assert verdict == KvPullVerdict(request_id="r-1", lease_id="ab" * 16, action="moved", worker_id=other)
+    [(identity, moved, payloads)] = d.sent
+    assert identity == d.members[other].identity and isinstance(moved, Generate) and payloads == [PROMPT]
+    assert moved.kv_handle is not None and request.kv_handle is not None
+    assert moved.kv_handle == replace(request.kv_handle, failed_on=[holder])  # the prefill worker's own address
+    assert d.decode_pool.placements["r-1"].worker_id == other
+    assert "r-1" not in d.decode_pool.workers[holder].in_flight
+    assert failed_pulls(d, "moved") == 1 and failed_pulls(d, "local") == 0
+
+    renew = KvLeaseUpdate(request_id="r-1", lease_id="ab" * 16, prefill_worker_id="p0", action="renew")
+    assert d.desk.lease_update(d.members[holder].hello, renew) == "request r-1 is not placed on it"
+    assert d.desk.lease_update(d.members[other].hello, renew) == ""
+    for worker_id in (holder, other):  # the index keeps no node the failed placement's settling dropped
+        d.decode_pool.remove_worker(worker_id)
+
+
+def test_a_failed_pull_stays_local_without_another_decode_worker_with_room():
+    d = Desk()
+    holder, request = handed_off(d, ["d0"])
+    verdict = d.desk.pull_failed(d.members[holder].hello, failed(request), PROMPT, 2.0, 50.0)
+    assert isinstance(verdict, KvPullVerdict) and (verdict.action, verdict.reason) == \
+        ("local", "no other decode worker has room")
+    assert d.sent == [] and d.decode_pool.placements["r-1"].worker_id == holder
+
+    d.join("d1", "decode")
+    d.decode_pool.report("d1", 0, 0, 1000 - BLOCKS + 1, 0)  # one block short of the prompt
+    verdict = d.desk.pull_failed(d.members[holder].hello, failed(request), PROMPT, 2.0, 50.0)
+    assert isinstance(verdict, KvPullVerdict) and verdict.action == "local"
+    assert d.sent == [] and d.decode_pool.placements["r-1"].worker_id == holder
+    assert failed_pulls(d, "local") == 2 and failed_pulls(d, "moved") == 0
+
+
+def test_a_failed_pull_is_re_placed_at_most_kv_pull_replacements_times():
+    d = Desk()
+    holder, request = handed_off(d, ["d0", "d1", "d2"])
+    once = replace(request, kv_handle=replace(request.kv_handle, failed_on=["d9"]))
+    verdict = d.desk.pull_failed(d.members[holder].hello, failed(once), PROMPT, 2.0, 50.0)
+    assert isinstance(verdict, KvPullVerdict) and (verdict.action, verdict.reason) == \
+        ("local", "re-placed 1 time(s) already")
+    assert d.sent == []
+
+
+def test_a_failed_pull_stays_local_when_its_prefill_worker_is_gone_or_the_report_is_late():
+    d = Desk()
+    holder, request = handed_off(d, ["d0", "d1"])
+    late = d.desk.pull_failed(d.members[holder].hello, failed(request, reply_by=50.0), PROMPT, 2.0, 50.0)
+    assert isinstance(late, KvPullVerdict) and (late.action, late.reason) == \
+        ("local", "reported too late to be re-placed")
+    restarted = replace(request, kv_handle=replace(request.kv_handle, prefill_instance_id="p0-0"))
+    gone = d.desk.pull_failed(d.members[holder].hello, failed(restarted), PROMPT, 2.0, 50.0)
+    assert isinstance(gone, KvPullVerdict) and gone.action == "local" and "p0" in gone.reason
+    d.members.drop("p0")
+    gone = d.desk.pull_failed(d.members[holder].hello, failed(request), PROMPT, 2.0, 50.0)
+    assert isinstance(gone, KvPullVerdict) and gone.action == "local" and "is gone" in gone.reason
+    assert d.sent == [] and d.decode_pool.placements["r-1"].worker_id == holder
+
+
+def test_a_failed_pull_is_refused_from_a_decode_worker_the_request_is_not_placed_on():
+    d = Desk()
+    holder, request = handed_off(d, ["d0", "d1"])
+    other = "d1" if holder == "d0" else "d0"
+    assert d.desk.pull_failed(d.members[other].hello, failed(request), PROMPT, 2.0, 50.0) == \
+        "request r-1 is not handed off to it"
+    unhandled = replace(request, kv_handle=None)
+    assert d.desk.pull_failed(d.members[holder].hello, failed(unhandled), PROMPT, 2.0, 50.0) == \
+        "request r-1 is not handed off to it"
+    assert d.sent == [] and failed_pulls(d, "moved") == failed_pulls(d, "local") == 0
