@@ -13,7 +13,7 @@ from services.local_cluster import REPO
 MOUNTED_CONFIG = "/etc/baton/cluster.toml"
 ENGINE_ROLES = ("worker", "prefill", "decode")
 PD_KEYS = ("kv_transport", "kv_transfer_timeout_s", "max_local_prefill_tokens", "kv_load_failure_policy",
-           "kv_lease_ttl_s")
+           "kv_lease_ttl_s", "kv_pull_replacements")
 
 
 def compose() -> dict:
