@@ -78,7 +78,7 @@ from scripts.bench_engine import vllm_env  # noqa: E402
 from scripts.bench_gateway import served_model  # noqa: E402
 from scripts.bench_serving import median_run, summarise  # noqa: E402
 from scripts.gguf_f16 import write_f16_copy  # noqa: E402
-from services.local_cluster import free_port_base, start_cluster  # noqa: E402
+from services.local_cluster import free_port_base, start_cluster, stop_process  # noqa: E402
 
 # Short common words, each one token (with its leading space) in SmolLM2's tokenizer, so a
 # prompt of N words is about N tokens on either server.
@@ -285,17 +285,6 @@ def start_vllm_server(python: Path, gguf: Path, args: argparse.Namespace, log_di
         time.sleep(1.0)
     raise SystemExit(f"bench_peers: vLLM's server did not answer /health in {args.start_timeout_s:.0f} s:\n"
                      f"{log_tail(log_path)}")
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 15 s."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
 
 
 def health_ok(url: str) -> bool:

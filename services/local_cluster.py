@@ -100,13 +100,18 @@ class Cluster:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process, signal.SIGINT)
+
+
+def stop_process(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
+    """Send `signum` to a child still running, then SIGKILL if it has not exited in 15 s."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
 
 
 def _health(port: int) -> dict:

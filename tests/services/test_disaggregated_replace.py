@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 
 from services.client import Client
-from services.local_cluster import REPO, child_env
+from services.local_cluster import REPO, child_env, stop_process
 from tests.services.conftest import TEST_FLAGS
 from tests.services.test_disaggregation import ALL_REMOTE, GREEDY, PD_FLAGS, expected, metric, wait_leases_freed
 
@@ -55,12 +55,7 @@ def second_decode_worker(cluster, model_dir) -> Iterator[None]:
             cluster.wait_for(lambda: len(client.status().workers) == 3, 120, "decode-2 to join the router")
         yield
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process)
     with Client(cluster.sdk, timeout_s=30) as client:
         cluster.wait_for(lambda: len(client.status().workers) == 2, 30, "the router to drop decode-2")
 
