@@ -13,8 +13,13 @@ the served worker has, so the ratio isolates what the services themselves cost. 
 each (the machine's noise then falls on both alike), and the medians are reported:
 generated tokens per second, TTFT and TPOT percentiles (as the clients saw them),
 `ratio_vs_inprocess` (of the medians), `decode_ratio_vs_inprocess` (the decode rate a
-stream saw: in-process TPOT p50 over the served one) and `ttft_overhead_ms` (median TTFT
-through the services minus in-process). With --vllm-url the same requests go to a vLLM OpenAI server
+stream saw: in-process TPOT p50 over the served one; a served stream's TPOT also holds
+the prefills of the requests that arrived after it, where in-process a round's prompts
+prefill together first), `decode_rate_ratio_vs_inprocess` (the worker's decode rate,
+its baton_worker_decode_{tokens,seconds}_total read around each served round, over the
+in-process engine's EngineStats.decode_*) and `ttft_overhead_ms` (median TTFT through
+the services minus in-process). During served rounds this process runs on the cores the
+worker does not have; its in-process engine runs on the worker's. With --vllm-url the same requests go to a vLLM OpenAI server
 too (once, after the rounds).
 
 With --pd it compares two clusters of two engines each instead, both started here: a
