@@ -19,8 +19,8 @@ prefill together first), `decode_rate_ratio_vs_inprocess` (the worker's decode r
 its baton_worker_decode_{tokens,seconds}_total read around each served round, over the
 in-process engine's EngineStats.decode_*) and `ttft_overhead_ms` (median TTFT through
 the services minus in-process). During served rounds this process runs on the cores the
-worker does not have; its in-process engine runs on the worker's. With --vllm-url the same requests go to a vLLM OpenAI server
-too (once, after the rounds).
+worker does not have; its in-process engine runs on the worker's. With --vllm-url the
+same requests go to a vLLM OpenAI server too (once, after the rounds).
 
 With --pd it compares two clusters of two engines each instead, both started here: a
 disaggregated one (`svc up --workers 0 --prefill 1 --decode 1 --max-local-prefill-tokens
