@@ -501,9 +501,10 @@ class WorkerService:
             self._fail(request_id, ErrorCode.TIMEOUT, "the request's deadline passed on the worker")
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        """Hold the step's tokens for their tokenizers, and send what is held once the
-        stream interval has passed or when a request's first or last tokens are among
-        them: steps shorter than the interval share one send (docs/architecture.md §4)."""
+        """Hold the step's tokens for their tokenizers, and send what is held at once when
+        a request's first or last tokens are among them; else the turn sends it once the
+        stream interval has passed: steps shorter than the interval share one send
+        (docs/architecture.md §4)."""
         urgent = False
         generated = 0
         for output in outputs:
@@ -521,7 +522,7 @@ class WorkerService:
             if tokens is not None and tokens.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
         self.metrics.generated.inc(generated)
-        if urgent or self._flush_wait_s() <= 0:
+        if urgent:
             self._flush()
 
     def _flush_wait_s(self) -> float:
