@@ -19,10 +19,19 @@ one of a length met. Calls of more than FEW_ROWS rows (prefill chunks, whose len
 vary without end) are therefore padded to one of 8 row counts per octave (`row_bucket`,
 at most 12.5 % more rows), so a serving engine soon holds every kernel it needs, and
 `Linear.warm_up` builds them all before it serves.
+
+A weight that came from a GGUF file's quantized blocks (common/engine/gguf.py
+WeightBlocks) can keep them for the AMX few-row calls instead of a bf16 copy
+(`pack_weight_blocks`, kernels/csrc/amx_linear.cpp amx_block_linear): a decode step reads
+each weight once from memory, and 4-bit blocks are 0.625 bytes a value against bf16's 2.
+The results have the same bits as the bf16 copy's (the kernel widens each tile to the
+bf16 value the loader rounds the block's float32 value to).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,61 @@ import torch.nn.functional as F
 FEW_ROWS = 64
 AMX_TILE_MULTIPLE = 32  # out and in features must be multiples of it
 BUCKETS_PER_OCTAVE_LOG2 = 3  # 8 padded row counts between each power of two and the next
+
+
+TILE_COLUMNS = 16  # output columns of one AMX tile
+BLOCK_VALUES = 32  # values along K sharing a scale and a minimum: one tile's K
+
+
+@dataclass(frozen=True)
+class QuantizedBlocks:
+    """A weight [N, K] as blocks: value = scale * q + minimum over each 32 values of K
+    (common.engine.gguf.WeightBlocks, as torch tensors)."""
+
+    q: torch.Tensor  # int8 [N, K]; 0..15 where bits is 4
+    scale: torch.Tensor  # float16 [N, K / 32]
+    minimum: torch.Tensor  # float16 [N, K / 32]
+    bits: int  # 4 or 8
+
+    @classmethod
+    def from_arrays(cls, blocks: Any) -> QuantizedBlocks:
+        """From numpy arrays of the same names (a WeightBlocks), sharing their memory."""
+        return cls(torch.from_numpy(blocks.q), torch.from_numpy(blocks.scale), torch.from_numpy(blocks.minimum),
+                   blocks.bits)
+
+    @classmethod
+    def stacked(cls, parts: list[QuantizedBlocks | None]) -> QuantizedBlocks | None:
+        """The blocks of the weights' rows stacked (a fused qkv or gate_up); None unless
+        every part has blocks. 4-bit values fit 8 bits, so a mix is 8-bit."""
+        if not parts or any(part is None for part in parts):
+            return None
+        present = [part for part in parts if part is not None]
+        return cls(torch.cat([part.q for part in present]), torch.cat([part.scale for part in present]),
+                   torch.cat([part.minimum for part in present]), max(part.bits for part in present))
+
+
+def pack_weight_blocks(blocks: QuantizedBlocks) -> torch.Tensor:
+    """The uint8 [N / 16, K / 32, tile bytes] layout amx_block_linear reads: per tile (16
+    columns x 32 K), the values per K pair in the tile row's order (column c's even and odd K
+    at lanes 2c, 2c + 1; 8-bit: a byte a lane; 4-bit: lanes 0-15 in the low nibbles of 16
+    bytes, lanes 16-31 in their high nibbles), then the 16 fp16 scales, the 16 fp16 minimums."""
+    rows, cols = blocks.q.shape
+    column_blocks, k_tiles = rows // TILE_COLUMNS, cols // BLOCK_VALUES
+    # [column block, column, K tile, K pair, even/odd] -> [column block, K tile, K pair, lane]
+    values = (blocks.q.reshape(column_blocks, TILE_COLUMNS, k_tiles, BLOCK_VALUES // 2, 2)
+              .permute(0, 2, 3, 1, 4).reshape(column_blocks, k_tiles, BLOCK_VALUES // 2, 2 * TILE_COLUMNS))
+    if blocks.bits == 4:
+        lanes = values.to(torch.uint8)
+        packed = lanes[..., :TILE_COLUMNS] | (lanes[..., TILE_COLUMNS:] << 4)
+    else:
+        packed = values.contiguous().view(torch.uint8)
+
+    def per_tile(per_block: torch.Tensor) -> torch.Tensor:
+        return (per_block.reshape(column_blocks, TILE_COLUMNS, k_tiles).permute(0, 2, 1).contiguous()
+                .view(torch.uint8))
+
+    return torch.cat([packed.reshape(column_blocks, k_tiles, -1), per_tile(blocks.scale),
+                      per_tile(blocks.minimum)], dim=2).contiguous()
 
 
 def row_bucket(rows: int) -> int:
@@ -77,19 +141,26 @@ class Linear:
     """y = x Wᵀ + b for x [tokens, in]; holds W [out, in] in the layout it runs fastest in.
 
     `amx=True` (callers pass kernels.native.amx_available(...)) adds the AMX copy for few-row calls where
-    the weight's shape fits the tiles."""
+    the weight's shape fits the tiles: `blocks` (the quantized blocks `weight` was dequantized
+    from, giving its very values) where given, else a bf16 copy."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features", "prepacked", "amx_weight", "_amx_linear")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "prepacked", "amx_weight", "amx_bits",
+                 "_amx_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
-                 amx: bool = False):
+                 amx: bool = False, blocks: QuantizedBlocks | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.amx_weight: torch.Tensor | None = None
+        self.amx_bits = 16  # of each weight value the AMX copy holds
         self._amx_linear: Callable[..., torch.Tensor] | None = None  # set with amx_weight
         if amx and weight.dtype == torch.bfloat16 and amx_fits(weight):
-            self.amx_weight = torch.ops.baton.amx_pack_linear_weight(weight)
-            self._amx_linear = torch.ops.baton.amx_linear.default
+            if blocks is not None and tuple(blocks.q.shape) == tuple(weight.shape):
+                self.amx_weight, self.amx_bits = pack_weight_blocks(blocks), blocks.bits
+                self._amx_linear = _block_linear(blocks.bits)
+            else:
+                self.amx_weight = torch.ops.baton.amx_pack_linear_weight(weight)
+                self._amx_linear = torch.ops.baton.amx_linear.default
         self.prepacked = prepack and can_prepack(weight)
         # Only one oneDNN-side copy is kept: the prepacked one replaces the plain weight.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
@@ -109,9 +180,10 @@ class Linear:
 
     @property
     def kernel(self) -> str:
-        """What multiplies few-row calls: 'amx', 'onednn' or 'torch'."""
+        """What multiplies few-row calls: 'amx' (on bf16), 'amx-q4' or 'amx-q8' (on quantized
+        blocks), 'onednn' or 'torch'."""
         if self.amx_weight is not None:
-            return "amx"
+            return "amx" if self.amx_bits == 16 else f"amx-q{self.amx_bits}"
         return "onednn" if self.prepacked else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,3 +197,12 @@ class Linear:
             x = F.pad(x, (0, 0, 0, padded - rows))
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
+
+
+def _block_linear(bits: int) -> Callable[..., torch.Tensor]:
+    op = torch.ops.baton.amx_block_linear.default
+
+    def block_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return op(x, packed, bits, bias)
+
+    return block_linear

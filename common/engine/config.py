@@ -90,6 +90,9 @@ class EngineSettings:
                                 "which bound lpm's starvation)", choices=QUEUE_POLICIES)
     attention_backend: str = setting("auto", "attention kernels (auto: flash on CUDA with flash-attn, else sdpa)",
                                      choices=ATTENTION_BACKENDS)
+    weight_blocks: bool = setting(True, "where AMX runs the few-row linears of decode steps, multiply by a GGUF "
+                                  "checkpoint's quantized weights as stored (4- or 8-bit blocks widened in "
+                                  "registers: fewer bytes a step, the same results) instead of a bf16 copy")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes computed before")
     wait_for_shared_prefill: bool = setting(True, "a request whose next uncached prompt block another request "
                                             "is prefilling waits a step and reuses it, so a burst of copies "

@@ -22,7 +22,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.engine.block_manager import BlockManager, EvictedBlock, KVEventSink
 from common.engine.checkpoint import fingerprints, load_model_config, load_state_dict, load_tokenizer
 from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
-from common.engine.gguf import checkpoint_dir
+from common.engine.gguf import checkpoint_dir, read_weight_blocks
 from common.engine.kv_cache import KVCache, KVLayout
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
@@ -34,7 +34,7 @@ from common.hashing import root_hash
 from common.logs import get_logger
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
 from kernels.attention import select_backend
-from kernels.linear import onednn_bf16_native
+from kernels.linear import QuantizedBlocks, onednn_bf16_native
 
 log = get_logger("engine")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -244,7 +244,8 @@ class Engine:
 
         dtype = getattr(torch, config.dtype)
         self.model = CausalLM(self.model_config, dtype, self.device, self.max_model_len)
-        self.model.load_hf_weights(load_state_dict(config.model_dir, self.model_config))
+        self.model.load_hf_weights(load_state_dict(config.model_dir, self.model_config),
+                                   _weight_blocks(config, self.model))
         self.kv_cache = KVCache(layout, num_blocks, self.device)
         backend = select_backend(config.attention_backend, self.device, self.model_config.head_dim, dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, kv_events)
@@ -714,6 +715,14 @@ def warm_up_requests(vocab_size: int, block_size: int, max_model_len: int) -> li
     hits = [base[:shared] + [first_token + (11 * position + tail) % span for position in range(length - shared)]
             for tail in (1, 2)]
     return [[base], hits]
+
+
+def _weight_blocks(config: EngineConfig, model: CausalLM) -> dict[str, QuantizedBlocks]:
+    """The quantized blocks of a GGUF checkpoint's weights, where the engine multiplies by
+    them (kernels.linear.Linear): AMX linears and the weight_blocks setting on."""
+    if not (config.weight_blocks and model.amx_linears):
+        return {}
+    return {name: QuantizedBlocks.from_arrays(blocks) for name, blocks in read_weight_blocks(config.model_dir).items()}
 
 
 def _keep_freed_host_memory() -> bool:

@@ -12,7 +12,9 @@ identical fingerprints; a later start only hashes the file (a fraction of a seco
 GB) and finds the conversion done.
 
 What is read: the `llama` architecture; tensors of the types in SUPPORTED_TENSOR_TYPES,
-dequantized to float32 with the `gguf` package; the tokenizer the metadata describes
+dequantized to float32 with the `gguf` package, and the quantized ones also kept as
+stored, in BLOCKS_FILE (weight_blocks: where AMX runs them, decode steps multiply by the
+4- or 8-bit blocks, kernels/linear.py); the tokenizer the metadata describes
 (common/engine/gguf_tokenizer.py). Anything else is refused with a CheckpointError that
 starts with the file's path and names what is not supported.
 
@@ -55,9 +57,15 @@ if TYPE_CHECKING:
 GGUF_SUFFIX = ".gguf"
 # Part of the cache key: raise it whenever the files a conversion writes change, so that
 # conversions made by an older Baton are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 CACHE_SUBDIR = "gguf"
 SOURCE_FILE = "gguf_source.json"  # where the conversion came from (not read by the loader)
+# The quantized weights as stored (weight_blocks), in safetensors format but not named
+# *.safetensors: loaders that read every *.safetensors of a directory (vLLM's) would take
+# them for weights.
+BLOCKS_FILE = "gguf_blocks.st"
+BLOCK_VALUES = 32  # values in a block of every type in BLOCK_BYTES
+BLOCK_BYTES: Mapping[str, int] = MappingProxyType({"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34})
 
 GGUF_MAGIC = b"GGUF"
 READABLE_VERSIONS = (2, 3)
@@ -164,6 +172,7 @@ def write_checkpoint(gguf_path: Path, out_dir: Path, digest: str, max_shard_byte
     fsync_file(out_dir / TOKENIZER_FILE)
     write_json(out_dir / "tokenizer_config.json", tokenizer_config(vocab, cfg.max_position_embeddings))
     _write_weights(plans, out_dir, max_shard_bytes)
+    _write_blocks(plans, out_dir)
     write_json(out_dir / SOURCE_FILE, {"file": gguf_path.name, "bytes": gguf_path.stat().st_size,
                                        "xxh3_128": digest, "conversion_version": CONVERSION_VERSION})
     if load_model_config(out_dir) != cfg:
@@ -467,6 +476,103 @@ def dequantized(plan: TensorPlan) -> np.ndarray:
     if plan.permuted_heads:
         weight = unpermute_qk(weight, plan.permuted_heads)
     return np.ascontiguousarray(weight)
+
+
+@dataclass(frozen=True)
+class WeightBlocks:
+    """A quantized weight [N, K] as its GGUF blocks hold it: value = scale * q + minimum
+    for the 32 values along K of each block, computed in float32 exactly as `dequantized`
+    does (scale * q is exact: an fp16 scale times an integer below 256). `q` int8 [N, K]
+    (0..15 where bits is 4), `scale` and `minimum` float16 [N, K / 32]."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray
+    bits: int
+
+
+def weight_blocks(plan: TensorPlan) -> WeightBlocks | None:
+    """The quantized 2-D tensor of `plan` as stored, in Hugging Face row order; None for
+    an unquantized one or one of another rank."""
+    type_name = plan.source.tensor_type.name
+    if type_name not in BLOCK_BYTES or len(plan.shape) != 2:
+        return None
+    raw = np.asarray(plan.source.data).reshape(-1, BLOCK_BYTES[type_name])
+    scale = raw[:, 0:2].copy().view(np.float16)
+    has_minimum = type_name in ("Q4_1", "Q5_1")
+    minimum = raw[:, 2:4].copy().view(np.float16) if has_minimum else np.zeros_like(scale)
+    rest = raw[:, 4 if has_minimum else 2:]
+    if type_name == "Q8_0":
+        q = rest.view(np.int8)
+    else:
+        high_bits: np.ndarray = np.zeros((), dtype=np.uint32)
+        if type_name in ("Q5_0", "Q5_1"):  # bit j of a little-endian uint32 is value j's fifth bit
+            high_bits = ((rest[:, :4].copy().view("<u4") >> np.arange(BLOCK_VALUES, dtype=np.uint32)) & 1) << 4
+            rest = rest[:, 4:]
+        # byte j holds value j in its low nibble and value j + 16 in its high one
+        q = (np.concatenate([rest & 0x0F, rest >> 4], axis=1) | high_bits).astype(np.int8)
+        if type_name == "Q4_0":  # d * (q - 8): kept as 0..15 with a minimum of -8d (exact in fp16)
+            minimum = (scale * np.float16(-8)).astype(np.float16)
+        elif type_name == "Q5_0":
+            q = q - np.int8(16)
+    rows, cols = plan.shape
+    per_block = (rows, cols // BLOCK_VALUES)
+    arrays: list[np.ndarray] = [q.reshape(rows, cols), scale.reshape(per_block), minimum.reshape(per_block)]
+    if plan.permuted_heads:
+        arrays = [unpermute_qk(array, plan.permuted_heads) for array in arrays]
+    q, scale, minimum = (np.ascontiguousarray(array) for array in arrays)
+    return WeightBlocks(q, scale, minimum, 4 if type_name in ("Q4_0", "Q4_1") else 8)
+
+
+def read_weight_blocks(model_dir: Path) -> dict[str, WeightBlocks]:
+    """The BLOCKS_FILE of a converted checkpoint by Hugging Face tensor name ({} where
+    there is none: an HF checkpoint, or a GGUF file of unquantized tensors); a
+    CheckpointError names the file where it is unreadable or a tensor is malformed."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    blocks: dict[str, WeightBlocks] = {}
+    try:
+        with safe_open(str(path), framework="np") as f:
+            bits = f.metadata() or {}
+            for name, value in bits.items():
+                q, scale, minimum = (f.get_tensor(f"{name}.{part}") for part in ("q", "scale", "min"))
+                blocks[name] = _checked_blocks(path, name, value, q, scale, minimum)
+    except (SafetensorError, OSError, KeyError) as exc:
+        raise CheckpointError(f"{path}: unreadable quantized blocks: {exc}") from exc
+    return blocks
+
+
+def _checked_blocks(path: Path, name: str, bits: str, q: np.ndarray, scale: np.ndarray,
+                    minimum: np.ndarray) -> WeightBlocks:
+    if bits not in ("4", "8"):
+        raise CheckpointError(f"{path}: {name}: bits {bits!r}, expected 4 or 8")
+    shape = (q.shape[0], q.shape[1] // BLOCK_VALUES) if q.ndim == 2 else None
+    if (q.dtype != np.int8 or shape is None or q.shape[1] % BLOCK_VALUES
+            or scale.dtype != np.float16 or minimum.dtype != np.float16
+            or scale.shape != shape or minimum.shape != shape):
+        raise CheckpointError(f"{path}: {name}: malformed blocks (q {q.dtype} {q.shape}, scale {scale.dtype} "
+                              f"{scale.shape}, min {minimum.dtype} {minimum.shape})")
+    return WeightBlocks(q, scale, minimum, int(bits))
+
+
+def _write_blocks(plans: list[TensorPlan], out_dir: Path) -> None:
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    bits: dict[str, str] = {}
+    for plan in plans:
+        blocks = weight_blocks(plan)
+        if blocks is not None:
+            tensors.update({f"{plan.hf_name}.q": blocks.q, f"{plan.hf_name}.scale": blocks.scale,
+                            f"{plan.hf_name}.min": blocks.minimum})
+            bits[plan.hf_name] = str(blocks.bits)
+    if tensors:
+        save_file(tensors, str(out_dir / BLOCKS_FILE), metadata=bits)
+        (out_dir / BLOCKS_FILE).chmod(0o644)
+        fsync_file(out_dir / BLOCKS_FILE)
 
 
 def _hf_name(name: str, cfg: ModelConfig, path: Path) -> str:

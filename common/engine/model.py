@@ -5,12 +5,14 @@ projections; only attention knows about sequences, through the backend's per-ste
 metadata. Weights are loaded from Hugging Face names and fused (q/k/v into one
 projection, gate/up into one) so each layer runs few, large matmuls, each through a
 kernels.linear.Linear that holds its weight in the layout the device multiplies
-fastest. Arithmetic follows the reference implementation's order and dtypes so logits
+fastest (for a GGUF checkpoint's quantized weights on AMX, its blocks as stored).
+Arithmetic follows the reference implementation's order and dtypes so logits
 match it; the layer's small ops go through kernels.layer_ops (C++ on the CPU), which
 rounds where the reference rounds.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 import torch
@@ -22,7 +24,7 @@ from common.engine.kv_cache import KVCache
 from common.engine.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend
 from kernels.layer_ops import TorchLayerOps, rms_norm, select_layer_ops
-from kernels.linear import Linear
+from kernels.linear import Linear, QuantizedBlocks
 from kernels.native import amx_available
 
 
@@ -127,10 +129,17 @@ class CausalLM(nn.Module):
         return sum(linear.warm_up(max_rows) for linear in self.layer_linears())
 
     @torch.no_grad()
-    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy (and fuse) weights given under Hugging Face names."""
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor],
+                        blocks: Mapping[str, QuantizedBlocks] | None = None) -> None:
+        """Copy (and fuse) weights given under Hugging Face names. `blocks`: the quantized
+        blocks some of them were dequantized from, by the same names, for the AMX copies
+        of the linears (kernels.linear.Linear) that have blocks for every weight they fuse."""
 
         device = self.embed.device
+        blocks = blocks or {}
+
+        def blocks_of(*names: str) -> QuantizedBlocks | None:
+            return QuantizedBlocks.stacked([blocks.get(name) for name in names])
 
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=device, dtype=self.dtype)
@@ -141,8 +150,9 @@ class CausalLM(nn.Module):
         self.embed.copy_(get("model.embed_tokens.weight"))
         self.final_norm.copy_(get("model.norm.weight"))
         amx = self.amx_linears
-        self.lm_head = Linear(self.embed.clone() if self.config.tie_word_embeddings
-                              else get("lm_head.weight"), amx=amx)
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = Linear(self.embed.clone() if self.config.tie_word_embeddings else get(head), amx=amx,
+                              blocks=blocks_of(head))
         for index, layer in enumerate(self.decoder_layers()):
             prefix = f"model.layers.{index}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -151,10 +161,13 @@ class CausalLM(nn.Module):
             qkv_bias = None
             if self.config.attention_bias:
                 qkv_bias = cat(*(attn + f"{p}_proj.bias" for p in "qkv"))
-            layer.qkv = Linear(cat(*(attn + f"{p}_proj.weight" for p in "qkv")), qkv_bias, amx=amx)
+            qkv = [attn + f"{p}_proj.weight" for p in "qkv"]
+            layer.qkv = Linear(cat(*qkv), qkv_bias, amx=amx, blocks=blocks_of(*qkv))
             if layer.q_norm is not None and layer.k_norm is not None:
                 layer.q_norm.copy_(get(attn + "q_norm.weight"))
                 layer.k_norm.copy_(get(attn + "k_norm.weight"))
-            layer.o_proj = Linear(get(attn + "o_proj.weight"), amx=amx)
-            layer.gate_up = Linear(cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"), amx=amx)
-            layer.down = Linear(get(mlp + "down_proj.weight"), amx=amx)
+            o_proj, gate_up, down = attn + "o_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"], \
+                mlp + "down_proj.weight"
+            layer.o_proj = Linear(get(o_proj), amx=amx, blocks=blocks_of(o_proj))
+            layer.gate_up = Linear(cat(*gate_up), amx=amx, blocks=blocks_of(*gate_up))
+            layer.down = Linear(get(down), amx=amx, blocks=blocks_of(down))

@@ -13,8 +13,18 @@
 // whatever the batch; at up to 32 rows they are also oneDNN's bits where oneDNN keeps the
 // sum on one thread (tested on one; with 16, it splits K for narrow layers and differs).
 //
+// amx_block_linear multiplies by a weight kept in GGUF's quantized blocks (32 values along K
+// sharing a scale and a minimum: value = scale * q + min, the form of Q4_0, Q4_1, Q5_0, Q5_1
+// and Q8_0) and widens each tile to bf16 in registers just before the tiles read it. A
+// decode step reads every weight once from DRAM, so 4-bit blocks read ~3.2x fewer bytes than
+// bf16 (0.625 against 2 a value). The widened tile holds bf16(fp32(scale * q + min)), the
+// value the GGUF loader's float32 dequantization rounds to bf16 (scale * q is exact in
+// fp32: an fp16 scale times an integer below 256), so the result has the same bits as
+// amx_linear on that loader's bf16 weight.
+//
 // Contract: x [rows, K] bf16 (rows may be strided); weight packed by amx_pack_linear_weight
-// from W [N, K] with N and K multiples of 32; bias [N] bf16 or none. Built only where the
+// from W [N, K] with N and K multiples of 32 (or, for amx_block_linear, by
+// kernels/linear.py pack_weight_blocks); bias [N] bf16 or none. Built only where the
 // compiler targets AMX (-march=native on such a CPU); elsewhere amx_supported() says
 // false and the other AMX ops refuse.
 #include <ATen/Parallel.h>
@@ -163,6 +173,157 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const st
   return out;
 }
 
+
+// One packed tile of quantized blocks (kernels/linear.py pack_weight_blocks): the values of
+// 16 columns x 32 K, 4 or 8 bits each, then the 16 columns' fp16 scales, then their fp16
+// minimums. Values go per K pair in the tile row's order (column c's even and odd K at
+// lanes 2c and 2c + 1): 8-bit, as 32 signed bytes; 4-bit, as 16 bytes whose low nibbles
+// hold lanes 0-15 and high nibbles lanes 16-31, so that each half widens to one fp32 vector
+// and cvtne2ps joins the two in the tile row's order.
+template <int kBits>
+struct BlockTile {
+  static constexpr int64_t kValueBytes = kPackedBlock * kBits / 8;
+  static constexpr int64_t kPairBytes = kValueBytes / (kTileK / 2);
+  static constexpr int64_t kBytes = kValueBytes + 2 * kTileCols * 2;
+};
+
+// Writes the bf16 tile amx_pack_linear_weight would hold for these blocks into `tile`.
+template <int kBits>
+inline void widen_tile(const uint8_t* packed, at::BFloat16* tile) {
+  using Layout = BlockTile<kBits>;
+  const uint8_t* scales = packed + Layout::kValueBytes;
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
+  // Lane j of a tile row's first half is column j / 2's; of its second half, column 8 + j / 2's.
+  const __m512i first_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second_columns = _mm512_add_epi32(first_columns, _mm512_set1_epi32(8));
+  const __m512 scale_first = _mm512_permutexvar_ps(first_columns, scale);
+  const __m512 scale_second = _mm512_permutexvar_ps(second_columns, scale);
+  const __m512 minimum_first = _mm512_permutexvar_ps(first_columns, minimum);
+  const __m512 minimum_second = _mm512_permutexvar_ps(second_columns, minimum);
+  for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
+    const uint8_t* row = packed + pair * Layout::kPairBytes;
+    __m512i first, second;
+    if constexpr (kBits == 4) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      first = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
+      second = _mm512_srli_epi32(bytes, 4);
+    } else {
+      first = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      second = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kTileCols)));
+    }
+    const __m512 first_values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), scale_first, minimum_first);
+    const __m512 second_values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), scale_second, minimum_second);
+    _mm512_store_si512(tile + pair * kTileCols * 2,
+                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second_values, first_values)));
+  }
+}
+
+// Asks for a weight stream's tile kTilesAhead tiles on: DRAM's latency is longer than the
+// widening of a few tiles, and the hardware's prefetchers follow two streams per thread
+// (w0, w1) too late. Past a column pair's last tile lies the next pair's first (or, at the
+// tensor's end, memory a prefetch may name without faulting).
+template <int kBits>
+inline void prefetch_ahead(const uint8_t* tile) {
+  constexpr int64_t kTilesAhead = 4;
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(tile) + kTilesAhead * BlockTile<kBits>::kBytes;
+  for (int64_t line = 0; line < BlockTile<kBits>::kBytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  }
+}
+
+template <int kBits>
+void block_linear_rows(const at::BFloat16* x_data, int64_t x_stride, int64_t rows, const uint8_t* w_data,
+                       int64_t k_tiles, const float* bias_values, at::BFloat16* out_data, int64_t out_features,
+                       int64_t begin, int64_t end) {
+  constexpr int64_t kTileBytes = BlockTile<kBits>::kBytes;
+  alignas(64) at::BFloat16 widened[2][2][kPackedBlock];
+  alignas(64) float sums[4][kTileRows * kTileCols];
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t col = pair * 2 * kTileCols;
+    const uint8_t* w0 = w_data + 2 * pair * k_tiles * kTileBytes;
+    const uint8_t* w1 = w0 + k_tiles * kTileBytes;
+    const float* b0 = bias_values != nullptr ? bias_values + col : nullptr;
+    const float* b1 = bias_values != nullptr ? bias_values + col + kTileCols : nullptr;
+    for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
+      const bool two_row_blocks = row + kTileRows < rows;
+      const at::BFloat16* x = x_data + row * x_stride;
+      zero_results();
+      for (int64_t k = 0; k < k_tiles; ++k) {
+        at::BFloat16 (&buffer)[2][kPackedBlock] = widened[k & 1];
+        prefetch_ahead<kBits>(w0 + k * kTileBytes);
+        prefetch_ahead<kBits>(w1 + k * kTileBytes);
+        widen_tile<kBits>(w0 + k * kTileBytes, buffer[0]);
+        widen_tile<kBits>(w1 + k * kTileBytes, buffer[1]);
+        // The tile loads are asm that tells the compiler only the buffer's address: without
+        // this, it may drop or delay the stores of the widened values, never read in C++.
+        __asm__ volatile("" : : "r"(widened) : "memory");
+        tile_step_2x2(x + k * kTileK, x + kTileRows * x_stride + k * kTileK, x_stride, buffer[0], buffer[1],
+                      two_row_blocks);
+      }
+      _tile_stored(4, sums[0], kTileCols * 4);
+      _tile_stored(5, sums[1], kTileCols * 4);
+      const int64_t first_rows = std::min(kTileRows, rows - row);
+      store_rounded(sums[0], b0, out_data + row * out_features + col, out_features, first_rows);
+      store_rounded(sums[1], b1, out_data + row * out_features + col + kTileCols, out_features, first_rows);
+      if (two_row_blocks) {
+        _tile_stored(6, sums[2], kTileCols * 4);
+        _tile_stored(7, sums[3], kTileCols * 4);
+        const int64_t second_rows = std::min(kTileRows, rows - row - kTileRows);
+        at::BFloat16* second = out_data + (row + kTileRows) * out_features + col;
+        store_rounded(sums[2], b0, second, out_features, second_rows);
+        store_rounded(sums[3], b1, second + kTileCols, out_features, second_rows);
+      }
+    }
+  }
+}
+
+at::Tensor amx_block_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles_permitted(), "amx_block_linear: the kernel refused AMX tile state to this process");
+  TORCH_CHECK(bits == 4 || bits == 8, "amx_block_linear: bits must be 4 or 8, got ", bits);
+  const int64_t tile_bytes = bits == 4 ? BlockTile<4>::kBytes : BlockTile<8>::kBytes;
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.size(2) == tile_bytes,
+              "packed: expected the output of pack_weight_blocks for ", bits, "-bit blocks");
+  const int64_t out_features = packed.size(0) * kTileCols, in_features = packed.size(1) * kTileK;
+  check_weight_shape(out_features, in_features);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
+                  x_in.size(1) == in_features,
+              "x: expected bf16 [rows, ", in_features, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  at::Tensor bias_fp32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kBFloat16,
+                "bias: expected bf16 [", out_features, "]");
+    bias_fp32 = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t rows = x_in.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x_in.options());
+  if (rows == 0) return out;
+  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  if (padded_rows != rows) {
+    x = at::zeros({padded_rows, in_features}, x_in.options());
+    x.narrow(0, 0, rows).copy_(x_in);
+  }
+  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const uint8_t* w_data = packed.data_ptr<uint8_t>();
+  const float* bias_values = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
+  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  const int64_t k_tiles = in_features / kTileK;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (padded_rows * in_features * 2 * kTileCols));
+  at::parallel_for(0, out_features / (2 * kTileCols), grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    if (bits == 4) {
+      block_linear_rows<4>(x_data, x.stride(0), rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
+    } else {
+      block_linear_rows<8>(x_data, x.stride(0), rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
+    }
+    _tile_release();
+  });
+  return out;
+}
+
 bool amx_supported() { return tiles_permitted(); }
 
 #else  // no AMX in this build: the engine keeps oneDNN
@@ -175,6 +336,10 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<
   TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU or compiler lacks it)");
 }
 
+at::Tensor amx_block_linear(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "amx_block_linear: this build has no AMX (the CPU or compiler lacks it)");
+}
+
 bool amx_supported() { return false; }
 
 #endif
@@ -185,9 +350,11 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_pack_linear_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_block_linear(Tensor x, Tensor packed, int bits, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("amx_pack_linear_weight", &amx_pack_linear_weight);
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_block_linear", &amx_block_linear);
 }

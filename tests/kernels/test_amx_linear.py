@@ -2,12 +2,18 @@
 use by kernels.linear.Linear."""
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import FEW_ROWS, Linear
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.gguf import convert_gguf
+from common.sampling_params import SamplingParams
+from kernels.linear import FEW_ROWS, Linear, QuantizedBlocks, pack_weight_blocks
 from kernels.native import amx_available
+from tests.common.engine.gguf_files import TinyGguf
 
 # (out, in): the tiny and small models' layer widths, Qwen2-0.5B's qkv, a vocab-wide head.
 SHAPES = [(512, 256), (256, 768), (1152, 896), (256, 2048), (32000, 768)]
@@ -140,3 +146,78 @@ def test_a_bf16_engine_on_this_cpu_multiplies_few_rows_on_amx(amx, make_engine, 
         pytest.skip("the AMX kernel is a CPU path")
     assert make_engine(dtype="bfloat16").model.linear_kernels() == "amx"
     assert make_engine(dtype="float32").model.linear_kernels() == "torch"
+
+
+# ------------------------------------------------------------------ quantized blocks
+
+
+def random_blocks(out_features: int, in_features: int, bits: int, seed: int) -> QuantizedBlocks:
+    """Values of `bits` bits with random fp16 scales and minimums."""
+    generator = torch.Generator().manual_seed(seed)
+    low, high = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(low, high, (out_features, in_features), generator=generator, dtype=torch.int8)
+    per_block = (out_features, in_features // 32)
+    scale = (torch.rand(per_block, generator=generator) * 0.02 / (in_features ** 0.5)).to(torch.float16)
+    minimum = (torch.randn(per_block, generator=generator) * 0.05).to(torch.float16)
+    return QuantizedBlocks(q, scale, minimum, bits)
+
+
+def dequantized(blocks: QuantizedBlocks) -> torch.Tensor:
+    """The weight the GGUF loader gives: float32 scale * q + minimum, rounded to bf16."""
+    q = blocks.q.float().reshape(blocks.q.shape[0], -1, 32)
+    value = blocks.scale.float()[..., None] * q + blocks.minimum.float()[..., None]
+    return value.reshape(blocks.q.shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 7, 16, 32, 33, 64])
+@pytest.mark.parametrize("out_features,in_features", [(512, 256), (960, 576), (64, 1536)])
+def test_quantized_blocks_give_the_bits_of_their_bf16_weight(amx, bits, rows, out_features, in_features):
+    blocks = random_blocks(out_features, in_features, bits, seed=rows * bits)
+    x, _, bias = tensors(rows, out_features, in_features, seed=rows)
+    dense = amx.amx_pack_linear_weight(dequantized(blocks))
+    packed = pack_weight_blocks(blocks)
+    assert packed.numel() * 8 == out_features * in_features * bits + out_features * in_features // 32 * 32
+    for b in (None, bias):
+        assert torch.equal(amx.amx_block_linear(x, packed, bits, b), amx.amx_linear(x, dense, b))
+
+
+def test_a_linear_keeps_the_blocks_and_reports_them(amx):
+    blocks = random_blocks(512, 256, 4, seed=3)
+    weight = dequantized(blocks)
+    linear = Linear(weight, amx=True, blocks=blocks)
+    assert linear.kernel == "amx-q4" and linear.amx_weight.dtype == torch.uint8
+    x = tensors(FEW_ROWS + 8, 512, 256, seed=4)[0]
+    assert torch.equal(linear(x[:FEW_ROWS]), Linear(weight, amx=True)(x[:FEW_ROWS]))
+    # More rows than FEW_ROWS go to oneDNN's bf16 copy, which the blocks leave in place.
+    assert torch.equal(linear(x), Linear(weight, amx=True)(x))
+    mismatched = random_blocks(256, 256, 4, seed=3)
+    assert Linear(weight, amx=True, blocks=mismatched).kernel == "amx"
+
+
+def test_block_linear_refuses_what_it_cannot_read(amx):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    packed = pack_weight_blocks(random_blocks(64, 256, 4, seed=0))
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        amx.amx_block_linear(x, packed, 5, None)
+    with pytest.raises(RuntimeError, match="pack_weight_blocks for 8-bit"):
+        amx.amx_block_linear(x, packed, 8, None)
+    with pytest.raises(RuntimeError, match="expected bf16"):
+        amx.amx_block_linear(torch.zeros(4, 128, dtype=torch.bfloat16), packed, 4, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_an_engine_on_a_quantized_gguf_gives_the_same_tokens_and_logprobs_from_its_blocks(amx, tmp_path, qtype):
+    """The blocks replace the bf16 AMX copy of every linear, the LM head (tied: the
+    embedding's blocks) included, and change no bit of what the engine computes."""
+    spec = TinyGguf(qtype=gguf.GGMLQuantizationType[qtype], tied=True, seed=5)
+    model_dir = convert_gguf(spec.write(tmp_path / "tiny.gguf"), tmp_path / "converted")
+    prompts = [[3 + (7 * i + j) % 500 for j in range(5 + 9 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = {}
+    for blocks in (True, False):
+        engine = Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16", weight_blocks=blocks, num_kv_blocks=256))
+        expected_kernel = f"amx-q{4 if qtype == 'Q4_1' else 8}" if blocks else "amx"
+        assert engine.model.linear_kernels() == expected_kernel
+        results[blocks] = [(r.token_ids, r.logprobs) for r in engine.generate(prompts, params)]
+    assert results[True] == results[False]

@@ -27,12 +27,16 @@ from common.engine.checkpoint import (
     load_tokenizer,
 )
 from common.engine.gguf import (
+    BLOCK_BYTES,
+    BLOCKS_FILE,
     CONVERSION_VERSION,
     SUPPORTED_TENSOR_TYPES,
+    WeightBlocks,
     check_gguf,
     checkpoint_dir,
     convert_gguf,
     file_digest,
+    read_weight_blocks,
     unpermute_qk,
 )
 from tests.common.engine.gguf_files import TinyGguf, llama_cpp_permute, metadata_setter, smollm2_file
@@ -46,6 +50,17 @@ def _weights(model_dir: Path) -> dict[str, np.ndarray]:
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     return tensors
+
+
+def _widened(blocks: WeightBlocks) -> np.ndarray:
+    """scale * q + minimum per block of 32 along K, in float32."""
+    rows, cols = blocks.q.shape
+    q = blocks.q.astype(np.float32).reshape(rows, cols // 32, 32)
+    scale = blocks.scale.astype(np.float32)[..., None]
+    minimum = blocks.minimum.astype(np.float32)[..., None]
+    if blocks.bits == 4:
+        assert blocks.q.min() >= 0 and blocks.q.max() <= 15
+    return (scale * q + minimum).reshape(rows, cols)
 
 
 def _refusal(path: Path) -> str:
@@ -111,6 +126,14 @@ def test_every_supported_type_converts_to_the_dequantized_weights(tmp_path: Path
         assert weight.dtype == np.float32 and np.array_equal(weight, expected[name]), name
     if qtype == "F32":  # lossless: the un-permuted q/k are exactly the weights the file was made from
         assert all(np.array_equal(weights[name], weight) for name, weight in spec.hf_weights().items())
+    blocks = read_weight_blocks(out)
+    if qtype in BLOCK_BYTES:  # kept as stored too: the blocks give the dequantized weights' very bits
+        assert sorted(blocks) == sorted(name for name, weight in weights.items() if weight.ndim == 2)
+        for name, kept in blocks.items():
+            assert kept.bits == (4 if qtype in ("Q4_0", "Q4_1") else 8)
+            assert np.array_equal(_widened(kept), weights[name]), name
+    else:
+        assert blocks == {} and not (out / BLOCKS_FILE).exists()
     assert load_model_config(out) == dataclasses.replace(spec.config(), bos_token_id=0, eos_token_ids=(1,),
                                                          torch_dtype="float32")
 
@@ -119,8 +142,8 @@ def test_the_converted_directory_is_an_ordinary_checkpoint(tmp_path: Path) -> No
     spec = TinyGguf(qtype=Q.Q8_0, tied=True)
     out = convert_gguf(spec.write(tmp_path / "tiny.gguf"), tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "gguf_source.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json"]
+        "config.json", "generation_config.json", "gguf_blocks.st", "gguf_source.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json"]
     cfg = load_model_config(out)
     assert cfg.tie_word_embeddings and "lm_head.weight" not in _weights(out)
     state = load_state_dict(out, cfg)  # the engine's loader, torch tensors
