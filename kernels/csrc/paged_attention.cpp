@@ -97,21 +97,57 @@ struct Scratch {
   std::vector<int64_t> limit;  // keys row r may see: positions [0, limit)
 };
 
+// The keys [start, start + count) of one sequence that one tile scores: at most kKeyTile,
+// within one block, before `end`; `first_slot` is the first one's slot in the pool.
+struct Tile {
+  int64_t first_slot;
+  int64_t count;
+};
+
+// What attend_tile asks for while it works, key by key: `next`, this sequence's next tile
+// of its own head, into L1, and `ahead`, the same tile of the thread's next item (head
+// `ahead_head`), into L2. Spread over the tile's work, the requests stay within what the
+// core keeps in flight, where a burst of them (a tile is 6 KB a head) stalled it.
+struct Upcoming {
+  Tile next;
+  Tile ahead;
+  int64_t ahead_head;
+};
+
 // One tile of `count` keys (from `first_slot` on) for kRows consecutive rows from `row`,
 // each seeing `visible[r]` >= 1 of them: scores, the online softmax's update, and the
 // weighted values. Each key's and value's lanes are loaded once for all kRows rows, and
-// the rows' value sums stay in registers for the whole tile.
+// the rows' value sums stay in registers for the whole tile. With key i it prefetches key i
+// of `upcoming`'s tiles.
 template <typename T, int64_t kDim, int64_t kRows>
 void attend_tile(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64_t count, const int64_t* visible,
-                 int64_t row, int64_t chunks, Scratch& scratch) {
+                 int64_t row, int64_t chunks, const Upcoming& upcoming, Scratch& scratch) {
   constexpr int64_t kChunks = kDim > 0 ? kDim / kKeyTile : kMaxDim / kKeyTile;
   const int64_t dim = chunks * kKeyTile;
   const T* keys = p.key_cache + first_slot * p.cache_stride + kv_head * dim;
   const T* values = p.value_cache + first_slot * p.cache_stride + kv_head * dim;
   const Lanes* q = &scratch.query[row * chunks];
 
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements in a cache line
+  const Tile next = upcoming.next, ahead = upcoming.ahead;
+  const T* next_keys = p.key_cache + next.first_slot * p.cache_stride + kv_head * dim;
+  const T* next_values = p.value_cache + next.first_slot * p.cache_stride + kv_head * dim;
+  const T* ahead_keys = p.key_cache + ahead.first_slot * p.cache_stride + upcoming.ahead_head * dim;
+  const T* ahead_values = p.value_cache + ahead.first_slot * p.cache_stride + upcoming.ahead_head * dim;
   Lanes partial[kRows][kKeyTile];  // per row and key: lane-wise products, summed over chunks
   for (int64_t i = 0; i < kKeyTile; ++i) {
+    if (i < next.count) {
+      for (int64_t e = 0; e < dim; e += kLine) {
+        __builtin_prefetch(next_keys + i * p.cache_stride + e, 0, 3);
+        __builtin_prefetch(next_values + i * p.cache_stride + e, 0, 3);
+      }
+    }
+    if (i < ahead.count) {
+      for (int64_t e = 0; e < dim; e += kLine) {
+        __builtin_prefetch(ahead_keys + i * p.cache_stride + e, 0, 2);
+        __builtin_prefetch(ahead_values + i * p.cache_stride + e, 0, 2);
+      }
+    }
     if (i >= count) {
       for (int64_t r = 0; r < kRows; ++r) partial[r][i] = Lanes{};
       continue;
@@ -155,21 +191,14 @@ void attend_tile(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64
 
 template <typename T, int64_t kDim>
 void attend_rows(const Problem<T>& p, int64_t first_slot, int64_t kv_head, int64_t count, const int64_t* visible,
-                 int64_t row, int64_t rows, int64_t chunks, Scratch& scratch) {
+                 int64_t row, int64_t rows, int64_t chunks, const Upcoming& upcoming, Scratch& scratch) {
   switch (rows) {
-    case 1: attend_tile<T, kDim, 1>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
-    case 2: attend_tile<T, kDim, 2>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
-    case 3: attend_tile<T, kDim, 3>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
-    default: attend_tile<T, kDim, 4>(p, first_slot, kv_head, count, visible, row, chunks, scratch); break;
+    case 1: attend_tile<T, kDim, 1>(p, first_slot, kv_head, count, visible, row, chunks, upcoming, scratch); break;
+    case 2: attend_tile<T, kDim, 2>(p, first_slot, kv_head, count, visible, row, chunks, upcoming, scratch); break;
+    case 3: attend_tile<T, kDim, 3>(p, first_slot, kv_head, count, visible, row, chunks, upcoming, scratch); break;
+    default: attend_tile<T, kDim, 4>(p, first_slot, kv_head, count, visible, row, chunks, upcoming, scratch); break;
   }
 }
-
-// The keys [start, start + count) of one sequence that one tile scores: at most kKeyTile,
-// within one block, before `end`; `first_slot` is the first one's slot in the pool.
-struct Tile {
-  int64_t first_slot;
-  int64_t count;
-};
 
 template <typename T>
 Tile tile_at(const Problem<T>& p, int64_t seq, int64_t start, int64_t end) {
@@ -178,18 +207,18 @@ Tile tile_at(const Problem<T>& p, int64_t seq, int64_t start, int64_t end) {
           std::min({kKeyTile, p.block_size - offset, end - start})};
 }
 
-// Asks for a tile's K and V lines of heads [kv_head_begin, kv_head_end) before they are
-// used: a sequence's next tile is often in another block, where the hardware's prefetchers
-// cannot follow, and a decode step's KV comes from DRAM (between two layers the weights
-// pass through the caches). kLocality 3 keeps the lines in L1, 2 in L2.
-template <int kLocality, typename T>
+// Asks for an item's first tile (K and V lines of heads [kv_head_begin, kv_head_end)) into
+// L1; attend_tile asks for the later ones. A sequence's next tile is often in another
+// block, where the hardware's prefetchers cannot follow, and a decode step's KV comes from
+// DRAM (between two layers the weights pass through the caches).
+template <typename T>
 void prefetch_tile(const Problem<T>& p, Tile tile, int64_t kv_head_begin, int64_t kv_head_end, int64_t dim) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements in a cache line
   for (int64_t i = 0; i < tile.count; ++i) {
     const int64_t base = (tile.first_slot + i) * p.cache_stride;
     for (int64_t e = kv_head_begin * dim; e < kv_head_end * dim; e += kLine) {
-      __builtin_prefetch(p.key_cache + base + e, 0, kLocality);
-      __builtin_prefetch(p.value_cache + base + e, 0, kLocality);
+      __builtin_prefetch(p.key_cache + base + e, 0, 3);
+      __builtin_prefetch(p.value_cache + base + e, 0, 3);
     }
   }
 }
@@ -198,8 +227,8 @@ void prefetch_tile(const Problem<T>& p, Tile tile, int64_t kv_head_begin, int64_
 // [kv_head_begin, kv_head_end), the query heads sharing it. Scratch row hi * head_rows + r
 // holds row r of the item's hi-th head. A tile's keys are read for every head of the item
 // before the next tile, so a decode item with all heads reads each slot's K and V whole.
-// While it works on a tile, the next tile's keys are fetched into L1 and the same tile of
-// the thread's next item (`ahead`, or null) into L2.
+// While it works on a tile, attend_tile fetches the next tile's keys into L1 and the same
+// tile of the thread's next item (`ahead`, or null) into L2.
 // kDim > 0 fixes the head dim at compile time (the common 64 and 128), so the rows' sums
 // stay in registers; 0 reads `dim` (a multiple of 16, at most kMaxDim).
 template <typename T, int64_t kDim>
@@ -236,21 +265,22 @@ void attend_item(const Problem<T>& p, const WorkItem& item, const WorkItem* ahea
   int64_t first_seeing = 0;  // rows before it see none of this tile or any later one
   int64_t visible[kRowTile];
   Tile tile = tile_at(p, seq, 0, keys_needed);
-  prefetch_tile<3>(p, tile, item.kv_head_begin, item.kv_head_end, dim);
+  prefetch_tile(p, tile, item.kv_head_begin, item.kv_head_end, dim);
   for (int64_t tile_start = 0;;) {
     const int64_t next_start = tile_start + tile.count;
     const Tile next = next_start < keys_needed ? tile_at(p, seq, next_start, keys_needed) : Tile{0, 0};
-    prefetch_tile<3>(p, next, item.kv_head_begin, item.kv_head_end, dim);
-    if (ahead != nullptr && tile_start < p.context_lens[ahead->seq]) {
-      prefetch_tile<2>(p, tile_at(p, ahead->seq, tile_start, p.context_lens[ahead->seq]), ahead->kv_head_begin,
-                       ahead->kv_head_end, dim);
-    }
+    const Tile ahead_tile = ahead != nullptr && tile_start < p.context_lens[ahead->seq]
+                                ? tile_at(p, ahead->seq, tile_start, p.context_lens[ahead->seq]) : Tile{0, 0};
     while (limit[first_seeing] <= tile_start) ++first_seeing;
     for (int64_t r = first_seeing; r < head_rows; ++r) visible[r] = std::min(tile.count, limit[r] - tile_start);
     for (int64_t hi = 0; hi < heads; ++hi) {
       for (int64_t r = first_seeing; r < head_rows; r += kRowBlock) {
+        const bool first = r == first_seeing;  // prefetches once a head
+        const bool ahead_has_head = ahead != nullptr && hi < ahead->kv_head_end - ahead->kv_head_begin;
+        const Upcoming upcoming{first ? next : Tile{0, 0}, first && ahead_has_head ? ahead_tile : Tile{0, 0},
+                                ahead_has_head ? ahead->kv_head_begin + hi : 0};
         attend_rows<T, kDim>(p, tile.first_slot, item.kv_head_begin + hi, tile.count, &visible[r], hi * head_rows + r,
-                             std::min(kRowBlock, head_rows - r), chunks, scratch);
+                             std::min(kRowBlock, head_rows - r), chunks, upcoming, scratch);
       }
     }
     if (next.count == 0) break;
