@@ -77,6 +77,63 @@ void store_rounded(const float* sums, const float* bias, at::BFloat16* out, int6
   }
 }
 
+// Rounds the sums in tiles 4-7 (rows [row, row + 32) of columns [col, col + 32); tiles 6-7
+// only with two row blocks) plus the bias to bf16 rows of `out`, of which there are `rows`.
+void store_results(int64_t row, int64_t rows, int64_t col, bool two_row_blocks, const float* bias,
+                   at::BFloat16* out, int64_t out_features) {
+  alignas(64) float sums[kTileRows * kTileCols];
+  const float* b0 = bias != nullptr ? bias + col : nullptr;
+  const float* b1 = bias != nullptr ? bias + col + kTileCols : nullptr;
+  const int64_t first_rows = std::min(kTileRows, rows - row);
+  at::BFloat16* first = out + row * out_features + col;
+  _tile_stored(4, sums, kTileCols * 4);
+  store_rounded(sums, b0, first, out_features, first_rows);
+  _tile_stored(5, sums, kTileCols * 4);
+  store_rounded(sums, b1, first + kTileCols, out_features, first_rows);
+  if (two_row_blocks) {
+    const int64_t second_rows = std::min(kTileRows, rows - row - kTileRows);
+    at::BFloat16* second = first + kTileRows * out_features;
+    _tile_stored(6, sums, kTileCols * 4);
+    store_rounded(sums, b0, second, out_features, second_rows);
+    _tile_stored(7, sums, kTileCols * 4);
+    store_rounded(sums, b1, second + kTileCols, out_features, second_rows);
+  }
+}
+
+// What both multiplies check and prepare: x [rows, in_features] bf16 (padded with zero
+// rows to whole tiles where ragged: tiles read 16 rows at a time), the bias in fp32 (or
+// undefined) and the output.
+struct Operands {
+  at::Tensor x;
+  at::Tensor bias;
+  at::Tensor out;
+  int64_t rows;
+  int64_t padded_rows;
+};
+
+Operands prepare_operands(const at::Tensor& x_in, const std::optional<at::Tensor>& bias, int64_t out_features,
+                          int64_t in_features) {
+  check_weight_shape(out_features, in_features);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
+                  x_in.size(1) == in_features,
+              "x: expected bf16 [rows, ", in_features, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  Operands operands;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kBFloat16,
+                "bias: expected bf16 [", out_features, "]");
+    operands.bias = bias->to(at::kFloat).contiguous();
+  }
+  operands.rows = x_in.size(0);
+  operands.padded_rows = (operands.rows + kTileRows - 1) / kTileRows * kTileRows;
+  operands.out = at::empty({operands.rows, out_features}, x_in.options());
+  operands.x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  if (operands.padded_rows != operands.rows) {
+    operands.x = at::zeros({operands.padded_rows, in_features}, x_in.options());
+    operands.x.narrow(0, 0, operands.rows).copy_(x_in);
+  }
+  return operands;
+}
+
 at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "weight: expected a 2-D bf16 CPU tensor");
@@ -113,66 +170,30 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const st
                   packed.is_contiguous() && packed.size(2) == kTileK / 2 && packed.size(3) == 2 * kTileCols,
               "packed: expected the output of amx_pack_linear_weight");
   const int64_t out_features = packed.size(0) * kTileCols, in_features = packed.size(1) * kTileK;
-  check_weight_shape(out_features, in_features);
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
-                  x_in.size(1) == in_features,
-              "x: expected bf16 [rows, ", in_features, "], got ", x_in.scalar_type(), " ", x_in.sizes());
-  at::Tensor bias_fp32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kBFloat16,
-                "bias: expected bf16 [", out_features, "]");
-    bias_fp32 = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t rows = x_in.size(0);
-  at::Tensor out = at::empty({rows, out_features}, x_in.options());
-  if (rows == 0) return out;
-  // Tiles read whole 16-row blocks: a ragged last block reads from a zero-padded copy.
-  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  if (padded_rows != rows) {
-    x = at::zeros({padded_rows, in_features}, x_in.options());
-    x.narrow(0, 0, rows).copy_(x_in);
-  }
-  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
-  const int64_t x_stride = x.stride(0);
+  const Operands ops = prepare_operands(x_in, bias, out_features, in_features);
+  if (ops.rows == 0) return ops.out;
+  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(ops.x.data_ptr());
+  const int64_t x_stride = ops.x.stride(0), rows = ops.rows;
   const at::BFloat16* w_data = reinterpret_cast<const at::BFloat16*>(packed.data_ptr());
-  const float* bias_values = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
-  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  const float* bias_values = ops.bias.defined() ? ops.bias.data_ptr<float>() : nullptr;
+  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(ops.out.data_ptr());
   const int64_t k_tiles = in_features / kTileK;
-  const int64_t column_pairs = out_features / (2 * kTileCols);
-  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (padded_rows * in_features * 2 * kTileCols));
-  at::parallel_for(0, column_pairs, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (ops.padded_rows * in_features * 2 * kTileCols));
+  at::parallel_for(0, out_features / (2 * kTileCols), grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float sums[4][kTileRows * kTileCols];
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t col = pair * 2 * kTileCols;
       const at::BFloat16* w0 = w_data + 2 * pair * k_tiles * kPackedBlock;
       const at::BFloat16* w1 = w0 + k_tiles * kPackedBlock;
-      const float* b0 = bias_values != nullptr ? bias_values + col : nullptr;
-      const float* b1 = bias_values != nullptr ? bias_values + col + kTileCols : nullptr;
       for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
         const bool two_row_blocks = row + kTileRows < rows;
         multiply_block(x_data + row * x_stride, x_stride, two_row_blocks, w0, w1, k_tiles);
-        _tile_stored(4, sums[0], kTileCols * 4);
-        _tile_stored(5, sums[1], kTileCols * 4);
-        const int64_t first_rows = std::min(kTileRows, rows - row);
-        store_rounded(sums[0], b0, out_data + row * out_features + col, out_features, first_rows);
-        store_rounded(sums[1], b1, out_data + row * out_features + col + kTileCols, out_features, first_rows);
-        if (two_row_blocks) {
-          _tile_stored(6, sums[2], kTileCols * 4);
-          _tile_stored(7, sums[3], kTileCols * 4);
-          const int64_t second_rows = std::min(kTileRows, rows - row - kTileRows);
-          at::BFloat16* second = out_data + (row + kTileRows) * out_features + col;
-          store_rounded(sums[2], b0, second, out_features, second_rows);
-          store_rounded(sums[3], b1, second + kTileCols, out_features, second_rows);
-        }
+        store_results(row, rows, pair * 2 * kTileCols, two_row_blocks, bias_values, out_data, out_features);
       }
     }
     _tile_release();
   });
-  return out;
+  return ops.out;
 }
-
 
 // One packed tile of quantized blocks (kernels/linear.py pack_weight_blocks): the values of
 // 16 columns x 32 K, 4 or 8 bits each, then the 16 columns' fp16 scales, then their fp16
@@ -237,14 +258,11 @@ void block_linear_rows(const at::BFloat16* x_data, int64_t x_stride, int64_t row
                        int64_t k_tiles, const float* bias_values, at::BFloat16* out_data, int64_t out_features,
                        int64_t begin, int64_t end) {
   constexpr int64_t kTileBytes = BlockTile<kBits>::kBytes;
+  // Two buffers, a K step's tiles in one while the tiles still read the other's.
   alignas(64) at::BFloat16 widened[2][2][kPackedBlock];
-  alignas(64) float sums[4][kTileRows * kTileCols];
   for (int64_t pair = begin; pair < end; ++pair) {
-    const int64_t col = pair * 2 * kTileCols;
     const uint8_t* w0 = w_data + 2 * pair * k_tiles * kTileBytes;
     const uint8_t* w1 = w0 + k_tiles * kTileBytes;
-    const float* b0 = bias_values != nullptr ? bias_values + col : nullptr;
-    const float* b1 = bias_values != nullptr ? bias_values + col + kTileCols : nullptr;
     for (int64_t row = 0; row < rows; row += 2 * kTileRows) {
       const bool two_row_blocks = row + kTileRows < rows;
       const at::BFloat16* x = x_data + row * x_stride;
@@ -261,19 +279,7 @@ void block_linear_rows(const at::BFloat16* x_data, int64_t x_stride, int64_t row
         tile_step_2x2(x + k * kTileK, x + kTileRows * x_stride + k * kTileK, x_stride, buffer[0], buffer[1],
                       two_row_blocks);
       }
-      _tile_stored(4, sums[0], kTileCols * 4);
-      _tile_stored(5, sums[1], kTileCols * 4);
-      const int64_t first_rows = std::min(kTileRows, rows - row);
-      store_rounded(sums[0], b0, out_data + row * out_features + col, out_features, first_rows);
-      store_rounded(sums[1], b1, out_data + row * out_features + col + kTileCols, out_features, first_rows);
-      if (two_row_blocks) {
-        _tile_stored(6, sums[2], kTileCols * 4);
-        _tile_stored(7, sums[3], kTileCols * 4);
-        const int64_t second_rows = std::min(kTileRows, rows - row - kTileRows);
-        at::BFloat16* second = out_data + (row + kTileRows) * out_features + col;
-        store_rounded(sums[2], b0, second, out_features, second_rows);
-        store_rounded(sums[3], b1, second + kTileCols, out_features, second_rows);
-      }
+      store_results(row, rows, pair * 2 * kTileCols, two_row_blocks, bias_values, out_data, out_features);
     }
   }
 }
@@ -287,41 +293,24 @@ at::Tensor amx_block_linear(const at::Tensor& x_in, const at::Tensor& packed, in
                   packed.is_contiguous() && packed.size(2) == tile_bytes,
               "packed: expected the output of pack_weight_blocks for ", bits, "-bit blocks");
   const int64_t out_features = packed.size(0) * kTileCols, in_features = packed.size(1) * kTileK;
-  check_weight_shape(out_features, in_features);
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 &&
-                  x_in.size(1) == in_features,
-              "x: expected bf16 [rows, ", in_features, "], got ", x_in.scalar_type(), " ", x_in.sizes());
-  at::Tensor bias_fp32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kBFloat16,
-                "bias: expected bf16 [", out_features, "]");
-    bias_fp32 = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t rows = x_in.size(0);
-  at::Tensor out = at::empty({rows, out_features}, x_in.options());
-  if (rows == 0) return out;
-  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  if (padded_rows != rows) {
-    x = at::zeros({padded_rows, in_features}, x_in.options());
-    x.narrow(0, 0, rows).copy_(x_in);
-  }
-  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const Operands ops = prepare_operands(x_in, bias, out_features, in_features);
+  if (ops.rows == 0) return ops.out;
+  const at::BFloat16* x_data = reinterpret_cast<const at::BFloat16*>(ops.x.data_ptr());
   const uint8_t* w_data = packed.data_ptr<uint8_t>();
-  const float* bias_values = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
-  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(out.data_ptr());
-  const int64_t k_tiles = in_features / kTileK;
-  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (padded_rows * in_features * 2 * kTileCols));
+  const float* bias_values = ops.bias.defined() ? ops.bias.data_ptr<float>() : nullptr;
+  at::BFloat16* out_data = reinterpret_cast<at::BFloat16*>(ops.out.data_ptr());
+  const int64_t k_tiles = in_features / kTileK, x_stride = ops.x.stride(0), rows = ops.rows;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / (ops.padded_rows * in_features * 2 * kTileCols));
   at::parallel_for(0, out_features / (2 * kTileCols), grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     if (bits == 4) {
-      block_linear_rows<4>(x_data, x.stride(0), rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
+      block_linear_rows<4>(x_data, x_stride, rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
     } else {
-      block_linear_rows<8>(x_data, x.stride(0), rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
+      block_linear_rows<8>(x_data, x_stride, rows, w_data, k_tiles, bias_values, out_data, out_features, begin, end);
     }
     _tile_release();
   });
-  return out;
+  return ops.out;
 }
 
 bool amx_supported() { return tiles_permitted(); }
