@@ -166,8 +166,8 @@ class CausalLM(nn.Module):
             if layer.q_norm is not None and layer.k_norm is not None:
                 layer.q_norm.copy_(get(attn + "q_norm.weight"))
                 layer.k_norm.copy_(get(attn + "k_norm.weight"))
-            o_proj, gate_up, down = attn + "o_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"], \
-                mlp + "down_proj.weight"
+            o_proj, down = attn + "o_proj.weight", mlp + "down_proj.weight"
+            gate_up = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
             layer.o_proj = Linear(get(o_proj), amx=amx, blocks=blocks_of(o_proj))
             layer.gate_up = Linear(cat(*gate_up), amx=amx, blocks=blocks_of(*gate_up))
             layer.down = Linear(get(down), amx=amx, blocks=blocks_of(down))

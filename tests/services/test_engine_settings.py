@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "max_model_len": 1024,
     "queue_policy": "lpm",
     "attention_backend": "sdpa",
+    "weight_blocks": False,
     "enable_prefix_caching": False,
     "wait_for_shared_prefill": False,
 }
