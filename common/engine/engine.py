@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -188,8 +188,9 @@ class WritebackQueue:
 
     def __init__(self, capacity_blocks: int):
         self.capacity_blocks = capacity_blocks
-        self._batches: deque[StagedBlocks] = deque()
+        self._batches: list[StagedBlocks] = []
         self._blocks = 0
+        self._oldest_pushed_at = 0.0  # time.monotonic() of the oldest batch still queued
         self._lock = threading.Lock()
         self.staged_blocks = 0  # counters, for metrics
         self.dropped_blocks = 0
@@ -198,11 +199,17 @@ class WritebackQueue:
     def num_blocks(self) -> int:
         return self._blocks
 
+    def oldest_age_s(self) -> float:
+        """Seconds the oldest queued batch has waited; 0 when none is queued."""
+        return time.monotonic() - self._oldest_pushed_at if self._batches else 0.0
+
     def room(self) -> int:
         return max(0, self.capacity_blocks - self._blocks)
 
     def push(self, batch: StagedBlocks) -> None:
         with self._lock:
+            if not self._batches:
+                self._oldest_pushed_at = time.monotonic()
             self._batches.append(batch)
             self._blocks += len(batch.keys)
             self.staged_blocks += len(batch.keys)
@@ -211,13 +218,19 @@ class WritebackQueue:
         with self._lock:
             self.dropped_blocks += count
 
-    def pop(self) -> StagedBlocks | None:
+    def pop_all(self) -> StagedBlocks | None:
+        """Every queued batch as one, in push order (so still root-first), or None."""
         with self._lock:
-            if not self._batches:
-                return None
-            batch = self._batches.popleft()
-            self._blocks -= len(batch.keys)
-            return batch
+            batches, self._batches = self._batches, []
+            self._blocks = 0
+        if not batches:
+            return None
+        if len(batches) == 1:
+            return batches[0]
+        return StagedBlocks(tuple(ns for b in batches for ns in b.namespaces),
+                            tuple(key for b in batches for key in b.keys),
+                            tuple(parent for b in batches for parent in b.parents),
+                            np.concatenate([b.values for b in batches]))
 
 
 class Engine:

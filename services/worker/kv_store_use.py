@@ -143,6 +143,13 @@ class FetchCosts:
 
 MAX_FETCHES_IN_FLIGHT = 32  # requests waiting on the store at once; more compute at once
 PUT_BACKOFF_S = 1.0  # after a failed put, write-back waits this long (staged copies queue, then drop)
+# A put is two round trips to the store's process. Put at each eviction (every step once
+# the pool is full), the store, this thread and the engine's threads woke each other every
+# step and took turns on a small machine's cores: served decode fell 8-13 % once evictions
+# began. So staged blocks wait for company: a put takes at least this many...
+WRITEBACK_BATCH_BLOCKS = 64
+WRITEBACK_MAX_WAIT_S = 0.5  # ...or whatever has waited this long
+IDLE_POLL_S = 0.05  # how often the thread looks for due write-back while no fetch comes
 
 
 class StoreAPI(Protocol):
@@ -209,6 +216,8 @@ class StoreThread:
         self.counters = StoreCounters()
         self.stop = threading.Event()
         self.put_blocked_until = 0.0
+        # half the queue at most, so that a put is due before the queue drops copies
+        self.writeback_batch = min(WRITEBACK_BATCH_BLOCKS, max(1, writeback.capacity_blocks // 2)) if writeback else 0
         self._thread = threading.Thread(target=self._run, name="kvstore", daemon=True)
 
     def start(self) -> None:
@@ -228,14 +237,14 @@ class StoreThread:
         try:
             while not self.stop.is_set():
                 try:
-                    job: FetchJob | None = self.jobs.get(timeout=0.005 if self._writeback_pending() else 0.05)
+                    job: FetchJob | None = self.jobs.get(timeout=0.001 if self._writeback_due() else IDLE_POLL_S)
                 except queue.Empty:
                     job = None
-                if client is None and (job is not None or self._writeback_pending()):
+                if client is None and (job is not None or self._writeback_due()):
                     client = self._connect()
                 if job is not None:
                     self.results.put(self._fetch(client, job))
-                elif client is not None:
+                elif client is not None and self._writeback_due():
                     self._write_back(client)
         finally:
             if client is not None:
@@ -289,27 +298,31 @@ class StoreThread:
             log.warning("kvstore_fetch_failed", request_id=request_id, error=str(error))
             return FetchResult(request_id, 0, "failed", error=str(error))
 
-    def _writeback_pending(self) -> bool:
-        return self.writeback is not None and self.writeback.num_blocks > 0 \
-            and time.monotonic() >= self.put_blocked_until
+    def _writeback_due(self) -> bool:
+        """Staged blocks enough to share a put's round trips, or staged long enough, and no
+        failed put being waited out."""
+        writeback = self.writeback
+        if writeback is None or writeback.num_blocks == 0 or time.monotonic() < self.put_blocked_until:
+            return False
+        return writeback.num_blocks >= self.writeback_batch or writeback.oldest_age_s() >= WRITEBACK_MAX_WAIT_S
 
     def _write_back(self, client: StoreAPI) -> None:
-        """Put one staged eviction, namespace by namespace, in its root-first order."""
-        if not self._writeback_pending():
-            return
-        assert self.writeback is not None  # _writeback_pending checked
-        batch = self.writeback.pop()
+        """Put everything staged, namespace by namespace, each in its root-first order."""
+        assert self.writeback is not None  # _writeback_due checked
+        batch = self.writeback.pop_all()
         if batch is None:
             return
-        for namespace in dict.fromkeys(batch.namespaces):
+        namespaces = list(dict.fromkeys(batch.namespaces))
+        for index, namespace in enumerate(namespaces):
             rows = [i for i, ns in enumerate(batch.namespaces) if ns == namespace]
             keys = [batch.keys[i] for i in rows]
             try:
                 self.counters.written_blocks += client.put(namespace, keys, [batch.parents[i] for i in rows],
                                                            batch.values[rows])
-            except Exception as error:  # noqa: BLE001 (a put that fails loses a copy, nothing else)
+            except Exception as error:  # noqa: BLE001 (a put that fails loses copies, nothing else)
                 self.counters.put_failures += 1
-                self.known.discard(namespace, keys)
+                for lost in namespaces[index:]:  # not stored after all: stage them again when evicted again
+                    self.known.discard(lost, [key for key, ns in zip(batch.keys, batch.namespaces) if ns == lost])
                 self.put_blocked_until = time.monotonic() + PUT_BACKOFF_S
                 log.warning("kvstore_put_failed", blocks=len(keys), error=str(error))
                 return

@@ -122,10 +122,10 @@ def test_evicted_blocks_are_staged_root_first_with_their_values(make_engine, ran
     chain = names(engine, first)
     held = engine.block_manager.match_prefix(chain, first, 3)
     values = engine.read_blocks(held)
-    assert queue.pop() is None
+    assert queue.pop_all() is None
     engine.generate([other[:60]], SamplingParams(max_tokens=4, temperature=0.0))  # needs 4 of 8 blocks
     engine.generate([other[60:100]], SamplingParams(max_tokens=20, temperature=0.0))  # more: evicts the rest
-    staged = queue.pop()
+    staged = queue.pop_all()  # every eviction's batch, in order
     assert staged is not None
     root = engine._root_hash("")
     mine = [i for i, key in enumerate(staged.keys) if key in chain]
@@ -134,8 +134,7 @@ def test_evicted_blocks_are_staged_root_first_with_their_values(make_engine, ran
     assert all(staged.namespaces[i] == root for i in mine)
     assert np.array_equal(staged.values[mine], values)
     assert all((root, key) in engine.known_stored for key in chain)  # not staged again
-    while queue.pop() is not None:
-        pass
+    assert queue.pop_all() is None and queue.oldest_age_s() == 0.0
     assert queue.num_blocks == 0 and queue.dropped_blocks == 0
 
 
@@ -147,7 +146,7 @@ def test_a_full_queue_drops_and_counts_and_min_hits_filters(make_engine, random_
         engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
     assert queue.num_blocks <= 2 and queue.dropped_blocks > 0
     assert queue.staged_blocks + queue.dropped_blocks >= 3  # the first prompt's 3 blocks were evicted
-    staged = queue.pop()
+    staged = queue.pop_all()
     assert staged is not None and staged.parents[0] == staged.namespaces[0]  # a kept prefix starts at the root
 
     picky = make_engine(max_model_len=64, num_kv_blocks=8)
@@ -157,7 +156,8 @@ def test_a_full_queue_drops_and_counts_and_min_hits_filters(make_engine, random_
     picky.generate([reused[:40] + [5] * 8], SamplingParams(max_tokens=1, temperature=0.0))  # reuses 2 blocks
     for prompt in prompts[1:]:
         picky.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    keys = [key for batch in iter(queue.pop, None) for key in batch.keys]
+    batch = queue.pop_all()
+    keys = list(batch.keys) if batch is not None else []
     chain = names(picky, reused)
     assert chain[0] in keys and chain[1] in keys  # reused once each
     assert chain[2] not in keys  # never reused, no descendant staged it

@@ -94,3 +94,42 @@ def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, ra
             if output.finished:
                 assert output.num_cached_tokens == 48
     assert tokens == want
+
+
+def test_write_back_waits_for_a_batch_or_for_its_oldest_to_age(make_engine, monkeypatch):
+    """A put costs round trips to the store's process: staged blocks wait until half the
+    queue (at most WRITEBACK_BATCH_BLOCKS) is staged or the oldest has waited its time,
+    then go in one batch, in the order they were staged."""
+    import time
+
+    import numpy as np
+
+    from common.engine.engine import KnownBlocks, StagedBlocks, WritebackQueue
+    from services.worker import kv_store_use
+    from services.worker.kv_store_use import StoreThread
+
+    def staged(first: int, count: int) -> StagedBlocks:
+        keys = tuple(range(first, first + count))
+        return StagedBlocks((7,) * count, keys, (7, *keys[:-1]), np.full((count, 4), first, np.uint8))
+
+    queue = WritebackQueue(capacity_blocks=8)
+    thread = StoreThread(lambda: None, None, make_engine(max_model_len=64).kv_cache.layout, queue, KnownBlocks(100),
+                         FetchCosts(load_cost_model(""), block_size=16), "auto")
+    assert thread.writeback_batch == 4
+    assert not thread._writeback_due() and queue.oldest_age_s() == 0.0
+    queue.push(staged(0, 3))
+    assert not thread._writeback_due()  # 3 of 4, and young
+    queue.push(staged(3, 1))
+    assert thread._writeback_due()
+    thread.put_blocked_until = time.monotonic() + 60
+    assert not thread._writeback_due()  # a failed put is waited out first
+    merged = queue.pop_all()
+    assert merged is not None and merged.keys == (0, 1, 2, 3) and merged.parents == (7, 0, 1, 7)
+    assert merged.values[:, 0].tolist() == [0, 0, 0, 3] and queue.num_blocks == 0
+
+    thread.put_blocked_until = 0.0
+    monkeypatch.setattr(kv_store_use, "WRITEBACK_MAX_WAIT_S", 0.05)
+    queue.push(staged(10, 1))
+    assert not thread._writeback_due()
+    time.sleep(0.06)
+    assert thread._writeback_due()  # alone, but old enough
