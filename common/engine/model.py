@@ -98,8 +98,8 @@ class CausalLM(nn.Module):
                 logits_rows: torch.Tensor | slice, kv_cache: KVCache, backend: AttentionBackend,
                 metadata: object) -> torch.Tensor:
         """Runs the flat batch, writing its K/V into the cache at `slot_mapping` (one slot a
-        token); returns fp32 logits of the rows in `logits_rows` (row indices, or a slice
-        such as every row)."""
+        token); returns the logits of the rows in `logits_rows` (row indices, or a slice
+        such as every row) in the model's dtype: the sampler widens them where it needs to."""
         hidden = F.embedding(input_ids, self.embed)
         rotary_inputs = self.ops.rotary_inputs(self.rotary, positions)
         pending: torch.Tensor | None = None
@@ -108,7 +108,7 @@ class CausalLM(nn.Module):
                                     metadata, self.ops)
         assert pending is not None  # a model has layers
         selected = hidden[logits_rows] + pending[logits_rows]  # the last layer's add, on the rows needed
-        return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps)).float()
+        return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps))
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """self.layers as what they are (iterating an nn.ModuleList gives plain Modules)."""

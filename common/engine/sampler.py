@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from common.engine.sequence import Sequence
 from common.sampling_params import SamplingParams
+from kernels.native import load_native_ops
 
 ARGMAX_BLOCK = 128  # vocabulary columns per block in argmax_rows
 SCORE_ROWS = 256  # rows per log_softmax in token_logprobs: bounds its [rows, vocab] temporary
@@ -18,17 +19,18 @@ SCORE_ROWS = 256  # rows per log_softmax in token_logprobs: bounds its [rows, vo
 
 class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
-        """logits: [rows, vocab] fp32, one row per sequence. Returns token ids and, per
-        row, a logprobs record or None."""
+        """logits: [rows, vocab] in the model's dtype, one row per sequence (greedy rows
+        are argmaxed as they are; sampling and logprobs run in fp32). Returns token ids
+        and, per row, a logprobs record or None."""
         params = [seq.params for seq in seqs]
         if all(p.greedy for p in params):
             tokens = argmax_rows(logits)
         else:
-            tokens = self._sample_random(logits, seqs)
+            tokens = self._sample_random(logits.float(), seqs)
         token_list = tokens.tolist()
         if all(p.logprobs is None for p in params):
             return token_list, [None] * len(seqs)
-        return token_list, self._logprobs(logits, tokens, params)
+        return token_list, self._logprobs(logits.float(), tokens, params)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
@@ -72,8 +74,8 @@ class Sampler:
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """Each row's log-probability of its target token, and its `top` most likely tokens
-    and their log-probabilities (empty lists for top 0). `logits`: [rows, vocab] fp32,
-    `targets`: [rows] token ids. The log_softmax runs in fp32 over SCORE_ROWS rows at a
+    and their log-probabilities (empty lists for top 0). `logits`: [rows, vocab] in any
+    float dtype, `targets`: [rows] token ids. The log_softmax runs in fp32 over SCORE_ROWS rows at a
     time, so a long prompt's scoring holds one slice of log-probabilities at once beside
     its logits."""
     chosen, top_ids, top_values = [], [], []
@@ -114,11 +116,20 @@ def _apply_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     """values.argmax(dim=-1) of a [rows, vocab] tensor, the first index on ties, as torch
     gives it. On CPU torch's argmax is a scalar loop (~1 ms for 32 rows of a 32k
-    vocabulary), while amax is vectorised: so each row's best block of ARGMAX_BLOCK
-    columns is found by amax, and only that block is argmaxed (~7x faster at 32k)."""
-    rows, vocab = values.shape
+    vocabulary): Baton's kernel (kernels/csrc/argmax.cpp) takes rows with unit column
+    stride in any of the model's dtypes, argmax_by_blocks the rest."""
     if values.device.type != "cpu":
         return values.argmax(dim=-1)
+    if values.stride(-1) == 1 and values.shape[-1] > 0 and load_native_ops():
+        return torch.ops.baton.argmax_rows(values)
+    return argmax_by_blocks(values)
+
+
+def argmax_by_blocks(values: torch.Tensor) -> torch.Tensor:
+    """argmax_rows in torch ops: torch's amax is vectorised where its argmax is not, so
+    each row's best block of ARGMAX_BLOCK columns is found by amax, and only that block is
+    argmaxed (~7x faster than argmax at 32k)."""
+    rows, vocab = values.shape
     if vocab < 16 * ARGMAX_BLOCK:  # max's indices are argmax's (the first on ties), sooner
         return values.max(dim=-1).indices
     padding = -vocab % ARGMAX_BLOCK

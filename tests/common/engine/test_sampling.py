@@ -98,9 +98,12 @@ def test_stop_strings_end_and_truncate_text(make_engine):
 
 
 @pytest.mark.parametrize("vocab", [512, 2048, 32000, 32003])
-def test_argmax_rows_is_torch_argmax_ties_included(vocab):
-    from common.engine.sampler import argmax_rows
+@pytest.mark.parametrize("name", ["argmax_rows", "argmax_by_blocks"])
+def test_argmax_rows_is_torch_argmax_ties_included(vocab, name):
+    """argmax_rows (Baton's kernel where it is built) and the torch way it falls back to."""
+    from common.engine import sampler
 
+    argmax_rows = getattr(sampler, name)
     generator = torch.Generator().manual_seed(vocab)
     values = torch.randn(9, vocab, generator=generator)
     values[1, 5] = values[1, vocab - 1] = 100.0  # a tie across blocks: the first wins
