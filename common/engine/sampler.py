@@ -75,9 +75,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """Each row's log-probability of its target token, and its `top` most likely tokens
     and their log-probabilities (empty lists for top 0). `logits`: [rows, vocab] in any
-    float dtype, `targets`: [rows] token ids. The log_softmax runs in fp32 over SCORE_ROWS rows at a
-    time, so a long prompt's scoring holds one slice of log-probabilities at once beside
-    its logits."""
+    float dtype, `targets`: [rows] token ids. The log_softmax runs in fp32 over SCORE_ROWS
+    rows at a time, so a long prompt's scoring holds one slice of log-probabilities at
+    once beside its logits."""
     chosen, top_ids, top_values = [], [], []
     for begin in range(0, logits.shape[0], SCORE_ROWS):
         logprobs = logits[begin:begin + SCORE_ROWS].float().log_softmax(dim=-1)

@@ -145,8 +145,9 @@ MAX_FETCHES_IN_FLIGHT = 32  # requests waiting on the store at once; more comput
 PUT_BACKOFF_S = 1.0  # after a failed put, write-back waits this long (staged copies queue, then drop)
 # A put is two round trips to the store's process. Put at each eviction (every step once
 # the pool is full), the store, this thread and the engine's threads woke each other every
-# step and took turns on a small machine's cores: served decode fell 8-13 % once evictions
-# began. So staged blocks wait for company: a put takes at least this many...
+# step and took turns on a small machine's cores: batched, served decode after the pool
+# fills gained ~3 % (docs/performance.md §10.1). So staged blocks wait for company: a put
+# takes at least this many...
 WRITEBACK_BATCH_BLOCKS = 64
 WRITEBACK_MAX_WAIT_S = 0.5  # ...or whatever has waited this long
 IDLE_POLL_S = 0.05  # how often the thread looks for due write-back while no fetch comes
