@@ -26,7 +26,8 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = argmax_rows(logits)
         else:
-            tokens = self._sample_random(logits.float(), seqs)
+            logits = logits.float()  # once: .float() of fp32 logits below is the same tensor
+            tokens = self._sample_random(logits, seqs)
         token_list = tokens.tolist()
         if all(p.logprobs is None for p in params):
             return token_list, [None] * len(seqs)

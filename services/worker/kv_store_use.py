@@ -317,9 +317,9 @@ class StoreThread:
         for index, namespace in enumerate(namespaces):
             rows = [i for i, ns in enumerate(batch.namespaces) if ns == namespace]
             keys = [batch.keys[i] for i in rows]
+            values = batch.values if len(rows) == len(batch.keys) else batch.values[rows]  # one namespace: no copy
             try:
-                self.counters.written_blocks += client.put(namespace, keys, [batch.parents[i] for i in rows],
-                                                           batch.values[rows])
+                self.counters.written_blocks += client.put(namespace, keys, [batch.parents[i] for i in rows], values)
             except Exception as error:  # noqa: BLE001 (a put that fails loses copies, nothing else)
                 self.counters.put_failures += 1
                 for lost in namespaces[index:]:  # not stored after all: stage them again when evicted again
