@@ -9,10 +9,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,12 +22,13 @@ from common.engine.checkpoint import fingerprints, load_model_config, load_state
 from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
 from common.engine.gguf import checkpoint_dir, read_weight_blocks
 from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.kv_connector import KnownBlocks, KvLoad, KvLoadError, StagedBlocks, WritebackConfig, WritebackQueue
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
 from common.engine.runner import ModelRunner, PromptLogprobs, StepResult
 from common.engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig, max_hit_tokens
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence
 from common.hashing import root_hash
 from common.logs import get_logger
 from common.sampling_params import InvalidRequestError, SamplingParams, validate_prompt
@@ -98,141 +97,6 @@ class EngineStats:
     decode_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class KvImport:
-    """Where a request's pulled prompt KV must land: block `src_block_indices[i]` of the
-    prefill worker's lease goes to this engine's block `dst_block_ids[i]`. The leading
-    blocks this engine held already (by hash) are not pulled."""
-
-    request_id: str
-    dst_block_ids: tuple[int, ...]
-    src_block_indices: tuple[int, ...]
-    num_cached_tokens: int
-
-
-class KvImportError(ValueError):
-    """A pulled request does not fit this engine (its blocks are named otherwise)."""
-
-
-@dataclass(frozen=True)
-class KvFetch:
-    """Where a request's prompt blocks fetched from the KV store must land: block
-    `keys[i]` of namespace `namespace` goes to this engine's block `dst_block_ids[i]`.
-    They are the prompt's blocks num_local_blocks, num_local_blocks + 1, ...: the
-    leading ones this engine's prefix cache held are not fetched."""
-
-    request_id: str
-    namespace: int
-    keys: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
-    num_local_blocks: int
-
-
-@dataclass(frozen=True)
-class WritebackConfig:
-    """Engine-side write-back to the KV store (docs/architecture.md §8)."""
-
-    queue_blocks: int  # blocks staged at most; an eviction finding no room drops its copies
-    min_hits: int = 0  # an evicted block is written back only if prefix matches reused it this often
-
-
-@dataclass(frozen=True)
-class StagedBlocks:
-    """Copies of one eviction's blocks for the KV store, root-first within each chain:
-    block i is `keys[i]` of namespace `namespaces[i]`, its parent is `parents[i]` (the
-    namespace itself for a chain's first block), its value is `values[i]` (plane-major
-    bytes, docs/kv-transfer.md)."""
-
-    namespaces: tuple[int, ...]
-    keys: tuple[int, ...]
-    parents: tuple[int, ...]
-    values: np.ndarray  # (n, bytes_per_block) uint8
-
-
-class KnownBlocks:
-    """A bounded set of (namespace, block hash) the KV store holds or that are staged for
-    it: written back blocks are not staged again. The least recently added are forgotten
-    first (forgetting one costs at most a redundant put). Thread-safe: the engine's loop
-    reads and adds, the worker's store thread adds and discards."""
-
-    def __init__(self, capacity: int):
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._keys: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __contains__(self, key: tuple[int | None, int]) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, namespace: int, keys: Iterable[int]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[(namespace, key)] = None
-                self._keys.move_to_end((namespace, key))
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
-
-    def discard(self, namespace: int, keys: Iterable[int]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys.pop((namespace, key), None)
-
-
-class WritebackQueue:
-    """The bounded hand-off of staged copies from the engine's loop to the store thread.
-    Never blocks: a push that does not fit is refused and counted as dropped."""
-
-    def __init__(self, capacity_blocks: int):
-        self.capacity_blocks = capacity_blocks
-        self._batches: list[StagedBlocks] = []
-        self._blocks = 0
-        self._oldest_pushed_at = 0.0  # time.monotonic() of the oldest batch still queued
-        self._lock = threading.Lock()
-        self.staged_blocks = 0  # counters, for metrics
-        self.dropped_blocks = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self._blocks
-
-    def oldest_age_s(self) -> float:
-        """Seconds the oldest queued batch has waited; 0 when none is queued."""
-        return time.monotonic() - self._oldest_pushed_at if self._batches else 0.0
-
-    def room(self) -> int:
-        return max(0, self.capacity_blocks - self._blocks)
-
-    def push(self, batch: StagedBlocks) -> None:
-        with self._lock:
-            if not self._batches:
-                self._oldest_pushed_at = time.monotonic()
-            self._batches.append(batch)
-            self._blocks += len(batch.keys)
-            self.staged_blocks += len(batch.keys)
-
-    def drop(self, count: int) -> None:
-        with self._lock:
-            self.dropped_blocks += count
-
-    def pop_all(self) -> StagedBlocks | None:
-        """Every queued batch as one, in push order (so still root-first), or None."""
-        with self._lock:
-            batches, self._batches = self._batches, []
-            self._blocks = 0
-        if not batches:
-            return None
-        if len(batches) == 1:
-            return batches[0]
-        return StagedBlocks(tuple(ns for b in batches for ns in b.namespaces),
-                            tuple(key for b in batches for key in b.keys),
-                            tuple(parent for b in batches for parent in b.parents),
-                            np.concatenate([b.values for b in batches]))
-
-
 class Engine:
     def __init__(self, config: EngineConfig, kv_events: KVEventSink | None = None):
         """`config.dtype` "auto" is resolved here, once: `self.config` holds the dtype the
@@ -299,104 +163,108 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def import_request(self, request_id: str, prompt_ids: Seq[int], first_token_id: int,
-                       params: SamplingParams, tenant_salt: str | None = None,
-                       block_hashes: Seq[int] | None = None) -> KvImport | None:
-        """Take a request whose prompt another engine computed (the decode role): blocks
-        for its prompt KV are allocated, reusing those this engine holds by hash, and the
-        request waits until `complete_import`. None when the blocks or the batch are full
-        (nothing taken). `block_hashes`, the prefill engine's names of the full blocks,
-        must equal this engine's (KvImportError otherwise: another model, dtype, block
-        size or tenant). The caller must cancel a pull for this request, with the
-        guarantee that no byte lands later, before it aborts the request. Prompt logprobs
-        are the prefill engine's to give: an import never computes them, not even when a
-        preemption recomputes its prompt."""
-        if params.prompt_logprobs is not None:
+    # ---- KV from elsewhere: one import path (docs/architecture.md §7-8) ---------------
+
+    def begin_load(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                   tenant_salt: str | None = None, *, first_token_id: int | None = None,
+                   block_hashes: Seq[int] | None = None, max_blocks: int = 1 << 30,
+                   hold_kv: bool = False) -> KvLoad | None:
+        """Take a request whose prompt KV past this engine's prefix cache comes, in part or
+        whole, from elsewhere: fresh blocks are allocated for it and the request waits,
+        outside the batch, until `complete_load` (or `cancel_load`). None, taking
+        nothing, when the blocks or the batch are full, or when nothing is to be loaded.
+
+        With `first_token_id` the prompt was computed elsewhere (a prefill worker's
+        lease): the load runs through the prompt's end, and the request then decodes
+        from that token. `block_hashes`, the other engine's names of the full blocks,
+        must equal this engine's (KvLoadError otherwise: another model, tokenizer, dtype,
+        block size or tenant). Prompt logprobs are the other engine's to give: such a
+        request never computes them, not even when a preemption recomputes its prompt.
+
+        Without it, up to `max_blocks` full blocks are loaded, never the one holding the
+        prompt's last token (computed to sample), and none for a request that scores its
+        prompt. Raises InvalidRequestError. `hold_kv` as for `add_request`."""
+        if first_token_id is not None and params is not None and params.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=None)
-        seq = self._new_sequence(request_id, prompt_ids, params, tenant_salt)
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise InvalidRequestError("first_token_id", f"{first_token_id} is outside the vocabulary")
-        size = self.config.block_size
-        full_blocks = seq.prompt_len // size
-        if block_hashes is not None and list(block_hashes) != seq.block_hashes[:full_blocks]:
-            raise KvImportError("the prefill engine names this prompt's blocks otherwise: its model, tokenizer, "
-                                "dtype, block size or the request's tenant differ from this engine's")
-        max_hits = full_blocks if self.config.enable_prefix_caching else 0
-        hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids, max_hits)
-        num_blocks = -(-seq.prompt_len // size)
-        fresh = self.scheduler.receive(seq, hits, num_blocks - len(hits))
-        if fresh is None:
-            return None
-        seq.num_cached_tokens = len(hits) * size
-        seq.pending_token_id = first_token_id
-        self._seqs[request_id] = seq
-        return KvImport(request_id, tuple(fresh), tuple(range(len(hits), num_blocks)), seq.num_cached_tokens)
-
-    def complete_import(self, request_id: str) -> RequestOutput:
-        """The pulled KV of an imported request has landed: it joins the decode batch with
-        the prefill engine's first token, whose output this returns (the client has had
-        that token already; the output says whether it alone finished the request)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.RECEIVING or seq.pending_token_id is None:
-            raise KeyError(f"{request_id!r} is not an import waiting for its KV")
-        self.scheduler.received(seq)
-        now = time.perf_counter()
-        seq.first_scheduled_time = now
-        first, seq.pending_token_id = seq.pending_token_id, None
-        return self._advance(seq, first, None, now)
-
-    # ---- the KV store (docs/architecture.md §8) -----------------------------------------
-
-    def begin_fetch(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    tenant_salt: str | None = None, num_blocks: int = 1 << 30,
-                    hold_kv: bool = False) -> KvFetch | None:
-        """Take a request whose prompt blocks past this engine's prefix cache may come from
-        the KV store: fresh blocks are allocated for up to `num_blocks` of them (never the
-        block holding the last prompt token, which is computed to sample) and the request
-        waits until `complete_fetch`. None, taking nothing, when there is no such block or
-        no room: the caller adds the request normally. Raises InvalidRequestError.
-        `hold_kv` as for `add_request` (the prefill role)."""
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
         seq.hold_kv = hold_kv
         size = self.config.block_size
-        limit = max_hit_tokens(seq) // size  # a prompt-logprobs request computes its prompt: no fetch
+        if first_token_id is not None:
+            if not 0 <= first_token_id < self.model_config.vocab_size:
+                raise InvalidRequestError("first_token_id", f"{first_token_id} is outside the vocabulary")
+            full_blocks = seq.prompt_len // size
+            if block_hashes is not None and list(block_hashes) != seq.block_hashes[:full_blocks]:
+                raise KvLoadError("the prefill engine names this prompt's blocks otherwise: its model, tokenizer, "
+                                  "dtype, block size or the request's tenant differ from this engine's")
+            limit = full_blocks
+        else:
+            limit = max_hit_tokens(seq) // size
         hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids,
                                                limit if self.config.enable_prefix_caching else 0)
-        count = min(num_blocks, limit - len(hits))
-        if count <= 0:
-            return None
+        if first_token_id is not None:
+            count = -(-seq.prompt_len // size) - len(hits)
+        else:
+            count = min(max_blocks, limit - len(hits))
+            if count <= 0:
+                return None
         fresh = self.scheduler.receive(seq, hits, count)
         if fresh is None:
             return None
-        seq.fetching = True
+        seq.loading = True
+        seq.pending_token_id = first_token_id
         seq.num_cached_tokens = len(hits) * size
         self._seqs[request_id] = seq
-        return KvFetch(request_id, seq.root_hash, tuple(seq.block_hashes[len(hits):len(hits) + count]),
-                       tuple(fresh), len(hits))
+        return KvLoad(request_id, seq.root_hash, len(hits), tuple(fresh),
+                      tuple(seq.block_hashes[len(hits):len(hits) + count]), first_token_id is not None)
 
-    def complete_fetch(self, request_id: str, landed_blocks: int) -> bool:
-        """The first `landed_blocks` of a `begin_fetch`'s blocks hold their KV (0: the
-        store failed): they join the prefix cache, the other fresh blocks are freed, and
-        the request prefills only the rest of its prompt. False when it was aborted while
-        fetching (it ends now). Until this is called the blocks stay the fetch's, even
-        across an abort, so a late copy never lands in a block that another request holds."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.fetching:
-            raise KeyError(f"{request_id!r} is not fetching KV from the store")
+    def complete_load(self, request_id: str, landed_blocks: int) -> list[RequestOutput]:
+        """The first `landed_blocks` of a `begin_load`'s blocks hold their KV: they join
+        the prefix cache. A load through the prompt's end must land whole (else
+        `cancel_load`); the request then decodes, and its first output, returned here,
+        holds the other engine's first token (the client may have it already; the output
+        says whether it alone finished the request). Any other load's unlanded blocks are
+        freed and the request prefills the rest of its prompt. A request aborted while
+        loading ends now ([]). Until this is called the blocks stay the load's, even
+        across an abort, so a late copy never lands in a block another request holds."""
+        seq = self._loading(request_id)
         size = self.config.block_size
         num_local = seq.num_cached_tokens // size
-        if not 0 <= landed_blocks <= len(seq.block_ids) - num_local:
-            raise ValueError(f"landed_blocks={landed_blocks}: the fetch had "
-                             f"{len(seq.block_ids) - num_local} blocks")
-        seq.fetching = False
-        self.scheduler.fetched(seq, num_local + landed_blocks)
-        if seq.abort_on_fetched:
+        planned = len(seq.block_ids) - num_local
+        if not 0 <= landed_blocks <= planned:
+            raise ValueError(f"landed_blocks={landed_blocks}: the load had {planned} blocks")
+        if seq.pending_token_id is not None and landed_blocks < planned and not seq.abort_on_loaded:
+            raise ValueError(f"{request_id!r}: a load through the prompt's end lands whole ({landed_blocks} of "
+                             f"{planned} blocks); cancel_load it instead")
+        seq.loading = False
+        if seq.abort_on_loaded:
             self.abort(request_id)
-            return False
+            return []
+        if seq.pending_token_id is not None:
+            self.scheduler.received(seq)
+            now = time.perf_counter()
+            seq.first_scheduled_time = now
+            first, seq.pending_token_id = seq.pending_token_id, None
+            return [self._advance(seq, first, None, now)]
+        self.scheduler.fetched(seq, num_local + landed_blocks)
         seq.num_cached_tokens = (num_local + landed_blocks) * size
         self.stats.num_prefix_hit_tokens += num_local * size
         self.stats.num_fetched_tokens += landed_blocks * size
-        return True
+        return []
+
+    def cancel_load(self, request_id: str) -> None:
+        """End a loading request now and free its blocks: the caller guarantees that no
+        byte of its load lands any more (the transfer was cancelled or has settled)."""
+        seq = self._loading(request_id)
+        seq.loading = False
+        self.abort(request_id)
+
+    def _loading(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.loading:
+            raise KeyError(f"{request_id!r} is not loading KV")
+        return seq
+
+    # ---- KV to elsewhere: the KV store's write-back (docs/architecture.md §8) ------------
 
     def enable_writeback(self, config: WritebackConfig, known: KnownBlocks) -> WritebackQueue:
         """Stage a copy of every block the prefix cache evicts (and of its ancestors the
@@ -522,8 +390,8 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        if seq.fetching:  # its blocks may still be written: complete_fetch ends it
-            seq.abort_on_fetched = True
+        if seq.loading:  # its blocks may still be written: complete_load or cancel_load ends it
+            seq.abort_on_loaded = True
             return True
         del self._seqs[request_id]
         self.scheduler.finish(seq, "abort")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the engine's types; this module stays importable without to
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    RECEIVING = "receiving"  # its prompt's KV is being pulled from a prefill worker
+    RECEIVING = "receiving"  # its prompt's KV is arriving from elsewhere (Engine.begin_load)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -60,8 +60,8 @@ class Sequence:
     first_token_time: float | None = None
     hold_kv: bool = False  # on finishing, keep the prompt's blocks under a lease (prefill role)
     pending_token_id: int | None = None  # an import's first token, sampled by the prefill engine
-    fetching: bool = False  # RECEIVING blocks from the KV store (Engine.begin_fetch)
-    abort_on_fetched: bool = False  # aborted while fetching: ends when the fetch completes
+    loading: bool = False  # RECEIVING KV from elsewhere (Engine.begin_load)
+    abort_on_loaded: bool = False  # aborted while loading: ends when the load completes
 
     def __post_init__(self) -> None:
         self.extend_hashes()

@@ -2,18 +2,20 @@
 their KV over the KV transport (docs/disaggregation.md).
 
 A Generate with a `kv_handle` is imported: the engine allocates blocks for the prompt,
-reusing those it holds by hash, and the transport pulls only the rest from the prefill
-worker's lease. While the pool or the batch is full the request waits here and its lease
-is renewed through the router. Once every byte has landed the request joins the decode
-batch with the prefill worker's first token (which the client has had already). A pull
-that fails or passes its deadline is cancelled, and only once no late byte can land are
-its blocks freed. A failure another decode worker could avoid (REPLACEABLE_CAUSES) is
-reported to the router (KvPullFailed), which places the request on another decode worker
-with the same lease, or says to go on here; otherwise, or without its word within
-VERDICT_WAIT_S, `kv_load_failure_policy` says what happens: `recompute` (the prompt and
-first token are prefilled here) or `fail` (kv_transfer_failed to the client).
-A Generate without a handle is served whole (conditional disaggregation: the router
-sends short prefills straight here).
+reusing those it holds by hash (`Engine.begin_load`); the KV store, when the cluster has
+one, is asked for what it holds of the rest, and the transport pulls whatever is still
+missing from the prefill worker's lease (services/worker/kv_loads.py). While the pool or
+the batch is full the request waits here and its lease is renewed through the router.
+Once every byte has landed the request joins the decode batch with the prefill worker's
+first token (which the client has had already). A pull that fails or passes its deadline
+is cancelled, and only once no late byte can land are its blocks freed. A failure
+another decode worker could avoid (REPLACEABLE_CAUSES) is reported to the router
+(KvPullFailed), which places the request on another decode worker with the same lease,
+or says to go on here; otherwise, or without its word within VERDICT_WAIT_S,
+`kv_load_failure_policy` says what happens: `recompute` (the prompt and first token are
+prefilled here) or `fail` (kv_transfer_failed to the client). A Generate without a
+handle is served whole (conditional disaggregation: the router sends short prefills
+straight here).
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import numpy as np
 from msgspec.structs import replace
 
 from common.config import ClusterConfig
-from common.engine.engine import Engine, KvImport, KvImportError, RequestOutput
-from common.kv_transfer import HandshakeRefused, PullHandle, PullResult
+from common.engine.engine import Engine, RequestOutput
+from common.engine.kv_connector import KvLoad, KvLoadError
+from common.kv_transfer import HandshakeRefused, PullResult
 from common.logs import get_logger
 from common.metrics import Registry
 from common.protocol import (
@@ -40,10 +43,11 @@ from common.protocol import (
 )
 from common.sampling_params import InvalidRequestError
 from common.sockets import send
+from services.decode.lease_source import LeaseSource, pull_result
+from services.worker.kv_loads import LoadDone
 from services.worker.service import KvEventBuffer, TransferringService
 
 log = get_logger("decode")
-PULL_POLL_MS = 2
 UNREACHABLE_S = 5.0  # a KV peer whose handshake failed is not tried again for this long
 # Pull failures another decode worker could avoid: the deadline passed (a slow path or a
 # stalled transport between this worker and the prefill worker) or the prefill worker did
@@ -84,9 +88,8 @@ class Import:
     prompt_ids: list[int]
     arrived: float  # monotonic
     renewed: float  # monotonic: when its lease was last renewed
-    kv_import: KvImport | None = None
-    pull: PullHandle | None = None
-    pull_started: float = 0.0
+    load: KvLoad | None = None  # its blocks, once it has them
+    pull_started: float = 0.0  # monotonic: when its load began
     timings: dict[str, float] = field(default_factory=dict)
     failure: str = ""  # how its pull failed, while handed back to the router
     verdict_by: float = 0.0  # monotonic: handed back, it falls back here if no verdict came by then
@@ -109,6 +112,7 @@ class DecodeService(TransferringService):
         self.peers: dict[str, str] = {}  # KV address handshaken with -> the prefill process (instance id) there
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
         self.refused_room: tuple[int, int] | None = None  # _room() when waiting imports last found none
+        self.lease_source = LeaseSource(self.transport, config.kv_transfer_timeout_s)
 
     # ---- requests ------------------------------------------------------------------
 
@@ -124,32 +128,29 @@ class DecodeService(TransferringService):
         self._begin(self.imports[request.request_id])
 
     def _begin(self, item: Import) -> None:
-        """Take blocks and start the pull; leaves the import waiting when there is no room."""
+        """Take blocks and start loading them (the store first, when there is one, then the
+        lease); leaves the import waiting when there is no room."""
         request, handle = item.request, item.handle
         try:
             self._connect(handle.kv_address, handle.prefill_instance_id)
-            kv_import = self.engine.import_request(request.request_id, item.prompt_ids, handle.first_token_id,
-                                                   params_from_sampling(request.sampling), request.tenant,
-                                                   handle.block_hashes)
-        except (KvImportError, InvalidRequestError, HandshakeRefused) as error:
+            load = self.engine.begin_load(request.request_id, item.prompt_ids, params_from_sampling(request.sampling),
+                                          request.tenant, first_token_id=handle.first_token_id,
+                                          block_hashes=handle.block_hashes)
+        except (KvLoadError, InvalidRequestError, HandshakeRefused) as error:
             self._give_up(item, ErrorCode.INVALID_REQUEST, str(error))
             return
         except (TimeoutError, ConnectionError, ValueError) as error:
             self._pull_failed(item, PullResult(request.request_id, "failed", "unreachable", str(error)))
             return
-        if kv_import is None:
+        if load is None:
             return
-        item.kv_import = kv_import
-        self.kv_metrics.blocks_reused.inc(len(handle.block_ids) - len(kv_import.src_block_indices))
+        item.load = load
+        self.kv_metrics.blocks_reused.inc(load.first_block)
         item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
-        if not kv_import.src_block_indices:  # every block was here already
-            self._update_lease(item, "release")
-            self._landed(item)
-            return
-        source = [handle.block_ids[i] for i in kv_import.src_block_indices]
         item.pull_started = time.monotonic()
-        item.pull = self.transport.pull(handle.kv_address, handle.lease_id, source, list(kv_import.dst_block_ids),
-                                        item.pull_started + self.config.kv_transfer_timeout_s)
+        self.lease_source.expect(request.request_id, handle)
+        sources = (self.store, self.lease_source) if self.store is not None else (self.lease_source,)
+        self.kv_loads.begin(load, sources)
 
     def _connect(self, address: str, instance_id: str) -> None:
         """Handshake once per prefill process; a peer that just failed one fails at once (a
@@ -183,43 +184,57 @@ class DecodeService(TransferringService):
         renew_every = self.config.kv_lease_ttl_s / 3
         retry = self._room() != self.refused_room
         for item in list(self.imports.values()):
-            if item.kv_import is None:
+            if item.load is None:
                 if retry:
                     self._begin(item)
-                if item.kv_import is None and item.request.request_id in self.imports \
+                if item.load is None and item.request.request_id in self.imports \
                         and now - item.renewed >= renew_every:
                     item.renewed = now
                     self._update_lease(item, "renew")
                     self.kv_metrics.renewals.inc()
-            elif item.pull is not None and item.pull.done():
-                result = item.pull.wait(0)
-                if result.status == "done":
-                    self.kv_metrics.bytes.inc(result.nbytes)
-                    self.kv_metrics.seconds.observe(result.seconds)
-                    item.timings["transfer_s"] = round(time.monotonic() - item.pull_started, 6)
-                    self._landed(item)
-                else:
-                    self._pull_failed(item, result)
         for item in [i for i in self.handed_back.values() if now >= i.verdict_by]:
             del self.handed_back[item.request.request_id]
             log.warning("kv_verdict_missing", request_id=item.request.request_id, wait_s=VERDICT_WAIT_S)
             self._fall_back(item, f"{item.failure}; no word from the router", release=True)
-        waiting = sum(item.kv_import is None for item in self.imports.values())
+        waiting = sum(item.load is None for item in self.imports.values())
         if retry:
             self.refused_room = self._room() if waiting else None
         self.kv_metrics.waiting.set(waiting)
 
-    def _wait_ms(self) -> int:
-        """While pulls run, look at them every PULL_POLL_MS rather than spin."""
-        wait_ms = super()._wait_ms()
-        return min(wait_ms, PULL_POLL_MS) if self.imports else wait_ms
+    def _load_done(self, done: LoadDone) -> None:
+        """An import's sources are done: it decodes if its whole prompt landed, else its
+        pull failed. Any other load (a short prefill's fetch from the store) as a worker's."""
+        request_id = done.load.request_id
+        pulled = self.lease_source.pulled(request_id)
+        self.lease_source.forget(request_id)
+        item = self.imports.get(request_id)
+        if item is None or item.load is not done.load:
+            super()._load_done(done)
+            return
+        lease_parts = [part for part in done.parts if part.source == self.lease_source.name]
+        for part in lease_parts:
+            result = pull_result(part)
+            if result.status == "done":
+                self.kv_metrics.bytes.inc(result.nbytes)
+                self.kv_metrics.seconds.observe(result.seconds)
+        if done.whole:
+            if not pulled:  # the store and this worker's cache had every block
+                self._update_lease(item, "release")
+            item.timings["transfer_s"] = round(time.monotonic() - item.pull_started, 6)
+            self._landed(item)
+            return
+        result = pull_result(lease_parts[-1]) if lease_parts else \
+            PullResult(request_id, "failed", "unreachable", "no source had the prompt's KV")
+        if not done.settled:
+            result.settled = False
+        self._pull_failed(item, result)
 
     def _landed(self, item: Import) -> None:
         request_id = item.request.request_id
         del self.imports[request_id]
         self.timings[request_id] = item.timings
         self.landing[request_id] = item.handle.first_logprob
-        self._emit([self.engine.complete_import(request_id)])
+        self._emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids) if item.load else 0))
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
         """Settle a pull that did not complete; then hand the request back to the router if
@@ -235,7 +250,8 @@ class DecodeService(TransferringService):
             log.error("kv_blocks_quarantined", request_id=request_id)
             self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
             return
-        self.engine.abort(request_id)
+        if item.load is not None:
+            self.engine.cancel_load(request_id)
         why = f"{result.status} ({result.reason})"
         if cause in REPLACEABLE_CAUSES and len(item.handle.failed_on) < self.config.kv_pull_replacements:
             self._hand_back(item, cause, why)
@@ -319,12 +335,17 @@ class DecodeService(TransferringService):
             self.replay.pop(request_id, None)
             self.timings.pop(request_id, None)
             return super()._abort(request_id)
-        if item.pull is not None and not item.pull.done() and not self.transport.cancel(item.handle.lease_id):
-            log.error("kv_blocks_quarantined", request_id=request_id)  # late bytes may land: keep them
-            return True
-        if item.kv_import is None:
+        if item.load is None:
             self._update_lease(item, "release")
-        super()._abort(request_id)
+            return True
+        pulled = self.lease_source.pulled(request_id)
+        if self.kv_loads.cancel(request_id):
+            self.lease_source.forget(request_id)
+            self.engine.cancel_load(request_id)
+        else:  # the part out cannot be stopped: the load ends through _load_done, the request with it
+            self.engine.abort(request_id)
+        if not pulled:
+            self._update_lease(item, "release")
         return True
 
     # ---- output --------------------------------------------------------------------
@@ -334,7 +355,7 @@ class DecodeService(TransferringService):
         if tokens is None:
             return None
         request_id = output.request_id
-        if request_id in self.landing:  # complete_import's output: the first token, sent again
+        if request_id in self.landing:  # complete_load's output: the first token, sent again
             logprob = self.landing.pop(request_id)
             tokens = replace(tokens, position=0, logprobs=[logprob] if logprob else [])
         elif request_id in self.replay:

@@ -66,8 +66,7 @@ class PrefillService(TransferringService):
     def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
         params_from_sampling(request.sampling).validate()  # what the decode worker would refuse
         first_only = params_from_sampling(replace(request.sampling, max_tokens=1))
-        if self.store is None or not self.store.admit(request.request_id, prompt_ids, first_only, request.tenant,
-                                                      hold_kv=True):
+        if not self._load_from_store(request, prompt_ids, first_only, hold_kv=True):
             self.engine.add_request(request.request_id, prompt_ids, first_only, tenant_salt=request.tenant,
                                     hold_kv=True)
         self.max_tokens[request.request_id] = request.sampling.max_tokens

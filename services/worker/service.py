@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import threading
 import time
 import uuid
@@ -29,13 +28,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import zmq
 from msgspec.structs import replace
 
 from common.config import ClusterConfig
-from common.cost_model import load_cost_model
-from common.engine.engine import Engine, KnownBlocks, RequestOutput, WritebackConfig
+from common.engine.engine import Engine, RequestOutput
 from common.kv_transfer import KvTransport, TransferOptions, transport_for_cache
 from common.logs import get_logger
 from common.metrics import Registry
@@ -63,24 +60,15 @@ from common.protocol import (
 )
 from common.sampling_params import InvalidRequestError, SamplingParams
 from common.sockets import Security, check_endpoint, engine_context, send
-from services.worker.kv_store_use import (
-    MAX_FETCHES_IN_FLIGHT,
-    TIER_NAMES,
-    FetchCosts,
-    FetchJob,
-    FetchResult,
-    StoreAPI,
-    StoreThread,
-)
+from services.worker.kv_loads import KvLoads, LoadDone
+from services.worker.kv_store_use import StoreAPI, StoreSource
 
 log = get_logger("worker")
 HELLO_TIMEOUT_S = 10.0
 MAX_MESSAGES_PER_TURN = 256  # bounds how long one turn drains before the engine steps again
 MAX_STREAMS = 64  # tokenizers pushed to at once; the least recently used is closed beyond
 CACHE_REPORT_BLOCKS = 50_000  # block hashes per KvEvents message of a rejoin's cache report (~450 KB)
-KNOWN_STORED_BLOCKS = 1 << 16  # (namespace, block) the store is remembered to hold, at most
-FETCH_POLL_MS = 2  # a turn's wait for messages while fetches are out: their results come on no socket
-STORE_RETRY_S = 2.0  # after a failed fetch, requests compute without asking the store this long
+LOAD_POLL_MS = 2  # a turn's wait for messages while KV loads are out: their parts come on no socket
 
 
 class WorkerRefused(RuntimeError):
@@ -134,112 +122,6 @@ class WorkerMetrics:
         self.waiting = registry.gauge("baton_worker_waiting_requests", "Requests waiting for admission")
         self.kv_used = registry.gauge("baton_worker_kv_blocks_used", "KV blocks referenced")
         self.kv_cached = registry.gauge("baton_worker_kv_blocks_cached", "KV blocks free but cached")
-        self.store_written = registry.counter("baton_worker_kvstore_written_blocks_total",
-                                              "Evicted blocks written back to the KV store")
-        self.store_dropped = registry.counter("baton_worker_kvstore_dropped_blocks_total",
-                                              "Evicted blocks not written back: the staging queue was full")
-        self.store_fetched = registry.counter("baton_worker_kvstore_fetched_blocks_total",
-                                              "Prompt blocks fetched from the KV store, by tier", labels=("tier",))
-        self.store_decisions = registry.counter("baton_worker_kvstore_fetch_decisions_total",
-                                                "Prompts with blocks past the local cache: fetched, recomputed "
-                                                "(not worth it) or missed (not stored)",
-                                                labels=("decision",))
-        self.store_failures = registry.counter("baton_worker_kvstore_failures_total",
-                                               "KV store calls that failed (the request recomputed, or the copy "
-                                               "was lost)", labels=("op",))
-
-
-class StoreUse:
-    """The loop's side of the KV store: the store thread, the fetches it has out, and
-    what has been reported to metrics so far."""
-
-    def __init__(self, config: ClusterConfig, engine: Engine, make_client, metrics: WorkerMetrics):
-        self.config = config
-        self.engine = engine
-        self.metrics = metrics
-        known = KnownBlocks(KNOWN_STORED_BLOCKS)
-        writeback = engine.enable_writeback(
-            WritebackConfig(config.kvstore_writeback_queue_blocks, config.kvstore_writeback_min_hits), known)
-        self.costs = FetchCosts(load_cost_model(config.profile), engine.config.block_size)
-        pool = None
-        if engine.device.type == "cpu":  # the store copies straight into the engine's blocks
-            pool = engine.kv_cache.data.view(-1).view(torch.uint8).numpy()
-        self.thread = StoreThread(make_client, pool, engine.kv_cache.layout, writeback, known, self.costs,
-                                  config.kvstore_fetch)
-        self.in_flight: dict[str, tuple[int, ...]] = {}  # request id -> its fetch's destination blocks
-        self.skip_until = 0.0  # monotonic: a dead store must not cost every request a deadline
-        self.prefill_seen = (0, 0.0)
-        self.reported = dict(written=0, dropped=0, put_failures=0, fetch_failures=0)
-        self.reported_fetched = [0] * len(TIER_NAMES)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        self.thread.close(self.config.kvstore_timeout_s + 1)
-
-    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tenant: str | None,
-              hold_kv: bool = False) -> bool:
-        """Start fetching the prompt's blocks past the local cache; False when there are
-        none (or no room, or too many fetches out): the caller adds the request itself."""
-        if self.config.kvstore_fetch == "never" or len(self.in_flight) >= MAX_FETCHES_IN_FLIGHT \
-                or time.monotonic() < self.skip_until:
-            return False
-        fetch = self.engine.begin_fetch(request_id, prompt_ids, params, tenant, hold_kv=hold_kv)
-        if fetch is None:
-            return False
-        depth = fetch.num_local_blocks * self.engine.config.block_size
-        self.thread.submit(FetchJob(fetch, time.monotonic() + self.config.kvstore_timeout_s,
-                                    self.costs.block_prefill_s(depth)))
-        self.in_flight[request_id] = fetch.dst_block_ids
-        return True
-
-    def tend(self) -> None:
-        """Each turn: land finished fetches, and learn the engine's prefill throughput."""
-        while True:
-            try:
-                result = self.thread.results.get_nowait()
-            except queue.Empty:
-                break
-            self._land(result)
-        stats = self.engine.stats
-        tokens, seconds = self.prefill_seen
-        if stats.prefill_tokens > tokens:
-            self.costs.observe_prefill(stats.prefill_tokens - tokens, stats.prefill_seconds - seconds)
-            self.prefill_seen = (stats.prefill_tokens, stats.prefill_seconds)
-
-    def _land(self, result: FetchResult) -> None:
-        dst = self.in_flight.pop(result.request_id, ())
-        landed = result.landed
-        if result.bounce is not None and landed:  # the engine's pool is on the device
-            layout = self.engine.kv_cache.layout
-            planes = 2 * layout.num_layers
-            values = result.bounce.reshape(planes, -1, layout.bytes_per_block // planes)[:, :landed]
-            self.engine.write_blocks(dst[:landed], values.transpose(1, 0, 2).reshape(landed, -1))
-        if result.decision == "failed":
-            self.skip_until = time.monotonic() + STORE_RETRY_S
-        else:
-            self.metrics.store_decisions.inc(decision=result.decision)
-        self.engine.complete_fetch(result.request_id, landed)
-
-    def wait_ms(self, wait_ms: int) -> int:
-        return min(wait_ms, FETCH_POLL_MS) if self.in_flight else wait_ms
-
-    def report(self) -> None:
-        """Move the thread's and the engine's counters into the metrics."""
-        counters = self.thread.counters
-        writeback = self.engine.writeback
-        now = dict(written=counters.written_blocks, dropped=writeback.dropped_blocks if writeback else 0,
-                   put_failures=counters.put_failures, fetch_failures=counters.fetch_failures)
-        self.metrics.store_written.inc(now["written"] - self.reported["written"])
-        self.metrics.store_dropped.inc(now["dropped"] - self.reported["dropped"])
-        self.metrics.store_failures.inc(now["put_failures"] - self.reported["put_failures"], op="put")
-        self.metrics.store_failures.inc(now["fetch_failures"] - self.reported["fetch_failures"], op="fetch")
-        self.reported = now
-        for tier, name in enumerate(TIER_NAMES):
-            count = counters.fetched_blocks[tier]
-            self.metrics.store_fetched.inc(count - self.reported_fetched[tier], tier=name)
-            self.reported_fetched[tier] = count
 
 
 class WorkerService:
@@ -284,9 +166,10 @@ class WorkerService:
         self.joined_after_beat = 0  # rehellos answering heartbeats up to this one are stale
         self.joined = False  # the router has welcomed us and not asked us to say hello again
         self.last_turn = time.monotonic()  # when the loop last went round: a stall means a wedge
-        self.store: StoreUse | None = None
+        self.kv_loads = KvLoads(engine)  # requests whose prompt KV is arriving (common/engine/kv_connector.py)
+        self.store: StoreSource | None = None
         if config.kvstore:
-            self.store = StoreUse(config, engine, self._make_store_client, self.metrics)
+            self.store = StoreSource(config, engine, self._make_store_client, self.registry)
 
     def _make_store_client(self) -> StoreAPI:
         """The KV store's client, made on (and used only from) the store thread."""
@@ -314,7 +197,7 @@ class WorkerService:
             beats = threading.Thread(target=self._heartbeat_loop, args=(stop,), name="heartbeat", daemon=True)
             beats.start()
             if self.store is not None:
-                self.store.start()
+                self.store.start_thread()
             while not stop.is_set():
                 self._turn()
             beats.join(5)
@@ -406,8 +289,8 @@ class WorkerService:
                 if not self.router.poll(0):
                     break
         self._expire_deadlines()
-        if self.store is not None:
-            self.store.tend()
+        for done in self.kv_loads.tend():
+            self._load_done(done)
         self._tend()
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
@@ -423,7 +306,7 @@ class WorkerService:
         wait_ms = 0 if self.engine.has_unfinished() else int(self.config.heartbeat_interval_s * 500)
         if self.unsent:  # never negative: poll(-1) would wait for a message, however long
             wait_ms = min(wait_ms, max(0, math.ceil(self._flush_wait_s() * 1000)))
-        return self.store.wait_ms(wait_ms) if self.store is not None else wait_ms
+        return min(wait_ms, LOAD_POLL_MS) if len(self.kv_loads) else wait_ms
 
     def _tend(self) -> None:
         """Each turn, before the engine steps: the role's own upkeep (transfers, leases)."""
@@ -484,9 +367,28 @@ class WorkerService:
         """Hand the request to the engine (InvalidRequestError names a bad parameter):
         through the KV store when it holds the prompt's blocks past the local cache."""
         params = params_from_sampling(request.sampling)
-        if self.store is not None and self.store.admit(request.request_id, prompt_ids, params, request.tenant):
+        if not self._load_from_store(request, prompt_ids, params):
+            self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant)
+
+    def _load_from_store(self, request: Generate, prompt_ids: list[int], params: SamplingParams,
+                         hold_kv: bool = False) -> bool:
+        """Start loading the prompt's blocks past the local cache from the KV store; False
+        when there are none, or the store takes no fetch now: the caller adds the request."""
+        if self.store is None or not self.store.accepting():
+            return False
+        load = self.engine.begin_load(request.request_id, prompt_ids, params, request.tenant, hold_kv=hold_kv)
+        if load is None:
+            return False
+        self.kv_loads.begin(load, (self.store,))
+        return True
+
+    def _load_done(self, done: LoadDone) -> None:
+        """A load's sources are done: the request prefills what did not land (or ends, if
+        it was aborted meanwhile). Blocks a source may still write stay out of use."""
+        if not done.settled:
+            log.error("kv_blocks_quarantined", request_id=done.load.request_id)
             return
-        self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant)
+        self._emit(self.engine.complete_load(done.load.request_id, done.landed))
 
     def _abort(self, request_id: str) -> bool:
         """Stop a request this worker serves; False if it serves no such request."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.engine import Engine, KvImport, KvImportError
+from common.engine.engine import Engine
+from common.engine.kv_connector import KvLoad, KvLoadError
 from common.engine.leases import KvLease, LeaseError
 from common.sampling_params import SamplingParams
 
@@ -28,10 +29,10 @@ def prefill(engine: Engine, request_id: str, prompt: list[int]) -> tuple[int, Kv
                 return output.new_token_ids[0], output.kv_lease
 
 
-def copy_blocks(src: Engine, lease: KvLease, dst: Engine, plan: KvImport) -> None:
+def copy_blocks(src: Engine, lease: KvLease, dst: Engine, plan: KvLoad) -> None:
     """What a transport does: block lease.block_ids[i] of src into plan's block of dst."""
     size = src.config.block_size
-    for index, dst_block in zip(plan.src_block_indices, plan.dst_block_ids):
+    for index, dst_block in enumerate(plan.dst_block_ids, start=plan.first_block):
         src_block = lease.block_ids[index]
         dst.kv_cache.data[:, :, dst_block * size:(dst_block + 1) * size] = \
             src.kv_cache.data[:, :, src_block * size:(src_block + 1) * size]
@@ -48,12 +49,12 @@ def decode(engine: Engine, request_id: str) -> list[int]:
     return tokens
 
 
-def transfer_and_decode(p: Engine, d: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], KvImport]:
+def transfer_and_decode(p: Engine, d: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], KvLoad]:
     first, lease = prefill(p, request_id, prompt)
-    plan = d.import_request(request_id, prompt, first, GREEDY, block_hashes=lease.block_hashes)
-    assert plan is not None
+    plan = d.begin_load(request_id, prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
+    assert plan is not None and plan.through_prompt_end
     copy_blocks(p, lease, d, plan)
-    output = d.complete_import(request_id)
+    [output] = d.complete_load(request_id, len(plan.dst_block_ids))
     assert output.new_token_ids == [first] and not output.finished
     p.release_lease(lease.lease_id, request_id)
     return [first, *decode(d, request_id)], plan
@@ -65,7 +66,7 @@ def test_a_pulled_request_decodes_exactly_as_one_engine_would(engines, random_pr
         expected = ref.generate([prompt], GREEDY)[0].token_ids
         got, plan = transfer_and_decode(p, d, f"r{index}", prompt)
         assert got == expected
-        assert plan.num_cached_tokens == 0 and len(plan.dst_block_ids) == -(-len(prompt) // 16)
+        assert plan.first_block == 0 and len(plan.dst_block_ids) == -(-len(prompt) // 16)
     p.check_integrity()
     d.check_integrity()
     assert p.leases.num_blocks == 0
@@ -77,7 +78,7 @@ def test_blocks_the_decode_engine_holds_are_not_pulled(engines, random_prompts):
     transfer_and_decode(p, d, "first", shared + [7, 8, 9])
     prompt = shared + [10, 11, 12, 13]
     got, plan = transfer_and_decode(p, d, "second", prompt)
-    assert plan.num_cached_tokens == 48 and plan.src_block_indices == (3,)
+    assert plan.first_block == 3 and len(plan.dst_block_ids) == 1
     assert got == ref.generate([prompt], GREEDY)[0].token_ids
     d.check_integrity()
 
@@ -87,9 +88,9 @@ def test_an_aborted_import_frees_its_blocks_for_the_next_request_at_once(engines
     d = make_engine(num_kv_blocks=4, max_model_len=64)  # the survivor must take the victim's blocks
     victim, survivor = random_prompts([40, 40], seed=3)
     first, lease = prefill(p, "victim", victim)
-    plan = d.import_request("victim", victim, first, GREEDY, block_hashes=lease.block_hashes)
+    plan = d.begin_load("victim", victim, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
     assert plan is not None
-    assert d.abort("victim")  # the transport cancelled the pull first; nothing landed
+    d.cancel_load("victim")  # the transport cancelled the pull first; nothing landed
     p.release_lease(lease.lease_id, "victim")
     d.check_integrity()
     got, again = transfer_and_decode(p, d, "survivor", survivor)
@@ -102,8 +103,8 @@ def test_mismatched_block_names_are_refused_and_nothing_is_taken(engines, random
     prompt = random_prompts([40], seed=4)[0]
     first, lease = prefill(p, "salted", prompt)
     available = d.block_manager.num_available
-    with pytest.raises(KvImportError, match="tenant"):
-        d.import_request("salted", prompt, first, GREEDY, tenant_salt="another", block_hashes=lease.block_hashes)
+    with pytest.raises(KvLoadError, match="tenant"):
+        d.begin_load("salted", prompt, GREEDY, "another", first_token_id=first, block_hashes=lease.block_hashes)
     assert d.block_manager.num_available == available and not d.has_unfinished()
     with pytest.raises(LeaseError):
         p.release_lease(lease.lease_id, "someone-else")
@@ -128,9 +129,9 @@ def test_an_import_that_does_not_fit_takes_nothing(engines, make_engine, random_
     d = make_engine(num_kv_blocks=4, max_model_len=64)
     held, refused = random_prompts([40, 40], seed=6)
     first, lease = prefill(p, "held", held)
-    assert d.import_request("held", held, first, GREEDY) is not None  # 3 of the 4 blocks
+    assert d.begin_load("held", held, GREEDY, first_token_id=first) is not None  # 3 of the 4 blocks
     second_first, second_lease = prefill(p, "refused", refused)
-    assert d.import_request("refused", refused, second_first, GREEDY) is None
+    assert d.begin_load("refused", refused, GREEDY, first_token_id=second_first) is None
     assert d.block_manager.num_available == 1
     d.check_integrity()
     for request_id, handle in (("held", lease), ("refused", second_lease)):

@@ -120,10 +120,10 @@ def test_a_one_token_prompt_has_only_its_none(make_engine):
 def test_a_scored_request_is_not_fetched_from_the_kv_store(make_engine, random_prompts):
     engine = make_engine()
     prompt = random_prompts([80], seed=46)[0]
-    assert engine.begin_fetch("s", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)) is None
-    fetch = engine.begin_fetch("p", prompt, SamplingParams(max_tokens=1))
+    assert engine.begin_load("s", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)) is None
+    fetch = engine.begin_load("p", prompt, SamplingParams(max_tokens=1))
     assert fetch is not None
-    engine.complete_fetch("p", 0)
+    engine.complete_load("p", 0)
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
@@ -132,10 +132,10 @@ def test_a_scored_request_is_not_fetched_from_the_kv_store(make_engine, random_p
 def test_an_import_computes_no_prompt_logprobs(make_engine, random_prompts):
     engine = make_engine()
     prompt = random_prompts([40], seed=47)[0]
-    kv_import = engine.import_request("d", prompt, 9, SamplingParams(max_tokens=3, prompt_logprobs=2))
+    kv_import = engine.begin_load("d", prompt, SamplingParams(max_tokens=3, prompt_logprobs=2), first_token_id=9)
     assert kv_import is not None
     assert engine._seqs["d"].params.prompt_logprobs is None  # the prefill engine gave them
-    engine.abort("d")
+    engine.cancel_load("d")
 
 
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True, "3"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.engine.engine import Engine, KnownBlocks, WritebackConfig
+from common.engine.engine import Engine
+from common.engine.kv_connector import KnownBlocks, WritebackConfig
 from common.hashing import chain_hashes
 from common.sampling_params import SamplingParams
 
@@ -53,13 +54,13 @@ def run(engine: Engine, request_id: str) -> tuple[list[int], int]:
 def test_fetched_blocks_give_the_computed_tokens_computing_only_the_rest(source, fresh, random_prompts, landed):
     prompt = random_prompts([70], seed=3)[0]  # 4 full blocks, the last token in block 4
     expected, values = computed_values(source, prompt)
-    fetch = fresh.begin_fetch("f", prompt, GREEDY)
-    assert fetch is not None and fetch.num_local_blocks == 0
-    assert list(fetch.keys) == names(fresh, prompt)[:4] and fetch.namespace == fresh._root_hash("")
+    fetch = fresh.begin_load("f", prompt, GREEDY)
+    assert fetch is not None and fetch.first_block == 0 and not fetch.through_prompt_end
+    assert list(fetch.block_hashes) == names(fresh, prompt)[:4] and fetch.namespace == fresh._root_hash("")
     assert not fresh.has_unfinished()  # waiting for its KV, not schedulable
     fresh.check_integrity()
     fresh.write_blocks(fetch.dst_block_ids[:landed], values[:landed])
-    assert fresh.complete_fetch("f", landed)
+    assert fresh.complete_load("f", landed) == []
     tokens, cached = run(fresh, "f")
     assert tokens == expected
     assert cached == landed * SIZE
@@ -75,22 +76,22 @@ def test_a_fetch_starts_after_the_local_prefix_hit(source, fresh, random_prompts
     prompt = random_prompts([70], seed=4)[0]
     expected, values = computed_values(source, prompt)
     fresh.generate([prompt[:40]], GREEDY)  # caches blocks 0 and 1 locally
-    fetch = fresh.begin_fetch("f", prompt, GREEDY)
-    assert fetch is not None and fetch.num_local_blocks == 2
-    assert list(fetch.keys) == names(fresh, prompt)[2:4] and len(fetch.dst_block_ids) == 2
+    fetch = fresh.begin_load("f", prompt, GREEDY)
+    assert fetch is not None and fetch.first_block == 2
+    assert list(fetch.block_hashes) == names(fresh, prompt)[2:4] and len(fetch.dst_block_ids) == 2
     computed_before = fresh.stats.num_computed_tokens
     fresh.write_blocks(fetch.dst_block_ids, values[2:4])
-    assert fresh.complete_fetch("f", 2)
+    fresh.complete_load("f", 2)
     assert run(fresh, "f") == (expected, 64)
     assert fresh.stats.num_computed_tokens - computed_before == 6 + GREEDY.max_tokens - 1
 
 
 def test_no_fetch_without_a_block_past_the_cache_before_the_last_token(fresh, random_prompts):
-    assert fresh.begin_fetch("short", random_prompts([16], seed=5)[0]) is None  # its one block holds the last token
+    assert fresh.begin_load("short", random_prompts([16], seed=5)[0]) is None  # its one block holds the last token
     prompt = random_prompts([40], seed=6)[0]
     fresh.generate([prompt], GREEDY)
-    assert fresh.begin_fetch("cached", prompt, num_blocks=8) is None  # both full blocks are cached
-    assert fresh.begin_fetch("none", random_prompts([40], seed=7)[0], num_blocks=0) is None
+    assert fresh.begin_load("cached", prompt, max_blocks=8) is None  # both full blocks are cached
+    assert fresh.begin_load("none", random_prompts([40], seed=7)[0], max_blocks=0) is None
     fresh.check_integrity()
     assert fresh.block_manager.num_used == 0
     fresh.add_request("short", random_prompts([16], seed=5)[0], GREEDY)  # nothing was registered
@@ -99,17 +100,17 @@ def test_no_fetch_without_a_block_past_the_cache_before_the_last_token(fresh, ra
 
 def test_an_abort_while_fetching_keeps_the_blocks_until_the_fetch_completes(fresh, random_prompts):
     prompt = random_prompts([70], seed=8)[0]
-    fetch = fresh.begin_fetch("f", prompt, GREEDY)
+    fetch = fresh.begin_load("f", prompt, GREEDY)
     assert fetch is not None
     assert fresh.abort("f")
     assert fresh.block_manager.num_used == 4  # a late copy may still land in them
     fresh.check_integrity()
     with pytest.raises(ValueError):
-        fresh.complete_fetch("f", 5)
-    assert not fresh.complete_fetch("f", 0)
+        fresh.complete_load("f", 5)
+    assert fresh.complete_load("f", 0) == []
     assert fresh.block_manager.num_used == 0 and not fresh.has_unfinished()
     with pytest.raises(KeyError):
-        fresh.complete_fetch("f", 0)
+        fresh.complete_load("f", 0)
     fresh.check_integrity()
 
 

@@ -69,8 +69,7 @@ def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, ra
     from common.config import ClusterConfig
     from common.metrics import Registry
     from common.sampling_params import SamplingParams
-    from services.worker.kv_store_use import FetchResult
-    from services.worker.service import StoreUse, WorkerMetrics
+    from services.worker.kv_store_use import FetchResult, StoreSource
 
     source, engine = make_engine(max_model_len=128), make_engine(max_model_len=128)
     prompt = random_prompts([70], seed=41)[0]
@@ -82,11 +81,13 @@ def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, ra
     planes = 2 * source.kv_cache.layout.num_layers
     bounce = values.reshape(4, planes, -1).transpose(1, 0, 2).copy().reshape(-1)  # as StoreClient.fetch fills it
 
-    use = StoreUse(ClusterConfig(kvstore=True), engine, lambda: None, WorkerMetrics(Registry()))
-    fetch = engine.begin_fetch("r", prompt, greedy)
+    use = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, Registry())
+    fetch = engine.begin_load("r", prompt, greedy)
     assert fetch is not None
     use.in_flight["r"] = fetch.dst_block_ids
-    use._land(FetchResult("r", 3, "fetch", (0, 0, 0), bounce))  # 4 asked, 3 landed
+    landed = use._land(FetchResult("r", 3, "fetch", (0, 0, 0), bounce))  # 4 asked, 3 landed
+    assert landed.landed == 3 and landed.settled
+    engine.complete_load("r", landed.landed)
     tokens = []
     while engine.has_unfinished():
         for output in engine.step():
@@ -104,7 +105,7 @@ def test_write_back_waits_for_a_batch_or_for_its_oldest_to_age(make_engine, monk
 
     import numpy as np
 
-    from common.engine.engine import KnownBlocks, StagedBlocks, WritebackQueue
+    from common.engine.kv_connector import KnownBlocks, StagedBlocks, WritebackQueue
     from services.worker import kv_store_use
     from services.worker.kv_store_use import StoreThread
 

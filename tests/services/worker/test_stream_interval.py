@@ -32,11 +32,13 @@ def test_a_turn_waits_no_longer_than_the_held_tokens_and_never_forever(make_engi
     means no wait, never a negative one (ZeroMQ reads -1 as: until a message comes)."""
     from common.config import load_config
     from common.protocol import Tokens
+    from services.worker.kv_loads import KvLoads
     from services.worker.service import WorkerService
 
     service = WorkerService.__new__(WorkerService)  # the loop's timing only: no sockets
     service.config = load_config(None, env={"BATON_STREAM_INTERVAL_MS": "5"})
     service.engine, service.store, service.unsent = make_engine(), None, {}
+    service.kv_loads = KvLoads(service.engine)
     idle_ms = int(service.config.heartbeat_interval_s * 500)
     service.last_flush = time.monotonic()
     assert service._wait_ms() == idle_ms  # nothing held: the idle wait

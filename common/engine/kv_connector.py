@@ -1,0 +1,182 @@
+"""Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7-8).
+
+In: `Engine.begin_load` allocates a request's blocks past its local prefix hits and
+returns a `KvLoad`; one or more `KvSource`s (the KV store's tiers, a prefill worker's
+lease) fill leading parts of it in turn, each handed what the ones before left; then
+`Engine.complete_load` lets the request decode (the whole prompt came) or prefill the
+rest, and `Engine.cancel_load` ends it when a source failed with nothing late to land.
+Out: the prefix cache's evictions are staged (`WritebackQueue`) for the KV store's
+write-back, and a prefill worker's finished prompt stays held under a lease
+(common/engine/leases.py) for a decode worker's pull.
+
+The sources themselves live with the roles that own their sockets and threads
+(services/worker/kv_loads.py and the modules it names); this module holds what the
+engine and every source share.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KvLoad:
+    """Where a request's prompt KV from elsewhere must land (docs/architecture.md §7-8):
+    prompt block `first_block + i` goes to this engine's block `dst_block_ids[i]`. The
+    leading `first_block` blocks this engine's prefix cache held are not loaded.
+    `block_hashes[i]` names prompt block `first_block + i` where it is full (the KV
+    store's key); a load `through_prompt_end` (the prompt was computed elsewhere) may end
+    on a partial block, which has no name."""
+
+    request_id: str
+    namespace: int
+    first_block: int
+    dst_block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    through_prompt_end: bool
+
+
+class KvLoadError(ValueError):
+    """A load's blocks do not fit this engine (the source names them otherwise)."""
+
+
+@dataclass(frozen=True)
+class WritebackConfig:
+    """Engine-side write-back to the KV store (docs/architecture.md §8)."""
+
+    queue_blocks: int  # blocks staged at most; an eviction finding no room drops its copies
+    min_hits: int = 0  # an evicted block is written back only if prefix matches reused it this often
+
+
+@dataclass(frozen=True)
+class StagedBlocks:
+    """Copies of one eviction's blocks for the KV store, root-first within each chain:
+    block i is `keys[i]` of namespace `namespaces[i]`, its parent is `parents[i]` (the
+    namespace itself for a chain's first block), its value is `values[i]` (plane-major
+    bytes, docs/kv-transfer.md)."""
+
+    namespaces: tuple[int, ...]
+    keys: tuple[int, ...]
+    parents: tuple[int, ...]
+    values: np.ndarray  # (n, bytes_per_block) uint8
+
+
+class KnownBlocks:
+    """A bounded set of (namespace, block hash) the KV store holds or that are staged for
+    it: written back blocks are not staged again. The least recently added are forgotten
+    first (forgetting one costs at most a redundant put). Thread-safe: the engine's loop
+    reads and adds, the worker's store thread adds and discards."""
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[int | None, int]) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, namespace: int, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[(namespace, key)] = None
+                self._keys.move_to_end((namespace, key))
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def discard(self, namespace: int, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.pop((namespace, key), None)
+
+
+class WritebackQueue:
+    """The bounded hand-off of staged copies from the engine's loop to the store thread.
+    Never blocks: a push that does not fit is refused and counted as dropped."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity_blocks = capacity_blocks
+        self._batches: list[StagedBlocks] = []
+        self._blocks = 0
+        self._oldest_pushed_at = 0.0  # time.monotonic() of the oldest batch still queued
+        self._lock = threading.Lock()
+        self.staged_blocks = 0  # counters, for metrics
+        self.dropped_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._blocks
+
+    def oldest_age_s(self) -> float:
+        """Seconds the oldest queued batch has waited; 0 when none is queued."""
+        return time.monotonic() - self._oldest_pushed_at if self._batches else 0.0
+
+    def room(self) -> int:
+        return max(0, self.capacity_blocks - self._blocks)
+
+    def push(self, batch: StagedBlocks) -> None:
+        with self._lock:
+            if not self._batches:
+                self._oldest_pushed_at = time.monotonic()
+            self._batches.append(batch)
+            self._blocks += len(batch.keys)
+            self.staged_blocks += len(batch.keys)
+
+    def drop(self, count: int) -> None:
+        with self._lock:
+            self.dropped_blocks += count
+
+    def pop_all(self) -> StagedBlocks | None:
+        """Every queued batch as one, in push order (so still root-first), or None."""
+        with self._lock:
+            batches, self._batches = self._batches, []
+            self._blocks = 0
+        if not batches:
+            return None
+        if len(batches) == 1:
+            return batches[0]
+        return StagedBlocks(tuple(ns for b in batches for ns in b.namespaces),
+                            tuple(key for b in batches for key in b.keys),
+                            tuple(parent for b in batches for parent in b.parents),
+                            np.concatenate([b.values for b in batches]))
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What a source's part of a load came to: its first `landed` blocks (counted from the
+    part's `start`) hold their KV. `settled` False: late bytes may still land, so the
+    load's blocks must never be reused. `error` says why fewer than asked landed."""
+
+    request_id: str
+    landed: int
+    source: str
+    error: str = ""
+    settled: bool = True
+    detail: dict | None = None  # the source's own account (decision, tiers, bytes, seconds)
+
+
+class KvSource(Protocol):
+    """A place prompt KV comes from. `start` is handed a load and the index of its first
+    block this source is asked for (the blocks before it landed from earlier sources or
+    were cached); it answers False when it has nothing to give (no transfer started).
+    Once started, `poll` reports the part exactly once, settled or not; `cancel` stops a
+    part and answers True when no byte of it can land any more. Every method runs on the
+    engine's loop and never blocks it."""
+
+    name: str
+
+    def start(self, load: KvLoad, start: int) -> bool: ...
+
+    def poll(self) -> list[Landed]: ...
+
+    def cancel(self, request_id: str) -> bool: ...
