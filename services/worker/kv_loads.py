@@ -74,6 +74,8 @@ class KvLoads:
     def tend(self) -> list[LoadDone]:
         """Take every source's finished parts, ask the next source where blocks are still
         missing; the loads that ended since the last call."""
+        if not self.loads and not self.done:  # every turn of the loop: nothing to do, nothing built
+            return []
         for source in {id(f.asking): f.asking for f in self.loads.values() if f.asking is not None}.values():
             for part in source.poll():
                 flight = self.loads.get(part.request_id)
