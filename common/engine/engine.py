@@ -163,7 +163,7 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    # ---- KV from elsewhere: one import path (docs/architecture.md §7-8) ---------------
+    # ---- KV from elsewhere: one load path (docs/architecture.md §7.1) -----------------
 
     def begin_load(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                    tenant_salt: str | None = None, *, first_token_id: int | None = None,

@@ -1,4 +1,4 @@
-"""Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7-8).
+"""Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7.1, §8).
 
 In: `Engine.begin_load` allocates a request's blocks past its local prefix hits and
 returns a `KvLoad`; one or more `KvSource`s (the KV store's tiers, a prefill worker's
@@ -27,7 +27,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class KvLoad:
-    """Where a request's prompt KV from elsewhere must land (docs/architecture.md §7-8):
+    """Where a request's prompt KV from elsewhere must land (docs/architecture.md §7.1):
     prompt block `first_block + i` goes to this engine's block `dst_block_ids[i]`. The
     leading `first_block` blocks this engine's prefix cache held are not loaded.
     `block_hashes[i]` names prompt block `first_block + i` where it is full (the KV
