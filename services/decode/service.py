@@ -217,6 +217,8 @@ class DecodeService(TransferringService):
             if result.status == "done":
                 self.kv_metrics.bytes.inc(result.nbytes)
                 self.kv_metrics.seconds.observe(result.seconds)
+                if self.store is not None:  # the store's fetches are weighed against pulls
+                    self.store.costs.observe_pull(result.nbytes, result.seconds)
         if done.whole:
             if not pulled:  # the store and this worker's cache had every block
                 self._update_lease(item, "release")

@@ -1,9 +1,11 @@
-"""Whether fetching a prompt's blocks from the KV store beats computing them
-(docs/architecture.md §8).
+"""Whether fetching a prompt's blocks from the KV store beats computing them, or, on a
+decode worker, pulling them from the prefill worker (docs/architecture.md §8).
 
 Fetching n blocks costs the store call's latency plus their bytes over the measured
 bandwidth of the tiers they sit on; computing them costs their tokens' prefill seconds,
-from this engine's own measured prefill throughput. Both sides are measured as they go
+from this engine's own measured prefill throughput; pulling them costs their bytes over
+the KV transport's measured bandwidth (the pull of the rest runs anyway, so its latency
+is not saved). Both sides are measured as they go
 (EWMAs) and seeded conservatively: slow links and the cost profile's prefill, so an
 unmeasured worker recomputes unless the store is clearly worth it. `decide` is pure.
 StoreThread is the worker's one thread that calls the store; StoreSource is the loop's
@@ -36,6 +38,10 @@ FETCH_MODES = ("auto", "always", "never")
 TIER_NAMES = ("dram", "ssd")  # the store's tier numbers, as StoreEvents and lookup give them
 SEED_BANDWIDTH = (1e9, 2e8)  # bytes/s of a fetch from DRAM, from SSD, before any is measured
 SEED_LATENCY = (2e-3, 10e-3)  # seconds of one fetch call's fixed cost, per tier
+# bytes/s of a pull from a prefill worker before any is measured: as fast as the store's
+# DRAM, so an unmeasured decode worker pulls (the store's latency makes it the slower)
+# until its pulls show the store faster
+SEED_PULL_BANDWIDTH = 1e9
 EWMA_ALPHA = 0.2
 MIN_PREFILL_SAMPLE_TOKENS = 16  # a prefill too short to time says nothing of throughput
 
@@ -73,8 +79,9 @@ class Decision:
 def decide(mode: str, tiers: Sequence[int], bytes_per_block: int, block_size: int,
            links: Sequence[Link], prefill_s: float) -> Decision:
     """Fetch the stored prefix whose tiers are `tiers` (tier of each leading block) or
-    recompute it. `prefill_s` is the prefill seconds of ONE block's tokens; with "auto"
-    the longest-saving prefix is fetched when its predicted fetch time beats computing it."""
+    recompute it. `prefill_s` is the prefill seconds of ONE block's tokens (on a decode
+    worker: the seconds to pull one block instead); with "auto" the longest-saving prefix
+    is fetched when its predicted fetch time beats computing (or pulling) it."""
     if mode not in FETCH_MODES:
         raise ValueError(f"kvstore_fetch: {mode!r} is not one of {FETCH_MODES}")
     if not tiers:
@@ -110,6 +117,7 @@ class FetchCosts:
         self.bandwidth = [Ewma(seed) for seed in SEED_BANDWIDTH]
         self.latency = [Ewma(seed) for seed in SEED_LATENCY]
         self.prefill_rate = Ewma(0.0)  # tokens/s; unused until measured
+        self.pull_bandwidth = Ewma(SEED_PULL_BANDWIDTH)  # bytes/s of the KV transport's pulls
 
     def links(self) -> list[Link]:
         return [Link(b.value, lat.value) for b, lat in zip(self.bandwidth, self.latency)]
@@ -119,6 +127,14 @@ class FetchCosts:
         if self.prefill_rate.samples:
             return self.block_size / self.prefill_rate.value
         return self.cost_model.recompute_s(self.block_size, depth_tokens)
+
+    def block_pull_s(self, bytes_per_block: int) -> float:
+        """Seconds to pull one block from a prefill worker: measured, else the seed's."""
+        return bytes_per_block / self.pull_bandwidth.value
+
+    def observe_pull(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self.pull_bandwidth.update(num_bytes / seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0:
@@ -181,7 +197,7 @@ class FetchJob:
     keys: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     deadline: float  # monotonic; past it the thread answers 0 without calling the store
-    block_prefill_s: float  # the loop's measured prefill seconds of one block, for `decide`
+    block_other_s: float  # for `decide`: what a block costs if not fetched (prefill, or pull)
 
 
 @dataclass(frozen=True)
@@ -283,7 +299,7 @@ class StoreThread:
             self.costs.observe_call(0, time.monotonic() - started)
             self.known.add(job.namespace, job.keys[:len(tiers)])
             decision = decide(self.mode, tiers, self.layout.bytes_per_block, self.layout.block_size,
-                              self.costs.links(), job.block_prefill_s)
+                              self.costs.links(), job.block_other_s)
             if not decision.fetch:
                 return FetchResult(request_id, 0, "miss" if decision.reason == "not_stored" else "recompute")
             if time.monotonic() >= job.deadline:
@@ -410,12 +426,25 @@ class StoreSource:
         if not keys or not self.accepting():
             return False
         dst = load.dst_block_ids[start:start + len(keys)]
-        depth = (load.first_block + start) * self.engine.config.block_size
+        if load.through_prompt_end:  # a decode worker: what the store does not give is pulled
+            other_s = self.costs.block_pull_s(self.engine.kv_cache.layout.bytes_per_block)
+            if not self._may_beat(len(keys), other_s):
+                return False  # not even a lookup: it would only delay the pull
+        else:
+            other_s = self.costs.block_prefill_s((load.first_block + start) * self.engine.config.block_size)
         self.thread.submit(FetchJob(load.request_id, load.namespace, keys, dst,
-                                    time.monotonic() + self.config.kvstore_timeout_s,
-                                    self.costs.block_prefill_s(depth)))
+                                    time.monotonic() + self.config.kvstore_timeout_s, other_s))
         self.in_flight[load.request_id] = dst
         return True
+
+    def _may_beat(self, num_blocks: int, block_other_s: float) -> bool:
+        """Whether fetching `num_blocks` from the fastest tier could cost less than the
+        alternative (always, with kvstore_fetch=always)."""
+        if self.config.kvstore_fetch == "always":
+            return True
+        fastest = self.costs.links()[0]
+        bytes_per_block = self.engine.kv_cache.layout.bytes_per_block
+        return fastest.latency_s + num_blocks * bytes_per_block / fastest.bytes_per_s < num_blocks * block_other_s
 
     def poll(self) -> list[Landed]:
         """Finished fetches (their bytes in the engine's blocks); and the engine's measured

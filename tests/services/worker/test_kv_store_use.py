@@ -63,6 +63,21 @@ def test_measurements_move_the_decision():
     costs.observe_fetch([5], 10, 1.0)  # ignored: no such tier
 
 
+def test_a_decode_worker_weighs_the_store_against_its_measured_pulls():
+    """Seeded, a pull is as fast as the store's DRAM, whose latency then loses; once pulls
+    are measured slower, the stored blocks are fetched."""
+    costs = FetchCosts(load_cost_model(""), block_size=16)
+    pull_s = costs.block_pull_s(BLOCK)
+    assert pull_s == pytest.approx(1e-3)  # 1 MB at the seeded 1 GB/s
+    assert not decide("auto", [0] * 4, BLOCK, 16, costs.links(), pull_s).fetch
+    costs.observe_pull(0, 1.0)  # nothing moved: ignored
+    for _ in range(50):
+        costs.observe_pull(4 * BLOCK, 0.04)  # measured: 100 MB/s, 10 ms a block
+    pull_s = costs.block_pull_s(BLOCK)
+    assert pull_s == pytest.approx(0.01, rel=1e-3)
+    assert decide("auto", [0] * 4, BLOCK, 16, costs.links(), pull_s).num_blocks == 4
+
+
 def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, random_prompts):
     """A GPU engine's fetch lands in a host buffer laid out as a pool of the fetched blocks
     (plane-major); the loop copies it into the engine's blocks. Checked here on CPU."""
@@ -134,3 +149,24 @@ def test_write_back_waits_for_a_batch_or_for_its_oldest_to_age(make_engine, monk
     assert not thread._writeback_due()
     time.sleep(0.06)
     assert thread._writeback_due()  # alone, but old enough
+
+
+def test_a_decode_load_asks_the_store_only_when_it_could_beat_the_pull(make_engine, random_prompts):
+    """A lookup delays the pull of the rest: a decode worker's load skips the store while
+    even its fastest tier could not fetch the blocks sooner than they are pulled."""
+    from common.config import ClusterConfig
+    from common.metrics import Registry
+    from common.sampling_params import SamplingParams
+    from services.worker.kv_store_use import StoreSource
+
+    engine = make_engine(max_model_len=128)
+    store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, Registry())  # its thread never starts
+    prompt = random_prompts([70], seed=43)[0]
+    load = engine.begin_load("d", prompt, SamplingParams(max_tokens=4), first_token_id=5)
+    assert load is not None and len(load.block_hashes) == 4
+    assert not store.start(load, 0) and not store.in_flight  # 4 blocks pulled at the seeded 1 GB/s: ~0.3 ms
+    for _ in range(50):
+        store.costs.observe_pull(10 << 20, 1.0)  # measured: 10 MiB/s, 6 ms a block
+    assert store.start(load, 0) and store.in_flight["d"] == load.dst_block_ids[:4]
+    assert store.thread.jobs.get_nowait().keys == load.block_hashes
+    engine.cancel_load("d")
