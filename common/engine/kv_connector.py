@@ -1,4 +1,4 @@
-"""Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7.1, §8).
+"""Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7.1).
 
 In: `Engine.begin_load` allocates a request's blocks past its local prefix hits and
 returns a `KvLoad`; one or more `KvSource`s (the KV store's tiers, a prefill worker's
