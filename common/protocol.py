@@ -20,7 +20,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
@@ -256,6 +256,10 @@ class KvReady(msgspec.Struct, forbid_unknown_fields=True):
     queue_s: float = 0.0
     prefill_s: float = 0.0
     first_logprob: dict[str, Any] | None = None
+    # The request as the router sent it, with its prompt as payload frame 0, when this
+    # router may not hold the hand-off: the worker rejoined a router (it restarted) since
+    # the request came (docs/disaggregation.md §2).
+    request: Generate | None = None
 
 
 class KvLeaseUpdate(msgspec.Struct, forbid_unknown_fields=True):
@@ -529,6 +533,7 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.KV_PULL_FAILED: (1,), MessageType.SUBMIT: (0, 1),
+                  MessageType.KV_READY: (0, 1),
                   MessageType.KV_DATA: range(1, MAX_KV_FRAMES + 1),
                   MessageType.STORE_REQUEST: range(MAX_STORE_KEYS + 1),
                   MessageType.STORE_REPLY: range(MAX_STORE_KEYS + 1)}

@@ -13,11 +13,19 @@ puller settles or quarantines its own receives (services/decode/service.py).
 The transport's lease is the one clock: the decode worker renews it through the router
 while the request waits there for room (KvLeaseUpdate), and a lost decode worker costs
 at most one lease of held blocks.
+
+A router that restarts forgets the hand-offs it held. So each request's Generate and
+prompt stay here until its lease ends: a KvReady for a request that came before this
+worker's latest (re)join carries them, and on a rejoin the KvReady of every lease no
+decode worker has claimed yet is sent again with them; the new router takes the
+hand-off from there (docs/disaggregation.md §2).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+import numpy as np
 from msgspec.structs import replace
 
 from common.config import ClusterConfig
@@ -32,6 +40,17 @@ from services.worker.service import KvEventBuffer, TransferringService
 
 log = get_logger("prefill")
 EVENTS_PER_TURN = 1024
+
+
+@dataclass
+class Held:
+    """A request as the router sent it, kept until its lease ends."""
+
+    request: Generate
+    prompt: np.ndarray
+    session: str  # the router registration it came (or its KvReady went) under
+    ready: KvReady | None = None  # once the prompt is computed
+    claimed: bool = False  # a decode worker renewed or released the lease: its router knows
 
 
 class PrefillMetrics:
@@ -52,6 +71,7 @@ class PrefillService(TransferringService):
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
         self.ready: list[KvReady] = []  # hand-offs of this step, sent once its tokens are pushed
+        self.held: dict[str, Held] = {}  # request id -> its Generate, until its lease ends
         try:
             self.bound_kv_address = self.transport.listen(config.worker_kv_address(index))
         except BaseException:
@@ -70,10 +90,16 @@ class PrefillService(TransferringService):
             self.engine.add_request(request.request_id, prompt_ids, first_only, tenant_salt=request.tenant,
                                     hold_kv=True)
         self.max_tokens[request.request_id] = request.sampling.max_tokens
+        self.held[request.request_id] = Held(request, np.asarray(prompt_ids, dtype=np.uint32), self.session)
 
     def _abort(self, request_id: str) -> bool:
         self.max_tokens.pop(request_id, None)
         return super()._abort(request_id)
+
+    def _forget(self, request_id: str, outcome: str, report: bool = True) -> None:
+        if outcome != "handed_off":  # a handed-off request's Generate stays until its lease ends
+            self.held.pop(request_id, None)
+        super()._forget(request_id, outcome, report)
 
     def _tokens(self, output: RequestOutput) -> Tokens | None:
         tokens = super()._tokens(output)
@@ -102,6 +128,9 @@ class PrefillService(TransferringService):
                                   num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
                                   queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6),
                                   first_logprob=output.logprobs[0] if output.logprobs else None))
+        held = self.held.get(output.request_id)
+        if held is not None:
+            held.ready = self.ready[-1]
         self._note_progress(output)
         self._forget(output.request_id, "handed_off", report=False)
         return replace(tokens, finished=False, finish_reason=None, position=0,
@@ -116,7 +145,25 @@ class PrefillService(TransferringService):
         finally:
             ready, self.ready = self.ready, []
             for message in ready:
-                send(self.router, message)
+                self._send_ready(message)
+
+    def _send_ready(self, ready: KvReady) -> None:
+        """KvReady to the router; with the request and its prompt when the router may not
+        hold the hand-off (this worker joined it after the request came). Not sent while
+        the worker must join again: the rejoin sends it."""
+        held = self.held.get(ready.request_id)
+        if held is None or held.session == self.session:
+            send(self.router, ready)
+        elif self.joined:
+            held.session = self.session
+            send(self.router, replace(ready, request=held.request), [held.prompt])
+
+    def _rejoined(self) -> None:
+        """Send again, with the request, the KvReady of every lease no decode worker has
+        claimed that went to an earlier registration: this router may never have had it."""
+        for held in self.held.values():
+            if held.ready is not None and not held.claimed and held.session != self.session:
+                self._send_ready(held.ready)
 
     # ---- leases --------------------------------------------------------------------
 
@@ -133,6 +180,9 @@ class PrefillService(TransferringService):
             log.warning("lease_update_refused", request_id=request_id, action=message.action,
                         why="no live lease of that request")
             return True
+        held = self.held.get(request_id)
+        if held is not None:
+            held.claimed = True
         if message.action == "renew":
             self.transport.renew(lease_id, self.config.kv_lease_ttl_s)
         elif message.action == "release":
@@ -153,6 +203,7 @@ class PrefillService(TransferringService):
         request_id = self.exposed.pop(event.transfer_id, None)
         if request_id is None:
             return
+        self.held.pop(request_id, None)
         self.kv_metrics.exposures.inc(outcome=event.status)
         if not event.settled:  # a send still pending (its puller gone) only reads the blocks
             log.error("kv_sends_unsettled", request_id=request_id, status=event.status, reason=event.reason)

@@ -12,7 +12,10 @@ abort, the lease is released. Decode workers' lease renewals and releases pass t
 here to the prefill worker. A decode worker whose pull failed in a way another could
 avoid hands the request back (KvPullFailed): it goes, with the same lease, to another
 decode worker with room, at most `kv_pull_replacements` times, else the worker falls back
-on kv_load_failure_policy (KvPullVerdict).
+on kv_load_failure_policy (KvPullVerdict). A router that restarted holds no pending
+hand-offs: a prefill worker that rejoined it sends KvReady with the request and its
+prompt, and the hand-off is adopted here, parked for two heartbeats first so that a decode
+worker that got it from the old router can rejoin with it (then it is left there).
 
 `HandoffDesk` keeps this state and no socket or clock of its own: the router
 (services/router/service.py) checks who sent each message, gives the time, and lends the
@@ -30,6 +33,7 @@ from common.config import ClusterConfig
 from common.logs import get_logger
 from common.metrics import Counter
 from common.protocol import Generate, Hello, KvHandle, KvLeaseUpdate, KvPullFailed, KvPullVerdict, KvReady
+from common.sockets import check_endpoint
 from services.router.cluster import ClusterState
 from services.router.members import Members
 from services.router.pairing import computes_locally, pick_decode_worker
@@ -37,6 +41,7 @@ from services.router.policies.base import PlacementPolicy
 
 log = get_logger("router")
 PARKED_LEASE_SHARE = 0.5  # how much of a prefill lease a hand-off may wait for a decode worker
+ADOPTION_WAIT_BEATS = 2  # heartbeats an adopted hand-off waits for decode workers to rejoin first
 
 
 class Send(Protocol):
@@ -65,6 +70,8 @@ class ParkedHandoff:
     ready: KvReady
     prefill_identity: bytes
     deadline: float
+    earliest: float = 0.0  # not sent before (an adopted hand-off)
+    adopted: bool = False  # from a KvReady that carried its request (this router restarted)
 
 
 class HandoffDesk:
@@ -80,7 +87,7 @@ class HandoffDesk:
     def __init__(self, config: ClusterConfig, cluster: ClusterState, decode_pool: ClusterState, members: Members,
                  policy: PlacementPolicy, send: Send, root_hash: Callable[[str], int],
                  live: Callable[[str], bool], fail: Callable[[str, str], None], parked_total: Counter,
-                 failed_pulls_total: Counter):
+                 failed_pulls_total: Counter, adopt: Callable[[Generate], None] = lambda request: None):
         self.config = config
         self.cluster = cluster
         self.decode_pool = decode_pool
@@ -92,6 +99,7 @@ class HandoffDesk:
         self.fail = fail
         self.parked_total = parked_total
         self.failed_pulls_total = failed_pulls_total
+        self.adopt = adopt  # the router takes an adopted request as its own (its tokenizer, say)
         self.pending: dict[str, Handoff] = {}  # request id -> its pending hand-off
         self.parked: dict[str, ParkedHandoff] = {}  # request id -> a prefilled request waiting for a decode worker
 
@@ -125,12 +133,16 @@ class HandoffDesk:
 
     # ---- the prefill worker holds the KV -------------------------------------------
 
-    def kv_ready(self, identity: bytes, hello: Hello, ready: KvReady, now: float) -> None:
+    def kv_ready(self, identity: bytes, hello: Hello, ready: KvReady, now: float, prompt: Any = None) -> None:
         """The prefill worker `hello` (on connection `identity`) holds a request's KV: finish
         its prefill placement and send the request, with the handle, to the decode worker
-        pairing picks (or park it until one can take it)."""
+        pairing picks (or park it until one can take it). `prompt`: payload 0, sent with
+        a KvReady that carries its request."""
         prefill_worker_id = hello.worker_id
         handoff = self.pending.get(ready.request_id)
+        if handoff is None and ready.request is not None:
+            self._adopt(identity, hello, ready, prompt, now)
+            return
         if handoff is None or handoff.prefill_worker_id != prefill_worker_id:
             self._drop(identity, prefill_worker_id, ready)
             return
@@ -138,18 +150,57 @@ class HandoffDesk:
         placement = self.cluster.finish(ready.request_id, now=now)
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
-        handle = KvHandle(prefill_worker_id=prefill_worker_id, kv_address=hello.kv_address,
-                          prefill_instance_id=hello.instance_id, lease_id=ready.lease_id,
-                          block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
-                          first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
-                          first_logprob=ready.first_logprob)
-        request = replace(handoff.request, kv_handle=handle)
+        request = replace(handoff.request, kv_handle=self._handle(hello, ready))
         if not self._send_to_decode(request, handoff.prompt, now):
             # Wait for a decode worker within the lease, leaving the other half of it for
             # the pull (docs/disaggregation.md §2).
             deadline = now + self.config.kv_lease_ttl_s * PARKED_LEASE_SHARE
             self.parked[ready.request_id] = ParkedHandoff(request, handoff.prompt, ready, identity, deadline)
             log.warning("handoff_parked", request_id=ready.request_id, wait_s=round(deadline - now, 1))
+
+    @staticmethod
+    def _handle(hello: Hello, ready: KvReady) -> KvHandle:
+        return KvHandle(prefill_worker_id=hello.worker_id, kv_address=hello.kv_address,
+                        prefill_instance_id=hello.instance_id, lease_id=ready.lease_id,
+                        block_ids=ready.block_ids, block_hashes=ready.block_hashes, num_tokens=ready.num_tokens,
+                        first_token_id=ready.first_token_id, queue_s=ready.queue_s, prefill_s=ready.prefill_s,
+                        first_logprob=ready.first_logprob)
+
+    def _adopt(self, identity: bytes, hello: Hello, ready: KvReady, prompt: Any, now: float) -> None:
+        """A KvReady that carries its request, for a hand-off this router does not hold (it
+        restarted during the prefill, or since the KvReady it lost): park it, to be sent
+        once decode workers had two heartbeats to rejoin. A decode worker that rejoins
+        holding the request (the old router had handed it off) keeps it: the hand-off is
+        then dropped and the lease left to that worker's pull."""
+        request = ready.request
+        assert request is not None  # kv_ready checked
+        request_id = ready.request_id
+        why = ""
+        if request.request_id != request_id or request.kv_handle is not None:
+            why = "its request is another one, or handed off already"
+        elif prompt is None or len(prompt) != ready.num_tokens:
+            why = f"its prompt is not the {ready.num_tokens} tokens it names"
+        else:
+            try:
+                check_endpoint(request.stream_address)
+            except ValueError as error:
+                why = str(error)
+        if why:
+            log.warning("kv_ready_refused", request_id=request_id, worker_id=hello.worker_id, why=why)
+            self._release_lease(identity, ready)
+            return
+        if request_id in self.decode_pool.placements or request_id in self.parked:
+            log.info("kv_ready_again", request_id=request_id, worker_id=hello.worker_id)
+            return
+        placement = self.cluster.finish(request_id, now=now)  # resumed when the prefill worker rejoined
+        if placement is not None:
+            self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
+        self.adopt(request)
+        deadline = now + self.config.kv_lease_ttl_s * PARKED_LEASE_SHARE
+        earliest = now + ADOPTION_WAIT_BEATS * self.config.heartbeat_interval_s
+        self.parked[request_id] = ParkedHandoff(replace(request, kv_handle=self._handle(hello, ready)), prompt,
+                                                ready, identity, deadline, earliest, adopted=True)
+        log.warning("handoff_adopted", request_id=request_id, worker_id=hello.worker_id)
 
     def _send_to_decode(self, request: Generate, prompt: Any, now: float, exclude: frozenset[str] = frozenset(),
                         roomy_only: bool = False) -> str | None:
@@ -172,9 +223,14 @@ class HandoffDesk:
         """Send parked hand-offs to a decode worker that can take them now; end those
         whose wait is over."""
         for request_id, parked in list(self.parked.items()):
-            if not self.live(request_id):  # aborted or failed meanwhile
+            if parked.adopted and request_id in self.decode_pool.placements:  # a rejoined decode worker has it
+                del self.parked[request_id]
+                log.info("handoff_adoption_dropped", request_id=request_id, why="a decode worker holds it")
+            elif not self.live(request_id):  # aborted or failed meanwhile
                 del self.parked[request_id]
                 self._release_lease(parked.prefill_identity, parked.ready)
+            elif now < parked.earliest:
+                continue
             elif self.decode_pool.worker_ids and self._send_to_decode(parked.request, parked.prompt, now):
                 del self.parked[request_id]
                 self.parked_total.inc(outcome="placed")

@@ -152,7 +152,7 @@ class RouterService:
         # The P/D hand-offs in flight (docs/router.md §6): pending, parked, and their leases.
         self.handoffs = HandoffDesk(config, self.cluster, self.decode_pool, self.members, self.policy, self._reply,
                                     self._root_hash, self.origins.__contains__, self._fail_unavailable,
-                                    self.metrics.handoffs_parked, self.metrics.failed_pulls)
+                                    self.metrics.handoffs_parked, self.metrics.failed_pulls, self._adopt_request)
         self.context = zmq.Context()
         self.security = Security(self.context, config, "router")
         self.socket = self.security.server(zmq.ROUTER, config.router, accept=(*ENGINE_ROLES, "tokenizer"))
@@ -562,11 +562,16 @@ class RouterService:
         self.metrics.placed.inc(outcome="placed")
         self._reply(identity, Placed(request_id=request_id, worker_id=worker_id))
 
-    def _on_kv_ready(self, identity: bytes, ready: KvReady, _payloads) -> None:
+    def _on_kv_ready(self, identity: bytes, ready: KvReady, payloads) -> None:
         """A prefill worker holds a request's KV: the hand-off goes on (services/router/handoff.py)."""
         member = self._member_on(identity, "KvReady")
         if member is not None:
-            self.handoffs.kv_ready(identity, member.hello, ready, time.monotonic())
+            self.handoffs.kv_ready(identity, member.hello, ready, time.monotonic(), payloads[0] if payloads else None)
+
+    def _adopt_request(self, request: Generate) -> None:
+        """A hand-off this router did not place (it restarted) goes on: its tokenizer is
+        the one the request names."""
+        self.origins.setdefault(request.request_id, request.origin.encode())
 
     def _fail_unavailable(self, request_id: str, why: str) -> None:
         """Tell a request's tokenizer that its hand-off cannot go on (unavailable)."""

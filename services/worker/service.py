@@ -126,8 +126,8 @@ class WorkerMetrics:
 
 class WorkerService:
     """The co-located role; services/prefill and services/decode extend it through the
-    hooks `_admit`, `_tokens`, `_abort`, `_tend`, `_wait_ms`, `_kv_address` and
-    `_handle_role_message`."""
+    hooks `_admit`, `_tokens`, `_abort`, `_forget`, `_tend`, `_load_done`, `_rejoined`,
+    `_kv_address` and `_handle_role_message`."""
 
     role = "worker"
 
@@ -516,6 +516,10 @@ class WorkerService:
             log.error("rejoin_failed", error=str(error))
             return
         self._report_cache()
+        self._rejoined()
+
+    def _rejoined(self) -> None:
+        """After a rejoin: the role's own catching up (a prefill worker's hand-offs)."""
 
     def _send_finished(self) -> None:
         """Tell the router at once which requests ended (its loads count them until then).

@@ -555,6 +555,39 @@ def test_a_prefill_that_ends_while_its_decode_worker_restarts_waits_for_it(resta
     wait_idle(restarting)
 
 
+def test_a_router_restarted_during_a_prefill_loses_no_hand_off(restarting, engine, random_prompts):
+    """Stop the prefill worker (SIGSTOP), send a request (the router places it there), kill
+    the router (`svc up` restarts it), then let the prefill worker go on: it computes the
+    prompt and streams the first token, and its KvReady reaches a router that never held
+    the hand-off. Once rejoined, it sends the KvReady again with the request and its
+    prompt; the new router adopts the hand-off and the decode worker pulls the KV: the
+    engine's tokens, not `unavailable` (the client does not retry)."""
+    [prompt] = random_prompts([40], seed=910)
+    prefill_pid, router_pid = restarting.worker_health(PREFILL)["pid"], restarting.router_health()["pid"]
+    pulled = metric(restarting, DECODE, "baton_kv_transfer_bytes_total")
+    with ThreadPoolExecutor(1) as pool, Client(restarting.sdk, timeout_s=120, retry_unavailable=False) as client:
+        os.kill(prefill_pid, signal.SIGSTOP)
+        try:
+            answer = pool.submit(client.generate, token_ids=prompt, max_tokens=8, **GREEDY)
+            time.sleep(0.5)  # placed on the stopped prefill worker, well within worker_timeout_s
+            os.kill(router_pid, signal.SIGKILL)
+            restarting.wait_for(lambda: router_restarted(restarting, router_pid), 60, "the router to restart")
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        result = answer.result(120)
+    assert result.token_ids == expected(engine, prompt, 8)
+    assert metric(restarting, None, "baton_router_handoffs_parked_total", outcome="placed") == 1  # adopted
+    assert metric(restarting, DECODE, "baton_kv_transfer_bytes_total") > pulled  # pulled, not recomputed
+    wait_idle(restarting)
+
+
+def router_restarted(cluster, old_pid: int) -> bool:
+    try:
+        return cluster.router_health()["pid"] != old_pid
+    except OSError:  # not answering yet
+        return False
+
+
 # ---- 5. a pull past its deadline ---------------------------------------------------------
 
 def test_a_pull_past_its_deadline_is_recomputed_and_both_sides_let_go(hung, engine, random_prompts):

@@ -21,7 +21,7 @@ from common.protocol import (
     Sampling,
 )
 from services.router.cluster import ClusterState
-from services.router.handoff import PARKED_LEASE_SHARE, HandoffDesk
+from services.router.handoff import ADOPTION_WAIT_BEATS, PARKED_LEASE_SHARE, HandoffDesk
 from services.router.members import Members
 from services.router.policies import make_policy
 from services.router.service import RouterMetrics
@@ -51,7 +51,7 @@ class Desk:
         self.desk = HandoffDesk(ClusterConfig(kv_lease_ttl_s=LEASE_TTL_S), self.cluster, self.decode_pool,
                                 self.members, make_policy("least_load"), self.send, lambda tenant: ROOT,
                                 self.origins.__contains__, self.fail, self.metrics.handoffs_parked,
-                                self.metrics.failed_pulls)
+                                self.metrics.failed_pulls, lambda request: self.origins.add(request.request_id))
 
     def send(self, identity: bytes, message, payloads=None) -> bool:
         if identity in self.unreachable:
@@ -352,3 +352,54 @@ def test_a_failed_pull_is_refused_from_a_decode_worker_the_request_is_not_placed
     assert d.desk.pull_failed(d.members[holder].hello, failed(unhandled), PROMPT, 2.0, 50.0) == \
         "request r-1 is not handed off to it"
     assert d.sent == [] and failed_pulls(d, "moved") == failed_pulls(d, "local") == 0
+
+
+# ---- a router that restarted during the prefill ---------------------------------------------
+
+def carried(request_id: str) -> KvReady:
+    """A KvReady that carries its request: the prefill worker rejoined a restarted router."""
+    request = Generate(request_id=request_id, sampling=Sampling(max_tokens=16), stream_address="tcp://127.0.0.1:7002",
+                       origin="tokenizer-0")
+    return replace(ready(request_id), request=request)
+
+
+def test_a_hand_off_the_router_never_held_is_adopted_once_decode_workers_could_rejoin():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    decode = d.join("d0", "decode")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 1.0, PROMPT)
+    assert d.sent == [] and d.desk.parked["r-1"].adopted and "r-1" in d.origins
+    earliest = 1.0 + ADOPTION_WAIT_BEATS * ClusterConfig().heartbeat_interval_s
+    d.desk.retry_parked(earliest - 0.01)
+    assert d.sent == []
+    d.desk.retry_parked(earliest)
+    [(identity, request, payloads)] = d.sent
+    assert identity == decode and payloads == [PROMPT] and request.kv_handle.lease_id == "ab" * 16
+    assert d.decode_pool.placements["r-1"].worker_id == "d0" and d.parked_total("placed") == 1
+
+
+def test_an_adopted_hand_off_that_a_rejoined_decode_worker_holds_stays_there():
+    """The old router had handed the request off: the decode worker rejoins with it
+    running, and its pull keeps the lease (nothing is sent, nothing released)."""
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.join("d0", "decode")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 1.0, PROMPT)
+    d.decode_pool.resume("r-1", "d0", len(PROMPT), 16, 1.1)  # as the router does for a rejoin's running requests
+    d.desk.retry_parked(10.0)
+    assert not d.desk.parked and d.sent == []
+    d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 11.0, PROMPT)  # sent again: still left there
+    assert not d.desk.parked and d.sent == []
+
+
+def test_a_carried_request_that_does_not_match_its_kv_ready_is_refused_and_its_lease_released():
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.join("d0", "decode")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 1.0, PROMPT[:-1])  # a token short
+    other = replace(carried("r-2"), request_id="r-3")
+    d.desk.kv_ready(prefill, d.members["p0"].hello, other, 1.0, PROMPT)
+    bad_stream = replace(carried("r-4"), request=replace(carried("r-4").request, stream_address="tcp://nowhere"))
+    d.desk.kv_ready(prefill, d.members["p0"].hello, bad_stream, 1.0, PROMPT)
+    assert [message.request_id for _, message in releases(d.sent)] == ["r-1", "r-3", "r-4"]
+    assert not d.desk.parked and not d.origins
