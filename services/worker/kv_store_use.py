@@ -447,8 +447,7 @@ class StoreSource:
         return fastest.latency_s + num_blocks * bytes_per_block / fastest.bytes_per_s < num_blocks * block_other_s
 
     def poll(self) -> list[Landed]:
-        """Finished fetches (their bytes in the engine's blocks); and the engine's measured
-        prefill throughput, learnt for `decide`."""
+        """Finished fetches (their bytes in the engine's blocks)."""
         landed: list[Landed] = []
         while True:
             try:
@@ -456,11 +455,6 @@ class StoreSource:
             except queue.Empty:
                 break
             landed.append(self._land(result))
-        stats = self.engine.stats
-        tokens, seconds = self.prefill_seen
-        if stats.prefill_tokens > tokens:
-            self.costs.observe_prefill(stats.prefill_tokens - tokens, stats.prefill_seconds - seconds)
-            self.prefill_seen = (stats.prefill_tokens, stats.prefill_seconds)
         return landed
 
     def cancel(self, request_id: str) -> bool:
@@ -484,6 +478,14 @@ class StoreSource:
                       detail={"decision": result.decision, "tiers": result.tiers})
 
     # ---- the loop's upkeep
+
+    def observe_engine(self) -> None:
+        """Each turn: learn the engine's measured prefill throughput, for `decide`."""
+        stats = self.engine.stats
+        tokens, seconds = self.prefill_seen
+        if stats.prefill_tokens > tokens:
+            self.costs.observe_prefill(stats.prefill_tokens - tokens, stats.prefill_seconds - seconds)
+            self.prefill_seen = (stats.prefill_tokens, stats.prefill_seconds)
 
     def report(self) -> None:
         """Move the thread's and the engine's counters into the metrics."""

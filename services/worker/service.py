@@ -289,6 +289,8 @@ class WorkerService:
                 if not self.router.poll(0):
                     break
         self._expire_deadlines()
+        if self.store is not None:
+            self.store.observe_engine()
         for done in self.kv_loads.tend():
             self._load_done(done)
         self._tend()

@@ -170,3 +170,19 @@ def test_a_decode_load_asks_the_store_only_when_it_could_beat_the_pull(make_engi
     assert store.start(load, 0) and store.in_flight["d"] == load.dst_block_ids[:4]
     assert store.thread.jobs.get_nowait().keys == load.block_hashes
     engine.cancel_load("d")
+
+
+def test_the_engines_prefill_rate_is_learnt_every_turn_without_a_fetch(make_engine, random_prompts):
+    from common.config import ClusterConfig
+    from common.metrics import Registry
+    from common.sampling_params import SamplingParams
+    from services.worker.kv_store_use import StoreSource
+
+    engine = make_engine(max_model_len=128)
+    store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, Registry())
+    seeded = store.costs.block_prefill_s()
+    engine.generate(random_prompts([100], seed=44), SamplingParams(max_tokens=1))
+    store.observe_engine()
+    assert store.costs.prefill_rate.samples == 1 and store.costs.block_prefill_s() != seeded
+    store.observe_engine()  # nothing new prefilled: nothing learnt
+    assert store.costs.prefill_rate.samples == 1
