@@ -162,7 +162,7 @@ class Landed:
     source: str
     error: str = ""
     settled: bool = True
-    detail: dict | None = None  # the source's own account (decision, tiers, bytes, seconds)
+    detail: object = None  # the source's own account of the part (a lease's: its PullResult)
 
 
 class KvSource(Protocol):

@@ -15,14 +15,12 @@ from common.protocol import KvHandle
 class Pull:
     handle: KvHandle
     pull: PullHandle | None = None
-    started: float = 0.0  # monotonic
     asked: int = 0  # blocks the pull brings
     reported: bool = False  # poll has given its part
 
 
 class LeaseSource:
-    """Pulls of the loads whose handles `expect` named. A part's `detail` holds its
-    PullResult ("result") and its seconds from start to end ("transfer_s")."""
+    """Pulls of the loads whose handles `expect` named. A part's `detail` is its PullResult."""
 
     name = "lease"
 
@@ -50,9 +48,9 @@ class LeaseSource:
             return False
         handle = entry.handle
         source = list(handle.block_ids[load.first_block + start:])
-        entry.started, entry.asked = time.monotonic(), len(load.dst_block_ids) - start
+        entry.asked = len(load.dst_block_ids) - start
         entry.pull = self.transport.pull(handle.kv_address, handle.lease_id, source,
-                                         list(load.dst_block_ids[start:]), entry.started + self.timeout_s)
+                                         list(load.dst_block_ids[start:]), time.monotonic() + self.timeout_s)
         return True
 
     def poll(self) -> list[Landed]:
@@ -64,7 +62,7 @@ class LeaseSource:
             result = entry.pull.wait(0)
             landed = entry.asked if result.status == "done" else 0
             parts.append(Landed(request_id, landed, self.name, error=result.reason, settled=result.settled,
-                                detail={"result": result, "transfer_s": round(time.monotonic() - entry.started, 6)}))
+                                detail=result))
         return parts
 
     def cancel(self, request_id: str) -> bool:
@@ -78,6 +76,5 @@ class LeaseSource:
 
 def pull_result(part: Landed) -> PullResult:
     """The PullResult behind a lease part (one made up for a part of another source)."""
-    detail = part.detail or {}
-    result = detail.get("result")
+    result = part.detail
     return result if isinstance(result, PullResult) else PullResult("", "failed", "unreachable", part.error)

@@ -236,7 +236,8 @@ class DecodeService(TransferringService):
         del self.imports[request_id]
         self.timings[request_id] = item.timings
         self.landing[request_id] = item.handle.first_logprob
-        self._emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids) if item.load else 0))
+        assert item.load is not None  # _load_done lands only begun imports
+        self._emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids)))
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
         """Settle a pull that did not complete; then hand the request back to the router if

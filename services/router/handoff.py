@@ -87,7 +87,7 @@ class HandoffDesk:
     def __init__(self, config: ClusterConfig, cluster: ClusterState, decode_pool: ClusterState, members: Members,
                  policy: PlacementPolicy, send: Send, root_hash: Callable[[str], int],
                  live: Callable[[str], bool], fail: Callable[[str, str], None], parked_total: Counter,
-                 failed_pulls_total: Counter, adopt: Callable[[Generate], None] = lambda request: None):
+                 failed_pulls_total: Counter, adopt: Callable[[Generate], None]):
         self.config = config
         self.cluster = cluster
         self.decode_pool = decode_pool

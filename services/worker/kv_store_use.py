@@ -438,13 +438,11 @@ class StoreSource:
         return True
 
     def _may_beat(self, num_blocks: int, block_other_s: float) -> bool:
-        """Whether fetching `num_blocks` from the fastest tier could cost less than the
-        alternative (always, with kvstore_fetch=always)."""
-        if self.config.kvstore_fetch == "always":
-            return True
-        fastest = self.costs.links()[0]
-        bytes_per_block = self.engine.kv_cache.layout.bytes_per_block
-        return fastest.latency_s + num_blocks * bytes_per_block / fastest.bytes_per_s < num_blocks * block_other_s
+        """Whether `decide` would fetch the blocks if the store held them all on its
+        fastest tier (the best a lookup could find)."""
+        layout = self.engine.kv_cache.layout
+        return decide(self.config.kvstore_fetch, [0] * num_blocks, layout.bytes_per_block, layout.block_size,
+                      self.costs.links(), block_other_s).fetch
 
     def poll(self) -> list[Landed]:
         """Finished fetches (their bytes in the engine's blocks)."""
@@ -474,8 +472,7 @@ class StoreSource:
             self.skip_until = time.monotonic() + STORE_RETRY_S
         else:
             self.metrics.decisions.inc(decision=result.decision)
-        return Landed(result.request_id, landed, self.name, error=result.error,
-                      detail={"decision": result.decision, "tiers": result.tiers})
+        return Landed(result.request_id, landed, self.name, error=result.error)
 
     # ---- the loop's upkeep
 
