@@ -15,6 +15,7 @@ from common.engine.engine import Engine
 from common.engine.step_log import StepLogWriter
 from common.logs import get_logger
 from common.progress import heartbeat
+from services.worker.role import role_named
 from services.worker.service import KvEventBuffer, WorkerService
 
 log = get_logger("worker")
@@ -35,19 +36,8 @@ def engine_config(config: ClusterConfig, index: int) -> EngineConfig:
     return EngineConfig(model_dir=model_dir(config), **settings)
 
 
-def service_class(role: str) -> type[WorkerService]:
-    if role == "prefill":
-        from services.prefill.service import PrefillService
-
-        return PrefillService
-    if role == "decode":
-        from services.decode.service import DecodeService
-
-        return DecodeService
-    return WorkerService
-
-
 def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
+    engine_role = role_named(role)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -57,7 +47,6 @@ def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
     with heartbeat(f"{role}-{index}: loading the model and building its kernels"):
         engine = Engine(engine_config(config, index), kv_events=events)
         warm_up_s = engine.warm_up()
-    service = service_class(role)
     log.info("engine_settings", worker_id=f"{role}-{index}", warm_up_ms=round(warm_up_s * 1e3, 1),
              **engine_settings(engine.config))
     step_log = None
@@ -68,7 +57,7 @@ def run(config: ClusterConfig, index: int, role: str = "worker") -> None:
         except OSError as error:
             raise SystemExit(f"step_log_dir: cannot write {path}: {error.strerror or error}") from None
     try:
-        worker = service(config, index, engine, events)
+        worker = WorkerService(config, index, engine, events, engine_role)
         # The model, the kernels and the libraries are built and stay: a full collection
         # would walk them all from inside the serving loop (76 ms once in a bench round).
         gc.freeze()

@@ -1,4 +1,8 @@
-"""The `worker` role: an engine doing both prefill and decode, served over ZeroMQ.
+"""The engine roles' service: an engine served over ZeroMQ. One class runs all three roles
+(services/worker/role.py): `worker` does both prefill and decode; `prefill` adds the lease
+exposure of services/prefill/exposure.py (what it does at a prompt's end) and `decode` the
+imports of services/decode/imports.py (how it takes a handed-off request), each over a KV
+transport the service makes (docs/disaggregation.md).
 
 One thread runs the loop: drain the router's messages without blocking, step the engine,
 push each request's new tokens to the tokenizer that asked for them, publish KV events,
@@ -60,8 +64,11 @@ from common.protocol import (
 )
 from common.sampling_params import InvalidRequestError, SamplingParams
 from common.sockets import Security, check_endpoint, engine_context, send
+from services.decode.imports import Imports
+from services.prefill.exposure import LeaseExposure
 from services.worker.kv_loads import KvLoads, LoadDone
 from services.worker.kv_store_use import StoreAPI, StoreSource
+from services.worker.role import ROLES, Role
 
 log = get_logger("worker")
 HELLO_TIMEOUT_S = 10.0
@@ -125,15 +132,16 @@ class WorkerMetrics:
 
 
 class WorkerService:
-    """The co-located role; services/prefill and services/decode extend it through the
-    hooks `_admit`, `_tokens`, `_abort`, `_forget`, `_tend`, `_load_done`, `_rejoined`,
-    `_kv_address` and `_handle_role_message`."""
+    """An engine role's service. The roles differ by the parts `role` gives it: the prefill
+    role's `exposure` (at a prompt's end its KV is held and the request handed off) and the
+    decode role's `imports` (requests handed off to it load their KV from the store and the
+    prefill worker's lease), both over its KV `transport`."""
 
-    role = "worker"
-
-    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer,
+                 role: Role = ROLES["worker"]):
         self.config = config
         self.index = index
+        self.role = role.name
         self.worker_id = f"{self.role}-{index}"
         self.engine = engine
         self.events = events
@@ -167,21 +175,41 @@ class WorkerService:
         self.joined = False  # the router has welcomed us and not asked us to say hello again
         self.last_turn = time.monotonic()  # when the loop last went round: a stall means a wedge
         self.kv_loads = KvLoads(engine)  # requests whose prompt KV is arriving (common/engine/kv_connector.py)
+        self.transport: KvTransport | None = None
+        self.exposure: LeaseExposure | None = None
+        self.imports: Imports | None = None
         self.store: StoreSource | None = None
+        try:
+            self._make_parts(role)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_parts(self, role: Role) -> None:
+        config, engine = self.config, self.engine
+        if role.transport:
+            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
+                                                 self.security, self.worker_id,
+                                                 TransferOptions(send_pause_s=config.kv_send_pause_s, host=config.host))
         if config.kvstore:
             self.store = StoreSource(config, engine, self._make_store_client, self.registry)
+        if role.hands_off:
+            assert self.transport is not None
+            self.exposure = LeaseExposure(config, self.index, engine, self.transport, self.registry,
+                                          self._send_to_router)
+        if role.imports:
+            assert self.transport is not None
+            self.imports = Imports(config, engine, self.transport, self.store, self.kv_loads, self.registry,
+                                   self._send_to_router, emit=self._emit, fail=self._fail, forget=self._forget)
 
     def _make_store_client(self) -> StoreAPI:
         """The KV store's client, made on (and used only from) the store thread."""
         from services.kvstore.client import StoreClient  # the kvstore role's module, only when used
 
+        # A store on another host sends the fetches over this role's KV transport; a
+        # co-located worker runs none (inline frames).
         return StoreClient(self.config, self.security, self.worker_id, self.engine.kv_cache.layout,
-                           transport=self._store_transport())
-
-    def _store_transport(self) -> KvTransport | None:
-        """The KV transport a store on another host sends this engine's fetches over (None:
-        inline frames); a co-located worker runs none."""
-        return None
+                           transport=self.transport)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -205,11 +233,15 @@ class WorkerService:
             self.close()
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-        self.metrics_server.stop()
-        self.security.stop()
-        self.context.destroy(linger=0)  # closes every socket first, so this cannot block
+        try:
+            if self.store is not None:
+                self.store.close()
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.metrics_server.stop()
+            self.security.stop()
+            self.context.destroy(linger=0)  # closes every socket first, so this cannot block
 
     def stalled(self) -> bool:
         return time.monotonic() - self.last_turn > self.config.worker_stall_timeout_s
@@ -217,11 +249,12 @@ class WorkerService:
     def health(self) -> dict:
         """Ok only while requests would be served: joined to the router, loop turning."""
         stalled = self.stalled()
-        return {"ok": self.joined and not stalled, "joined": self.joined, "stalled": stalled,
-                "role": self.role, "worker_id": self.worker_id, "pid": os.getpid(),
-                "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
-                "kv_blocks_used": self.engine.block_manager.num_used,
-                "kv_blocks_total": self.engine.block_manager.num_blocks}
+        health = {"ok": self.joined and not stalled, "joined": self.joined, "stalled": stalled,
+                  "role": self.role, "worker_id": self.worker_id, "pid": os.getpid(),
+                  "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                  "kv_blocks_used": self.engine.block_manager.num_used,
+                  "kv_blocks_total": self.engine.block_manager.num_blocks}
+        return health | self.exposure.health() if self.exposure is not None else health
 
     def _hello(self) -> None:
         """Say Hello and wait for the Welcome (messages that come first are handled),
@@ -238,7 +271,8 @@ class WorkerService:
             adapter_id=engine.config.adapter_id, instance_id=self.instance_id,
             events_address=self.config.advertised(self.config.worker_events_address(self.index)),
             metrics_address=f"http://{self.config.advertise_host or self.config.host}:{self.metrics_server.port}",
-            running=self._running_requests(), kv_address=self._kv_address(), session=self.session)
+            running=self._running_requests(), session=self.session,
+            kv_address=self.exposure.kv_address if self.exposure is not None else "")
         send(self.router, hello)
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -262,10 +296,6 @@ class WorkerService:
             self.joined = True
             return
         raise TimeoutError(f"no answer from the router at {self.config.router} within {HELLO_TIMEOUT_S:.0f} s")
-
-    def _kv_address(self) -> str:
-        """Where peers pull this worker's KV ("": it serves none)."""
-        return ""
 
     def _running_requests(self) -> list[RunningRequest]:
         return [RunningRequest(request_id, progress.origin, progress.num_prompt_tokens, progress.output_tokens,
@@ -293,7 +323,10 @@ class WorkerService:
             self.store.observe_engine()
         for done in self.kv_loads.tend():
             self._load_done(done)
-        self._tend()
+        if self.exposure is not None:
+            self.exposure.tend()
+        if self.imports is not None:
+            self.imports.tend()
         if self.engine.has_unfinished():
             self._emit(self.engine.step())
         if self.unsent and self._flush_wait_s() <= 0:
@@ -309,9 +342,6 @@ class WorkerService:
         if self.unsent:  # never negative: poll(-1) would wait for a message, however long
             wait_ms = min(wait_ms, max(0, math.ceil(self._flush_wait_s() * 1000)))
         return min(wait_ms, LOAD_POLL_MS) if len(self.kv_loads) else wait_ms
-
-    def _tend(self) -> None:
-        """Each turn, before the engine steps: the role's own upkeep (transfers, leases)."""
 
     def _receive(self):
         frames = self.router.recv_multipart(copy=True)
@@ -343,12 +373,14 @@ class WorkerService:
                 self._forget(message.request_id, "aborted")
         elif isinstance(message, Welcome) and message.rehello:  # the router does not know this connection
             self.rehello.set()
-        elif message is not None and not self._handle_role_message(message):
+        elif message is not None and not self._role_message(message):
             log.warning("unexpected_message", type=type(message).__name__)
 
-    def _handle_role_message(self, message) -> bool:
-        """A message only this role takes; False if it is not one."""
-        return False
+    def _role_message(self, message) -> bool:
+        """A message only this role's parts take (lease updates, pull verdicts); False if
+        it is not one."""
+        return (self.exposure is not None and self.exposure.handle(message)) or \
+            (self.imports is not None and self.imports.handle(message))
 
     def _start(self, request: Generate, prompt: np.ndarray) -> None:
         request_id = request.request_id
@@ -367,10 +399,20 @@ class WorkerService:
 
     def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
         """Hand the request to the engine (InvalidRequestError names a bad parameter):
-        through the KV store when it holds the prompt's blocks past the local cache."""
-        params = params_from_sampling(request.sampling)
-        if not self._load_from_store(request, prompt_ids, params):
-            self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant)
+        through the KV store when it holds the prompt's blocks past the local cache. A
+        handed-off request goes to the decode role's imports; on a prefill worker the engine
+        computes the first token only and holds the KV for the hand-off."""
+        if request.kv_handle is not None and self.imports is not None:
+            self.imports.admit(request, prompt_ids)
+            return
+        hold_kv = self.exposure is not None
+        if self.exposure is not None:
+            params = self.exposure.admit(request, prompt_ids, self.session)
+        else:
+            params = params_from_sampling(request.sampling)
+        if not self._load_from_store(request, prompt_ids, params, hold_kv=hold_kv):
+            self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant,
+                                    hold_kv=hold_kv)
 
     def _load_from_store(self, request: Generate, prompt_ids: list[int], params: SamplingParams,
                          hold_kv: bool = False) -> bool:
@@ -385,8 +427,11 @@ class WorkerService:
         return True
 
     def _load_done(self, done: LoadDone) -> None:
-        """A load's sources are done: the request prefills what did not land (or ends, if
-        it was aborted meanwhile). Blocks a source may still write stay out of use."""
+        """A load's sources are done: a handed-off request's is the imports'; any other
+        request prefills what did not land (or ends, if it was aborted meanwhile). Blocks a
+        source may still write stay out of use."""
+        if self.imports is not None and self.imports.load_done(done):
+            return
         if not done.settled:
             log.error("kv_blocks_quarantined", request_id=done.load.request_id)
             return
@@ -394,6 +439,8 @@ class WorkerService:
 
     def _abort(self, request_id: str) -> bool:
         """Stop a request this worker serves; False if it serves no such request."""
+        if self.imports is not None and self.imports.abort(request_id):
+            return True
         return self.engine.abort(request_id)
 
     def _expire_deadlines(self) -> None:
@@ -408,7 +455,17 @@ class WorkerService:
         """Hold the step's tokens for their tokenizers, and send what is held at once when
         a request's first or last tokens are among them; else the turn sends it once the
         stream interval has passed: steps shorter than the interval share one send
-        (docs/architecture.md §4)."""
+        (docs/architecture.md §4). On a prefill worker a request whose prompt's end is among
+        them is handed off (after its first token is pushed, so that the token usually
+        reaches the tokenizer before the decode worker's copy: either order is right,
+        Tokens.position)."""
+        try:
+            self._hold(outputs)
+        finally:
+            if self.exposure is not None:
+                self.exposure.send_ready(self.session, self.joined)
+
+    def _hold(self, outputs: list[RequestOutput]) -> None:
         urgent = False
         generated = 0
         for output in outputs:
@@ -416,14 +473,19 @@ class WorkerService:
             first = progress is not None and progress.output_tokens == 0
             address = self.streams.get(output.request_id)
             tokens = self._tokens(output)
-            if address is not None and tokens is not None:
+            handed_off = False
+            if self.exposure is not None and output.kv_lease is not None:
+                tokens, handed_off = self.exposure.hand_off(output, tokens, progress.received if progress else None)
+            if address is not None:
                 self.unsent.setdefault(address, []).append(tokens)
                 urgent = urgent or first or tokens.finished or tokens.position >= 0 or bool(tokens.prompt_logprobs)
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
             self._note_progress(output)
             generated += len(output.new_token_ids)
-            if tokens is not None and tokens.finished:
+            if handed_off:  # KvReady reports it to the router
+                self._forget(output.request_id, "handed_off", report=False)
+            elif tokens.finished:
                 self._forget(output.request_id, output.finish_reason or "stop")
         self.metrics.generated.inc(generated)
         if urgent:
@@ -450,12 +512,13 @@ class WorkerService:
         if only is None:
             self.last_flush = time.monotonic()
 
-    def _tokens(self, output: RequestOutput) -> Tokens | None:
-        """What the tokenizer gets of one output (None: nothing)."""
-        return Tokens(request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
-                      finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
-                      num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
-                      prompt_logprobs=output.prompt_logprobs, prompt_logprobs_start=output.prompt_logprobs_start)
+    def _tokens(self, output: RequestOutput) -> Tokens:
+        """What the tokenizer gets of one output."""
+        tokens = Tokens(request_id=output.request_id, token_ids=output.new_token_ids, finished=output.finished,
+                        finish_reason=output.finish_reason, worker_id=self.worker_id, logprobs=output.logprobs,
+                        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+                        prompt_logprobs=output.prompt_logprobs, prompt_logprobs_start=output.prompt_logprobs_start)
+        return self.imports.tokens(output, tokens) if self.imports is not None else tokens
 
     def _fail(self, request_id: str, code: ErrorCode, text: str) -> None:
         self._push(request_id, Error(request_id=request_id, code=code, message=text, worker_id=self.worker_id))
@@ -473,6 +536,8 @@ class WorkerService:
         worker's hand-off is reported by KvReady instead)."""
         self.streams.pop(request_id, None)
         self.deadlines.pop(request_id, None)
+        if self.exposure is not None:
+            self.exposure.forget(request_id, outcome)
         progress = self.progress.pop(request_id, None) or RequestProgress(0.0)
         if report:
             self.finished.append(FinishedRequest(request_id, round(progress.ttft_s, 6), progress.output_tokens))
@@ -518,10 +583,11 @@ class WorkerService:
             log.error("rejoin_failed", error=str(error))
             return
         self._report_cache()
-        self._rejoined()
+        if self.exposure is not None:  # hand-offs this router may never have had
+            self.exposure.rejoined(self.session)
 
-    def _rejoined(self) -> None:
-        """After a rejoin: the role's own catching up (a prefill worker's hand-offs)."""
+    def _send_to_router(self, message, payloads: list[np.ndarray]) -> None:
+        send(self.router, message, payloads)
 
     def _send_finished(self) -> None:
         """Tell the router at once which requests ended (its loads count them until then).
@@ -551,6 +617,8 @@ class WorkerService:
         self.reported_decode = (stats.decode_tokens, stats.decode_seconds)
         if self.store is not None:
             self.store.report()
+        if self.exposure is not None:
+            self.exposure.report()
         with self.beat_lock:
             self.beat = Heartbeat(
                 worker_id=self.worker_id, running=len(scheduler.running), waiting=len(scheduler.waiting),
@@ -589,26 +657,3 @@ class WorkerService:
         if isinstance(reply, Welcome) and reply.rehello and reply.beat_seq > self.joined_after_beat:
             self.rehello.set()
 
-
-class TransferringService(WorkerService):
-    """An engine role that moves KV (prefill, decode): its KV transport, over the engine's
-    pool, is made with the service and closed with it (docs/disaggregation.md)."""
-
-    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
-        super().__init__(config, index, engine, events)
-        try:
-            self.transport = transport_for_cache(config.kv_transport, engine.kv_cache, engine.model_fingerprint,
-                                                 self.security, self.worker_id,
-                                                 TransferOptions(send_pause_s=config.kv_send_pause_s, host=config.host))
-        except BaseException:
-            super().close()
-            raise
-
-    def close(self) -> None:
-        try:
-            self.transport.close()
-        finally:
-            super().close()
-
-    def _store_transport(self) -> KvTransport | None:
-        return self.transport

@@ -1,5 +1,6 @@
-"""The `decode` role: continues requests whose prompt a prefill worker computed, pulling
-their KV over the KV transport (docs/disaggregation.md).
+"""How a decode worker takes a handed-off request: it continues requests whose prompt a
+prefill worker computed, pulling their KV over the KV transport (docs/disaggregation.md).
+The worker service (services/worker/service.py) runs the `decode` role with this part.
 
 A Generate with a `kv_handle` is imported: the engine allocates blocks for the prompt,
 reusing those it holds by hash (`Engine.begin_load`); the KV store, when the cluster has
@@ -14,12 +15,13 @@ another decode worker could avoid (REPLACEABLE_CAUSES) is reported to the router
 or says to go on here; otherwise, or without its word within VERDICT_WAIT_S,
 `kv_load_failure_policy` says what happens: `recompute` (the prompt and first token are
 prefilled here) or `fail` (kv_transfer_failed to the client). A Generate without a
-handle is served whole (conditional disaggregation: the router sends short prefills
-straight here).
+handle is the service's to serve whole (conditional disaggregation: the router sends short
+prefills straight to a decode worker).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +30,7 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
 from common.engine.kv_connector import KvLoad, KvLoadError
-from common.kv_transfer import HandshakeRefused, PullResult
+from common.kv_transfer import HandshakeRefused, KvTransport, PullResult
 from common.logs import get_logger
 from common.metrics import Registry
 from common.protocol import (
@@ -42,10 +44,10 @@ from common.protocol import (
     params_from_sampling,
 )
 from common.sampling_params import InvalidRequestError
-from common.sockets import send
 from services.decode.lease_source import LeaseSource, pull_result
-from services.worker.kv_loads import LoadDone
-from services.worker.service import KvEventBuffer, TransferringService
+from services.worker.kv_loads import KvLoads, LoadDone
+from services.worker.kv_store_use import StoreSource
+from services.worker.role import SendToRouter
 
 log = get_logger("decode")
 UNREACHABLE_S = 5.0  # a KV peer whose handshake failed is not tried again for this long
@@ -95,12 +97,25 @@ class Import:
     verdict_by: float = 0.0  # monotonic: handed back, it falls back here if no verdict came by then
 
 
-class DecodeService(TransferringService):
-    role = "decode"
+class Imports:
+    """The decode role's part of the worker service: the handed-off requests (Generates
+    with a `kv_handle`) from their arrival to their first decode step, and the first
+    token's copy their first output carries."""
 
-    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
-        super().__init__(config, index, engine, events)
-        self.kv_metrics = DecodeMetrics(self.registry)
+    def __init__(self, config: ClusterConfig, engine: Engine, transport: KvTransport, store: StoreSource | None,
+                 kv_loads: KvLoads, registry: Registry, send_to_router: SendToRouter, *,
+                 emit: Callable[[list[RequestOutput]], None], fail: Callable[[str, ErrorCode, str], None],
+                 forget: Callable[[str, str, bool], None]):
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self.store = store
+        self.kv_loads = kv_loads
+        self.send_to_router = send_to_router
+        self.emit = emit  # the service's: the outputs' tokens to their tokenizers
+        self.fail = fail  # the service's: an error to the request's tokenizer, and forget it
+        self.forget = forget  # the service's: stop tracking a request (request id, outcome, report)
+        self.metrics = DecodeMetrics(registry)
         self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
         self.handed_back: dict[str, Import] = {}  # request id -> import whose failed pull the router may re-place
         self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
@@ -112,15 +127,15 @@ class DecodeService(TransferringService):
         self.peers: dict[str, str] = {}  # KV address handshaken with -> the prefill process (instance id) there
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
         self.refused_room: tuple[int, int] | None = None  # _room() when waiting imports last found none
-        self.lease_source = LeaseSource(self.transport, config.kv_transfer_timeout_s)
+        self.lease_source = LeaseSource(transport, config.kv_transfer_timeout_s)
 
     # ---- requests ------------------------------------------------------------------
 
-    def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
+    def admit(self, request: Generate, prompt_ids: list[int]) -> None:
+        """Take a handed-off request (`request.kv_handle` set; InvalidRequestError names a
+        bad parameter or a handle that does not fit the prompt)."""
         handle = request.kv_handle
-        if handle is None:  # a short prefill the router left to this worker
-            super()._admit(request, prompt_ids)
-            return
+        assert handle is not None
         _check_handle(handle, prompt_ids, self.engine.config.block_size)
         params_from_sampling(request.sampling).validate()
         now = time.monotonic()
@@ -145,7 +160,7 @@ class DecodeService(TransferringService):
         if load is None:
             return
         item.load = load
-        self.kv_metrics.blocks_reused.inc(load.first_block)
+        self.metrics.blocks_reused.inc(load.first_block)
         item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
         item.pull_started = time.monotonic()
         self.lease_source.expect(request.request_id, handle)
@@ -179,7 +194,9 @@ class DecodeService(TransferringService):
         scheduler = self.engine.scheduler
         return self.engine.block_manager.num_available, len(scheduler.running) + len(scheduler.receiving)
 
-    def _tend(self) -> None:
+    def tend(self) -> None:
+        """Each turn: imports waiting for room try again (when room changed) and renew
+        their leases; hand-backs without a verdict fall back here."""
         now = time.monotonic()
         renew_every = self.config.kv_lease_ttl_s / 3
         retry = self._room() != self.refused_room
@@ -191,7 +208,7 @@ class DecodeService(TransferringService):
                         and now - item.renewed >= renew_every:
                     item.renewed = now
                     self._update_lease(item, "renew")
-                    self.kv_metrics.renewals.inc()
+                    self.metrics.renewals.inc()
         for item in [i for i in self.handed_back.values() if now >= i.verdict_by]:
             del self.handed_back[item.request.request_id]
             log.warning("kv_verdict_missing", request_id=item.request.request_id, wait_s=VERDICT_WAIT_S)
@@ -199,24 +216,23 @@ class DecodeService(TransferringService):
         waiting = sum(item.load is None for item in self.imports.values())
         if retry:
             self.refused_room = self._room() if waiting else None
-        self.kv_metrics.waiting.set(waiting)
+        self.metrics.waiting.set(waiting)
 
-    def _load_done(self, done: LoadDone) -> None:
+    def load_done(self, done: LoadDone) -> bool:
         """An import's sources are done: it decodes if its whole prompt landed, else its
-        pull failed. Any other load (a short prefill's fetch from the store) as a worker's."""
+        pull failed. False for any other load (a short prefill's fetch from the store)."""
         request_id = done.load.request_id
         pulled = self.lease_source.pulled(request_id)
         self.lease_source.forget(request_id)
         item = self.imports.get(request_id)
         if item is None or item.load is not done.load:
-            super()._load_done(done)
-            return
+            return False
         lease_parts = [part for part in done.parts if part.source == self.lease_source.name]
         for part in lease_parts:
             result = pull_result(part)
             if result.status == "done":
-                self.kv_metrics.bytes.inc(result.nbytes)
-                self.kv_metrics.seconds.observe(result.seconds)
+                self.metrics.bytes.inc(result.nbytes)
+                self.metrics.seconds.observe(result.seconds)
                 if self.store is not None:  # the store's fetches are weighed against pulls
                     self.store.costs.observe_pull(result.nbytes, result.seconds)
         if done.whole:
@@ -224,20 +240,21 @@ class DecodeService(TransferringService):
                 self._update_lease(item, "release")
             item.timings["transfer_s"] = round(time.monotonic() - item.pull_started, 6)
             self._landed(item)
-            return
+            return True
         result = pull_result(lease_parts[-1]) if lease_parts else \
             PullResult(request_id, "failed", "unreachable", "no source had the prompt's KV")
         if not done.settled:
             result.settled = False
         self._pull_failed(item, result)
+        return True
 
     def _landed(self, item: Import) -> None:
         request_id = item.request.request_id
         del self.imports[request_id]
         self.timings[request_id] = item.timings
         self.landing[request_id] = item.handle.first_logprob
-        assert item.load is not None  # _load_done lands only begun imports
-        self._emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids)))
+        assert item.load is not None  # load_done lands only begun imports
+        self.emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids)))
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
         """Settle a pull that did not complete; then hand the request back to the router if
@@ -245,13 +262,13 @@ class DecodeService(TransferringService):
         request_id = item.request.request_id
         # The transports give the code as an ErrorCode or as its value: label with the value.
         cause = result.code.value if isinstance(result.code, ErrorCode) else result.code or result.status
-        self.kv_metrics.failures.inc(cause=cause)
+        self.metrics.failures.inc(cause=cause)
         log.warning("kv_pull_failed", request_id=request_id, status=result.status, code=result.code,
                     reason=result.reason, policy=self.config.kv_load_failure_policy)
         del self.imports[request_id]
         if not result.settled:  # late bytes may still land: the blocks stay out of use
             log.error("kv_blocks_quarantined", request_id=request_id)
-            self._fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
+            self.fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
             return
         if item.load is not None:
             self.engine.cancel_load(request_id)
@@ -269,9 +286,9 @@ class DecodeService(TransferringService):
         item.failure = why
         item.verdict_by = time.monotonic() + VERDICT_WAIT_S
         self.handed_back[item.request.request_id] = item
-        send(self.router, KvPullFailed(request=item.request, code=cause, reason=why[:500],
-                                       reply_by=time.time() + VERDICT_WAIT_S / 2),
-             [np.asarray(item.prompt_ids, dtype=np.uint32)])
+        self.send_to_router(KvPullFailed(request=item.request, code=cause, reason=why[:500],
+                                         reply_by=time.time() + VERDICT_WAIT_S / 2),
+                            [np.asarray(item.prompt_ids, dtype=np.uint32)])
 
     def _on_verdict(self, verdict: KvPullVerdict) -> None:
         item = self.handed_back.get(verdict.request_id)
@@ -280,9 +297,9 @@ class DecodeService(TransferringService):
             return
         del self.handed_back[verdict.request_id]
         if verdict.action == "moved":
-            self.kv_metrics.replaced.inc()
+            self.metrics.replaced.inc()
             log.info("kv_pull_replaced", request_id=verdict.request_id, worker_id=verdict.worker_id)
-            self._forget(verdict.request_id, "replaced", report=False)  # the router moved it already
+            self.forget(verdict.request_id, "replaced", False)  # the router moved it already
             return
         self._fall_back(item, f"{item.failure}; not re-placed: {verdict.reason}", release=True)
 
@@ -292,7 +309,7 @@ class DecodeService(TransferringService):
         if release:
             self._update_lease(item, "release")
         if self.config.kv_load_failure_policy == "fail":
-            self._fail(item.request.request_id, ErrorCode.KV_TRANSFER_FAILED,
+            self.fail(item.request.request_id, ErrorCode.KV_TRANSFER_FAILED,
                        f"the prompt's KV could not be moved from {item.handle.prefill_worker_id}: {why}")
             return
         self._recompute(item)
@@ -306,28 +323,31 @@ class DecodeService(TransferringService):
             self.engine.add_request(request.request_id, [*item.prompt_ids, item.handle.first_token_id],
                                     params_from_sampling(sampling), tenant_salt=request.tenant)
         except InvalidRequestError as error:
-            self._fail(request.request_id, ErrorCode.KV_TRANSFER_FAILED, f"recompute refused: {error}")
+            self.fail(request.request_id, ErrorCode.KV_TRANSFER_FAILED, f"recompute refused: {error}")
             return
         self.recomputed.add(request.request_id)
         self.replay[request.request_id] = (item.handle.first_token_id, item.handle.first_logprob)
-        self.kv_metrics.recomputed.inc()
+        self.metrics.recomputed.inc()
 
     def _give_up(self, item: Import, code: ErrorCode, why: str) -> None:
         self.imports.pop(item.request.request_id, None)
         self._update_lease(item, "release")
-        self._fail(item.request.request_id, code, why)
+        self.fail(item.request.request_id, code, why)
 
     def _update_lease(self, item: Import, action: str) -> None:
-        send(self.router, KvLeaseUpdate(request_id=item.request.request_id, lease_id=item.handle.lease_id,
-                                        prefill_worker_id=item.handle.prefill_worker_id, action=action))
+        self.send_to_router(KvLeaseUpdate(request_id=item.request.request_id, lease_id=item.handle.lease_id,
+                                          prefill_worker_id=item.handle.prefill_worker_id, action=action), [])
 
-    def _handle_role_message(self, message) -> bool:
+    def handle(self, message) -> bool:
+        """The router's verdict on a hand-back; False if `message` is not one."""
         if not isinstance(message, KvPullVerdict):
             return False
         self._on_verdict(message)
         return True
 
-    def _abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> bool:
+        """Stop a handed-off request still importing or handed back; False for any other
+        request (the engine's to abort)."""
         handed_back = self.handed_back.pop(request_id, None)
         if handed_back is not None:  # its blocks are freed already
             self._update_lease(handed_back, "release")
@@ -337,7 +357,7 @@ class DecodeService(TransferringService):
             self.recomputed.discard(request_id)
             self.replay.pop(request_id, None)
             self.timings.pop(request_id, None)
-            return super()._abort(request_id)
+            return False
         if item.load is None:
             self._update_lease(item, "release")
             return True
@@ -345,7 +365,7 @@ class DecodeService(TransferringService):
         if self.kv_loads.cancel(request_id):
             self.lease_source.forget(request_id)
             self.engine.cancel_load(request_id)
-        else:  # the part out cannot be stopped: the load ends through _load_done, the request with it
+        else:  # the part out cannot be stopped: the load ends through load_done, the request with it
             self.engine.abort(request_id)
         if not pulled:
             self._update_lease(item, "release")
@@ -353,10 +373,10 @@ class DecodeService(TransferringService):
 
     # ---- output --------------------------------------------------------------------
 
-    def _tokens(self, output: RequestOutput) -> Tokens | None:
-        tokens = super()._tokens(output)
-        if tokens is None:
-            return None
+    def tokens(self, output: RequestOutput, tokens: Tokens) -> Tokens:
+        """What the tokenizer gets of a request's output here: a landed or recomputed
+        import's first output carries the prefill worker's first token again (position 0),
+        and its last carries the TTFT split."""
         request_id = output.request_id
         if request_id in self.landing:  # complete_load's output: the first token, sent again
             logprob = self.landing.pop(request_id)

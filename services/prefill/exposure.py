@@ -1,5 +1,6 @@
-"""The `prefill` role: computes prompts, streams each one's first token, and holds the
-prompt's KV under a lease until a decode worker has pulled it (docs/disaggregation.md).
+"""What a prefill worker does at a prompt's end: it holds the prompt's KV under a lease
+until a decode worker has pulled it, and hands the request off (docs/disaggregation.md).
+The worker service (services/worker/service.py) runs the `prefill` role with this part.
 
 A Generate runs in the engine with one output token and `hold_kv`. When that token is
 out, either it ends the request (end of sequence, a stop, max_tokens = 1: the lease is
@@ -9,7 +10,7 @@ the router, which picks the decode worker. The exposure's one TransferEvent (pul
 failed, cancelled, expired, withdrawn) frees the blocks, normally once no send reads
 them any more. A send to a puller that died may never complete (UCX without peer error
 handling); those blocks are freed all the same, since a send only reads them and the
-puller settles or quarantines its own receives (services/decode/service.py).
+puller settles or quarantines its own receives (services/decode/imports.py).
 The transport's lease is the one clock: the decode worker renews it through the router
 while the request waits there for room (KvLeaseUpdate), and a lost decode worker costs
 at most one lease of held blocks.
@@ -31,12 +32,12 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
 from common.engine.leases import LeaseError
-from common.kv_transfer import TransferEvent
+from common.kv_transfer import KvTransport, TransferEvent
 from common.logs import get_logger
 from common.metrics import Registry
 from common.protocol import Generate, KvLeaseUpdate, KvReady, Tokens, params_from_sampling
-from common.sockets import send
-from services.worker.service import KvEventBuffer, TransferringService
+from common.sampling_params import SamplingParams
+from services.worker.role import SendToRouter
 
 log = get_logger("prefill")
 EVENTS_PER_TURN = 1024
@@ -62,57 +63,51 @@ class PrefillMetrics:
                                               "Lease renewals or releases naming no live lease of that request")
 
 
-class PrefillService(TransferringService):
-    role = "prefill"
+class LeaseExposure:
+    """The prefill role's part of the worker service: each request computes its prompt and
+    first token only, and at its prompt's end is handed off (its KV exposed under a lease,
+    KvReady to the router) unless that token ended it."""
 
-    def __init__(self, config: ClusterConfig, index: int, engine: Engine, events: KvEventBuffer):
-        super().__init__(config, index, engine, events)
-        self.kv_metrics = PrefillMetrics(self.registry)
+    def __init__(self, config: ClusterConfig, index: int, engine: Engine, transport: KvTransport,
+                 registry: Registry, send_to_router: SendToRouter):
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self.send_to_router = send_to_router
+        self.metrics = PrefillMetrics(registry)
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
         self.ready: list[KvReady] = []  # hand-offs of this step, sent once its tokens are pushed
         self.held: dict[str, Held] = {}  # request id -> its Generate, until its lease ends
-        try:
-            self.bound_kv_address = self.transport.listen(config.worker_kv_address(index))
-        except BaseException:
-            self.close()
-            raise
-
-    def _kv_address(self) -> str:
-        return self.config.advertised(self.bound_kv_address)
+        self.kv_address = config.advertised(transport.listen(config.worker_kv_address(index)))
 
     # ---- requests ------------------------------------------------------------------
 
-    def _admit(self, request: Generate, prompt_ids: list[int]) -> None:
+    def admit(self, request: Generate, prompt_ids: list[int], session: str) -> SamplingParams:
+        """What the engine runs of `request`: its first token only, the KV held. The request
+        is kept until its lease ends (or `forget`)."""
         params_from_sampling(request.sampling).validate()  # what the decode worker would refuse
-        first_only = params_from_sampling(replace(request.sampling, max_tokens=1))
-        if not self._load_from_store(request, prompt_ids, first_only, hold_kv=True):
-            self.engine.add_request(request.request_id, prompt_ids, first_only, tenant_salt=request.tenant,
-                                    hold_kv=True)
         self.max_tokens[request.request_id] = request.sampling.max_tokens
-        self.held[request.request_id] = Held(request, np.asarray(prompt_ids, dtype=np.uint32), self.session)
+        self.held[request.request_id] = Held(request, np.asarray(prompt_ids, dtype=np.uint32), session)
+        return params_from_sampling(replace(request.sampling, max_tokens=1))
 
-    def _abort(self, request_id: str) -> bool:
-        self.max_tokens.pop(request_id, None)
-        return super()._abort(request_id)
-
-    def _forget(self, request_id: str, outcome: str, report: bool = True) -> None:
+    def forget(self, request_id: str, outcome: str) -> None:
         if outcome != "handed_off":  # a handed-off request's Generate stays until its lease ends
             self.held.pop(request_id, None)
-        super()._forget(request_id, outcome, report)
+            self.max_tokens.pop(request_id, None)
 
-    def _tokens(self, output: RequestOutput) -> Tokens | None:
-        tokens = super()._tokens(output)
+    def hand_off(self, output: RequestOutput, tokens: Tokens, received: float | None) -> tuple[Tokens, bool]:
+        """At the prompt's end (`output` carries the lease): the tokens to send, and whether
+        the request was handed off (it then leaves this worker, not finished). `received`:
+        when its Generate arrived (monotonic), for its prefill time."""
         lease = output.kv_lease
-        if lease is None or tokens is None:
-            return tokens
+        assert lease is not None
         max_tokens = self.max_tokens.pop(output.request_id, 1)
         if output.finish_reason != "length" or max_tokens <= 1:  # the first token ended it
             self.engine.release_lease(lease.lease_id, lease.request_id)
-            return tokens
-        progress = self.progress.get(output.request_id)
+            return tokens, False
         queue_s = output.queue_s or 0.0
-        prefill_s = max(0.0, time.monotonic() - progress.received - queue_s) if progress else 0.0
+        prefill_s = max(0.0, time.monotonic() - received - queue_s) if received is not None else 0.0
         try:
             # A failed pull leaves the exposure for the decode worker the router may re-place
             # the request on (docs/disaggregation.md §3); the lease's end still bounds it.
@@ -121,53 +116,51 @@ class PrefillService(TransferringService):
         except Exception as error:  # noqa: BLE001 (the transport is gone or full: the request ends here)
             log.error("kv_expose_failed", request_id=output.request_id, error=str(error))
             self.engine.release_lease(lease.lease_id, lease.request_id)
-            return replace(tokens, finished=True, finish_reason="length")
+            return replace(tokens, finished=True, finish_reason="length"), False
         self.exposed[lease.lease_id] = lease.request_id
-        self.ready.append(KvReady(request_id=lease.request_id, lease_id=lease.lease_id,
-                                  block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
-                                  num_tokens=lease.num_tokens, first_token_id=lease.first_token_id,
-                                  queue_s=round(queue_s, 6), prefill_s=round(prefill_s, 6),
-                                  first_logprob=output.logprobs[0] if output.logprobs else None))
+        ready = KvReady(request_id=lease.request_id, lease_id=lease.lease_id, block_ids=list(lease.block_ids),
+                        block_hashes=list(lease.block_hashes), num_tokens=lease.num_tokens,
+                        first_token_id=lease.first_token_id, queue_s=round(queue_s, 6),
+                        prefill_s=round(prefill_s, 6),
+                        first_logprob=output.logprobs[0] if output.logprobs else None)
+        self.ready.append(ready)
         held = self.held.get(output.request_id)
         if held is not None:
-            held.ready = self.ready[-1]
-        self._note_progress(output)
-        self._forget(output.request_id, "handed_off", report=False)
+            held.ready = ready
         return replace(tokens, finished=False, finish_reason=None, position=0,
-                       timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)})
+                       timings={"queue_s": round(queue_s, 6), "prefill_s": round(prefill_s, 6)}), True
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        """Push the step's tokens, then hand the requests off, so that the first token
-        usually reaches the tokenizer before the decode worker's copy of it (either order
-        is right: Tokens.position)."""
-        try:
-            super()._emit(outputs)
-        finally:
-            ready, self.ready = self.ready, []
-            for message in ready:
-                self._send_ready(message)
+    def send_ready(self, session: str, joined: bool) -> None:
+        """The step's hand-offs to the router, once its tokens are pushed: the first token
+        usually reaches the tokenizer before the decode worker's copy of it (either order is
+        right: Tokens.position)."""
+        ready, self.ready = self.ready, []
+        for message in ready:
+            self._send_ready(message, session, joined)
 
-    def _send_ready(self, ready: KvReady) -> None:
+    def _send_ready(self, ready: KvReady, session: str, joined: bool) -> None:
         """KvReady to the router; with the request and its prompt when the router may not
         hold the hand-off (this worker joined it after the request came). Not sent while
         the worker must join again: the rejoin sends it."""
         held = self.held.get(ready.request_id)
-        if held is None or held.session == self.session:
-            send(self.router, ready)
-        elif self.joined:
-            held.session = self.session
-            send(self.router, replace(ready, request=held.request), [held.prompt])
+        if held is None or held.session == session:
+            self.send_to_router(ready, [])
+        elif joined:
+            held.session = session
+            self.send_to_router(replace(ready, request=held.request), [held.prompt])
 
-    def _rejoined(self) -> None:
+    def rejoined(self, session: str) -> None:
         """Send again, with the request, the KvReady of every lease no decode worker has
         claimed that went to an earlier registration: this router may never have had it."""
         for held in self.held.values():
-            if held.ready is not None and not held.claimed and held.session != self.session:
-                self._send_ready(held.ready)
+            if held.ready is not None and not held.claimed and held.session != session:
+                self._send_ready(held.ready, session, joined=True)
 
     # ---- leases --------------------------------------------------------------------
 
-    def _handle_role_message(self, message) -> bool:
+    def handle(self, message) -> bool:
+        """A lease update from a decode worker, through the router; False if `message` is
+        not one."""
         if not isinstance(message, KvLeaseUpdate):
             return False
         lease_id, request_id = message.lease_id, message.request_id
@@ -176,7 +169,7 @@ class PrefillService(TransferringService):
             if self.exposed.get(lease_id) != request_id:
                 raise LeaseError("not exposed")
         except LeaseError:
-            self.kv_metrics.lease_refused.inc()
+            self.metrics.lease_refused.inc()
             log.warning("lease_update_refused", request_id=request_id, action=message.action,
                         why="no live lease of that request")
             return True
@@ -192,7 +185,8 @@ class PrefillService(TransferringService):
                         why="unknown action")
         return True
 
-    def _tend(self) -> None:
+    def tend(self) -> None:
+        """Each turn: free the blocks of the exposures that ended."""
         for _ in range(EVENTS_PER_TURN):
             event = self.transport.next_event(0)
             if event is None:
@@ -204,17 +198,15 @@ class PrefillService(TransferringService):
         if request_id is None:
             return
         self.held.pop(request_id, None)
-        self.kv_metrics.exposures.inc(outcome=event.status)
+        self.metrics.exposures.inc(outcome=event.status)
         if not event.settled:  # a send still pending (its puller gone) only reads the blocks
             log.error("kv_sends_unsettled", request_id=request_id, status=event.status, reason=event.reason)
         elif event.status != "done":
             log.warning("kv_lease_ended", request_id=request_id, status=event.status, reason=event.reason)
         self.engine.release_lease(event.transfer_id, request_id)
 
-    def _report(self) -> None:
-        self.kv_metrics.leased_blocks.set(self.engine.leases.num_blocks)
-        super()._report()
+    def report(self) -> None:
+        self.metrics.leased_blocks.set(self.engine.leases.num_blocks)
 
     def health(self) -> dict:
-        return super().health() | {"kv_blocks_leased": self.engine.leases.num_blocks,
-                                   "kv_address": self._kv_address()}
+        return {"kv_blocks_leased": self.engine.leases.num_blocks, "kv_address": self.kv_address}
