@@ -4,7 +4,8 @@ evicted was written back to the store; a longer prompt sharing its first blocks 
 prefilled with those blocks fetched from the store, and reaches the decode worker with
 the same blocks fetched from the store and only the rest pulled from the prefill
 worker's lease (services/worker/kv_loads.py), token for token as the in-process engine
-gives them. Engines: prefill-0 is engine 0, decode-1 engine 1."""
+gives them; with the prompt's first blocks in the decode worker's own cache, one request
+takes blocks from all three. Engines: prefill-0 is engine 0, decode-1 engine 1."""
 from __future__ import annotations
 
 import urllib.request
@@ -69,5 +70,39 @@ def test_a_decode_worker_takes_blocks_from_the_store_and_the_rest_from_the_lease
                          "both workers' fetches counted")
         pulled = metric(cluster, DECODE, "baton_kv_transfer_bytes_total") - pulled_before
         assert pulled == 3 * BLOCK_BYTES
+    for index in (PREFILL, DECODE):
+        assert cluster.worker_health(index)["ok"]
+
+
+def test_one_request_takes_blocks_from_the_cache_the_store_and_the_lease(pd_store, make_engine, random_prompts):
+    cluster = pd_store
+    shared, tail, head_tail, filler_a, filler_b = random_prompts([64, 40, 5, 110, 110], seed=62)
+    first_prompt, head_prompt, second_prompt = shared + tail[:6], shared[:32] + head_tail, shared + tail
+    reference = make_engine(max_model_len=128)
+    want = {len(p): reference.generate([p], SamplingParams(max_tokens=MAX_TOKENS, **GREEDY))[0].token_ids
+            for p in (first_prompt, head_prompt, second_prompt)}
+
+    def fetched() -> list[float]:
+        return [metric(cluster, i, "baton_worker_kvstore_fetched_blocks_total") for i in (PREFILL, DECODE)]
+
+    with Client(cluster.sdk, timeout_s=60) as client:
+        assert client.generate(token_ids=first_prompt, max_tokens=MAX_TOKENS, **GREEDY).token_ids == want[70]
+        for filler in (filler_a, filler_b):
+            client.generate(token_ids=filler, max_tokens=2, **GREEDY)
+        cluster.wait_for(lambda: stored_tiers(cluster, reference, shared) == [0, 0, 0, 0], 30,
+                         "the write-back of the shared blocks")
+        # Blocks 0-1 come back into both workers' caches (from the store), and stay there.
+        assert client.generate(token_ids=head_prompt, max_tokens=MAX_TOKENS, **GREEDY).token_ids == want[37]
+        cluster.wait_for(lambda: fetched() == [2, 2], 10, "both workers' fetches of blocks 0-1 counted")
+        reused_before = metric(cluster, DECODE, "baton_kv_import_blocks_reused_total")
+        pulled_before = metric(cluster, DECODE, "baton_kv_transfer_bytes_total")
+
+        second = client.generate(token_ids=second_prompt, max_tokens=MAX_TOKENS, **GREEDY)
+        assert second.token_ids == want[104]
+        # Decode: blocks 0-1 its own, 2-3 from the store, 4-6 from the lease. Prefill: 0-1
+        # its own, 2-3 from the store, 4-6 computed.
+        cluster.wait_for(lambda: fetched() == [4, 4], 10, "both workers' fetches of blocks 2-3 counted")
+        assert metric(cluster, DECODE, "baton_kv_import_blocks_reused_total") - reused_before == 2
+        assert metric(cluster, DECODE, "baton_kv_transfer_bytes_total") - pulled_before == 3 * BLOCK_BYTES
     for index in (PREFILL, DECODE):
         assert cluster.worker_health(index)["ok"]
