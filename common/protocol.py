@@ -20,7 +20,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
@@ -195,6 +195,11 @@ class Generate(msgspec.Struct, forbid_unknown_fields=True):
     slo_class: str = ""  # names a configured SLO class; "" = the tenant's or the default
     origin: str = ""  # the sending tokenizer's identity, set by the router whatever the sender put
     kv_handle: KvHandle | None = None
+    # Router to an engine, with a KV store, as the router's index knows them: the engine's
+    # cache holds the prompt's first `store_from` blocks, and the store the next
+    # len(store_tiers) blocks (in these tiers) but not the one after. None: unknown.
+    store_from: int = 0
+    store_tiers: list[int] | None = None
 
 
 class Placed(msgspec.Struct, forbid_unknown_fields=True):

@@ -26,13 +26,30 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class StoreHint:
+    """What the router's index says of a prompt (Generate.store_from, store_tiers): this
+    engine's cache holds its first `start` blocks, the KV store the next len(tiers) in
+    `tiers`, and the store lacks the block after them."""
+
+    start: int
+    tiers: tuple[int, ...]
+
+    def run_from(self, block: int) -> int | None:
+        """How many blocks from prompt block `block` on the store holds; None where the
+        hint does not say (the cache ends elsewhere than the router believes)."""
+        end = self.start + len(self.tiers)
+        return end - block if self.start <= block <= end else None
+
+
+@dataclass(frozen=True)
 class KvLoad:
     """Where a request's prompt KV from elsewhere must land (docs/architecture.md §7.1):
     prompt block `first_block + i` goes to this engine's block `dst_block_ids[i]`. The
     leading `first_block` blocks this engine's prefix cache held are not loaded.
     `block_hashes[i]` names prompt block `first_block + i` where it is full (the KV
     store's key); a load `through_prompt_end` (the prompt was computed elsewhere) may end
-    on a partial block, which has no name."""
+    on a partial block, which has no name. `store_hint`, when the cluster knows it, says
+    what the KV store can supply without asking it."""
 
     request_id: str
     namespace: int
@@ -40,6 +57,7 @@ class KvLoad:
     dst_block_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]
     through_prompt_end: bool
+    store_hint: StoreHint | None = None
 
 
 class KvLoadError(ValueError):

@@ -20,6 +20,7 @@ prefills straight to a decode worker).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
-from common.engine.kv_connector import KvLoad, KvLoadError
+from common.engine.kv_connector import KvLoad, KvLoadError, StoreHint
 from common.kv_transfer import HandshakeRefused, KvTransport, PullResult
 from common.logs import get_logger
 from common.metrics import Registry
@@ -90,6 +91,7 @@ class Import:
     prompt_ids: list[int]
     arrived: float  # monotonic
     renewed: float  # monotonic: when its lease was last renewed
+    store_hint: StoreHint | None  # what the router's index says the KV store holds of the prompt
     load: KvLoad | None = None  # its blocks, once it has them
     pull_started: float = 0.0  # monotonic: when its load began
     timings: dict[str, float] = field(default_factory=dict)
@@ -131,15 +133,16 @@ class Imports:
 
     # ---- requests ------------------------------------------------------------------
 
-    def admit(self, request: Generate, prompt_ids: list[int]) -> None:
+    def admit(self, request: Generate, prompt_ids: list[int], store_hint: StoreHint | None) -> None:
         """Take a handed-off request (`request.kv_handle` set; InvalidRequestError names a
-        bad parameter or a handle that does not fit the prompt)."""
+        bad parameter or a handle that does not fit the prompt). `store_hint`: what the
+        router's index says the KV store holds of the prompt."""
         handle = request.kv_handle
         assert handle is not None
         _check_handle(handle, prompt_ids, self.engine.config.block_size)
         params_from_sampling(request.sampling).validate()
         now = time.monotonic()
-        self.imports[request.request_id] = Import(request, handle, prompt_ids, now, now)
+        self.imports[request.request_id] = Import(request, handle, prompt_ids, now, now, store_hint)
         self._begin(self.imports[request.request_id])
 
     def _begin(self, item: Import) -> None:
@@ -159,7 +162,7 @@ class Imports:
             return
         if load is None:
             return
-        item.load = load
+        item.load = load = dataclasses.replace(load, store_hint=item.store_hint)
         self.metrics.blocks_reused.inc(load.first_block)
         item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
         item.pull_started = time.monotonic()

@@ -313,6 +313,25 @@ class ClusterState:
         return Request(request_id, root_hash, keys, len(token_ids), max_tokens, slo_class, path,
                        self.index.match(path), self.block_size)
 
+    def store_hint(self, request: Request, worker_id: str) -> tuple[int, list[int] | None]:
+        """What `worker_id`, sent `request`, is told of the KV store (Generate.store_from and
+        store_tiers): how many of the prompt's blocks it holds, and the tiers of the run of
+        blocks the store holds right after them (the store lacks the block after the run).
+        (0, None) without a store the engines fetch from. Costs the run's length: nothing
+        for a prompt the store lacks."""
+        if self.store is None:
+            return 0, None
+        held = request.matched.get(worker_id, 0)
+        tiers = self.index.store_tiers
+        path = request.path
+        run: list[int] = []
+        for depth in range(held, len(path)):
+            tier = tiers.get(path[depth].block_hash)
+            if tier is None:
+                break
+            run.append(tier)
+        return held, run
+
     def place(self, request: Request, worker_id: str, now: float) -> Placement:
         """Record that `request` goes to `worker_id`."""
         worker = self.workers[worker_id]

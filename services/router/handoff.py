@@ -117,7 +117,9 @@ class HandoffDesk:
         if self.cluster.worker_ids and not computes_locally(candidate, worker_id,
                                                             self.config.max_local_prefill_tokens):
             return None
-        if not self.send(self.members[worker_id].identity, request, payloads):
+        store_from, store_tiers = self.decode_pool.store_hint(candidate, worker_id)
+        sent = replace(request, store_from=store_from, store_tiers=store_tiers)
+        if not self.send(self.members[worker_id].identity, sent, payloads):
             return None
         self.decode_pool.place(candidate, worker_id, now)
         return worker_id
@@ -213,7 +215,9 @@ class HandoffDesk:
         while (worker_id := pick_decode_worker(candidate, self.decode_pool, now, tried)) is not None:
             if roomy_only and self.decode_pool.free_blocks[worker_id] < candidate.blocks_needed(worker_id):
                 return None  # pairing prefers workers with room: none is left
-            if self.send(self.members[worker_id].identity, request, [prompt]):
+            store_from, store_tiers = self.decode_pool.store_hint(candidate, worker_id)
+            sent = replace(request, store_from=store_from, store_tiers=store_tiers)
+            if self.send(self.members[worker_id].identity, sent, [prompt]):
                 self.decode_pool.place(candidate, worker_id, now)
                 return worker_id
             tried |= {worker_id}

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.cost_model import StorePricing, load_cost_model
@@ -545,7 +546,9 @@ class RouterService:
                 self._refuse(identity, request, ErrorCode.OVERLOADED, verdict.reason, verdict.retry_after_s,
                              "overloaded")
                 return
-            if self._reply(self.members[verdict.worker_id].identity, request, payloads):
+            store_from, store_tiers = self.cluster.store_hint(candidate, verdict.worker_id)
+            sent = replace(request, store_from=store_from, store_tiers=store_tiers)
+            if self._reply(self.members[verdict.worker_id].identity, sent, payloads):
                 self.cluster.place(candidate, verdict.worker_id, now)
                 if verdict.worker_id in self.prefill_pool:
                     self.handoffs.hold(request, payloads[0], verdict.worker_id)

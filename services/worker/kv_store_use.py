@@ -27,10 +27,12 @@ import torch
 from common.config import ClusterConfig
 from common.cost_model import CostModel, load_cost_model
 from common.engine.engine import Engine
-from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, WritebackConfig, WritebackQueue
+from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, StoreHint, WritebackConfig, WritebackQueue
 from common.engine.kv_layout import KVLayout
 from common.logs import get_logger
 from common.metrics import Registry
+from common.protocol import Generate
+from common.sampling_params import InvalidRequestError
 
 log = get_logger("worker")
 
@@ -371,7 +373,8 @@ class StoreMetrics:
                                         "Prompt blocks fetched from the KV store, by tier", labels=("tier",))
         self.decisions = registry.counter("baton_worker_kvstore_fetch_decisions_total",
                                           "Prompts with blocks past the local cache: fetched, recomputed "
-                                          "(not worth it) or missed (not stored)",
+                                          "(not worth it), missed (not stored) or known_miss (the router's "
+                                          "index says the store holds none of them: not asked)",
                                           labels=("decision",))
         self.failures = registry.counter("baton_worker_kvstore_failures_total",
                                          "KV store calls that failed (the request recomputed, or the copy "
@@ -417,13 +420,41 @@ class StoreSource:
         return self.config.kvstore_fetch != "never" and len(self.in_flight) < MAX_FETCHES_IN_FLIGHT \
             and time.monotonic() >= self.skip_until
 
+    def hint(self, request: Generate, num_tokens: int) -> StoreHint | None:
+        """The request's store_from and store_tiers, for its load (InvalidRequestError names
+        what is wrong)."""
+        tiers = request.store_tiers
+        if tiers is None:
+            return None
+        num_blocks = num_tokens // self.engine.config.block_size
+        if not 0 <= request.store_from <= num_blocks - len(tiers):
+            raise InvalidRequestError("store_from", f"{request.store_from} with {len(tiers)} store_tiers; the "
+                                      f"prompt has {num_blocks} full blocks")
+        if any(not 0 <= tier < len(TIER_NAMES) for tier in tiers):
+            raise InvalidRequestError("store_tiers", f"a tier must be 0 to {len(TIER_NAMES) - 1}")
+        return StoreHint(request.store_from, tuple(tiers))
+
+    def may_hold(self, hint: StoreHint | None) -> bool:
+        """False when the router's index says the store holds nothing right after this
+        engine's cache (counted as a known miss): the load need not even be begun for the
+        store. Where the cache ends elsewhere than the router believes, a fetch is lost, never
+        a wrong block loaded."""
+        if hint is None or hint.tiers:
+            return True
+        self.metrics.decisions.inc(decision="known_miss")
+        return False
+
     # ---- KvSource
 
     def start(self, load: KvLoad, start: int) -> bool:
         """Ask the store thread for the load's named blocks from `start` on; False (nothing
-        asked) when there are none or the store is not `accepting`."""
+        asked) when there are none, the router's index says the store lacks the first of
+        them, or the store is not `accepting`."""
         keys = load.block_hashes[start:]
         if not keys or not self.accepting():
+            return False
+        if load.store_hint is not None and load.store_hint.run_from(load.first_block + start) == 0:
+            self.metrics.decisions.inc(decision="known_miss")
             return False
         dst = load.dst_block_ids[start:start + len(keys)]
         if load.through_prompt_end:  # a decode worker: what the store does not give is pulled

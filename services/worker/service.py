@@ -23,6 +23,7 @@ jobs and takes its results without waiting.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -37,6 +38,7 @@ from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
+from common.engine.kv_connector import StoreHint
 from common.kv_transfer import KvTransport, TransferOptions, transport_for_cache
 from common.logs import get_logger
 from common.metrics import Registry
@@ -402,28 +404,30 @@ class WorkerService:
         through the KV store when it holds the prompt's blocks past the local cache. A
         handed-off request goes to the decode role's imports; on a prefill worker the engine
         computes the first token only and holds the KV for the hand-off."""
+        store_hint = self.store.hint(request, len(prompt_ids)) if self.store is not None else None
         if request.kv_handle is not None and self.imports is not None:
-            self.imports.admit(request, prompt_ids)
+            self.imports.admit(request, prompt_ids, store_hint)
             return
         hold_kv = self.exposure is not None
         if self.exposure is not None:
             params = self.exposure.admit(request, prompt_ids, self.session)
         else:
             params = params_from_sampling(request.sampling)
-        if not self._load_from_store(request, prompt_ids, params, hold_kv=hold_kv):
+        if not self._load_from_store(request, prompt_ids, params, store_hint, hold_kv=hold_kv):
             self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant,
                                     hold_kv=hold_kv)
 
     def _load_from_store(self, request: Generate, prompt_ids: list[int], params: SamplingParams,
-                         hold_kv: bool = False) -> bool:
+                         store_hint: StoreHint | None, hold_kv: bool = False) -> bool:
         """Start loading the prompt's blocks past the local cache from the KV store; False
-        when there are none, or the store takes no fetch now: the caller adds the request."""
-        if self.store is None or not self.store.accepting():
+        when there are none, the router's index says the store holds none past the local
+        cache, or the store takes no fetch now: the caller adds the request."""
+        if self.store is None or not self.store.accepting() or not self.store.may_hold(store_hint):
             return False
         load = self.engine.begin_load(request.request_id, prompt_ids, params, request.tenant, hold_kv=hold_kv)
         if load is None:
             return False
-        self.kv_loads.begin(load, (self.store,))
+        self.kv_loads.begin(dataclasses.replace(load, store_hint=store_hint), (self.store,))
         return True
 
     def _load_done(self, done: LoadDone) -> None:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.sampling_params import SamplingParams
 from services.client import Client
 from services.local_cluster import start_cluster
-from tests.services.worker.test_worker_store import stored_tiers
+from tests.services.worker.test_worker_store import stored_tiers, the_router_knows_the_store
 
 pytest.importorskip("services.kvstore.service", reason="the kvstore role is not in this checkout")
 
@@ -59,6 +59,7 @@ def test_a_decode_worker_takes_blocks_from_the_store_and_the_rest_from_the_lease
             client.generate(token_ids=filler, max_tokens=2, **GREEDY)
         cluster.wait_for(lambda: stored_tiers(cluster, reference, shared) == [0, 0, 0, 0], 30,
                          "the write-back of the shared blocks")  # by whichever worker evicted them first
+        cluster.wait_for(lambda: the_router_knows_the_store(cluster), 10, "the store's events at the router")
         pulled_before = metric(cluster, DECODE, "baton_kv_transfer_bytes_total")
         fetched_before = [metric(cluster, i, "baton_worker_kvstore_fetched_blocks_total") for i in (PREFILL, DECODE)]
 
@@ -91,6 +92,7 @@ def test_one_request_takes_blocks_from_the_cache_the_store_and_the_lease(pd_stor
             client.generate(token_ids=filler, max_tokens=2, **GREEDY)
         cluster.wait_for(lambda: stored_tiers(cluster, reference, shared) == [0, 0, 0, 0], 30,
                          "the write-back of the shared blocks")
+        cluster.wait_for(lambda: the_router_knows_the_store(cluster), 10, "the store's events at the router")
         # Blocks 0-1 come back into both workers' caches (from the store), and stay there.
         assert client.generate(token_ids=head_prompt, max_tokens=MAX_TOKENS, **GREEDY).token_ids == want[37]
         cluster.wait_for(lambda: fetched() == [2, 2], 10, "both workers' fetches of blocks 0-1 counted")

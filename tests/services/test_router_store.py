@@ -252,3 +252,22 @@ def test_evicting_blocks_the_store_holds_is_priced_as_their_fetch():
         costs[store] = cluster.eviction_cost_s(request_for(cluster, tokens(14, 32 * BLOCK), "new"), "a", 0.0)
     assert costs[False] == pytest.approx(32 * BLOCK * HAND.prefill.b)  # 32 blocks recomputed
     assert costs[True] == pytest.approx(32 * SMALL_BLOCKS.bytes_per_block / DRAM_LINK.bandwidth_bytes_s)
+
+
+def test_the_engine_is_told_what_the_store_holds_right_after_its_own_blocks():
+    """Generate.store_from and store_tiers: the blocks the worker holds, then the tiers of
+    the store's run from there (it lacks the block after); (0, None) without a store."""
+    cluster = cluster_of("a", "b")
+    prompt = tokens(7, 6 * BLOCK + 5)
+    names = hashes(prompt)
+    assert cluster.store_hint(request_for(cluster, prompt), "a") == (0, [])  # nobody holds it: no lookup needed
+    cluster.kv_stored("a", names[:2], 0.0)
+    cluster.store_stored(names[1:4], [0, 1, 0])
+    request = request_for(cluster, prompt)
+    assert cluster.store_hint(request, "a") == (2, [1, 0])
+    assert cluster.store_hint(request, "b") == (0, [])  # block 0 is a's alone
+    cluster.store_stored(names[:1], [0])
+    assert cluster.store_hint(request_for(cluster, prompt), "b") == (0, [0, 0, 1, 0])
+    without = cluster_of("a", store=None)
+    without.kv_stored("a", names[:2], 0.0)
+    assert without.store_hint(request_for(without, prompt), "a") == (0, None)

@@ -186,3 +186,60 @@ def test_the_engines_prefill_rate_is_learnt_every_turn_without_a_fetch(make_engi
     assert store.costs.prefill_rate.samples == 1 and store.costs.block_prefill_s() != seeded
     store.observe_engine()  # nothing new prefilled: nothing learnt
     assert store.costs.prefill_rate.samples == 1
+
+
+def test_the_store_is_not_asked_for_blocks_the_routers_index_says_it_lacks(make_engine, random_prompts):
+    """KvLoad.store_hint (the router's view): a load whose first block to fetch is where the
+    store's run ends is not looked up, nor begun for a prompt with no run after the cache;
+    where the cache ends elsewhere than the router believes, the store is asked as before;
+    a bad hint is refused by name."""
+    import dataclasses
+
+    from common.config import ClusterConfig
+    from common.engine.kv_connector import StoreHint
+    from common.metrics import Registry
+    from common.protocol import Generate, Sampling
+    from common.sampling_params import InvalidRequestError, SamplingParams
+    from services.worker.kv_store_use import StoreSource
+
+    engine = make_engine(max_model_len=128)
+    registry = Registry()
+    store = StoreSource(ClusterConfig(kvstore=True, kvstore_fetch="always"), engine, lambda: None, registry)
+    prompt = random_prompts([70], seed=45)[0]  # 4 full blocks
+    load = engine.begin_load("w", prompt, SamplingParams(max_tokens=4))
+    assert load is not None and load.first_block == 0 and len(load.block_hashes) == 4
+
+    def known_misses() -> float:
+        return registry.collectors.get_sample_value("baton_worker_kvstore_fetch_decisions_total",
+                                                    {"decision": "known_miss"}) or 0.0
+
+    def asked(hint: StoreHint | None, start: int) -> tuple[int, ...] | None:
+        """The keys the store thread was asked for (None: not asked)."""
+        if not store.start(dataclasses.replace(load, store_hint=hint), start):
+            return None
+        store.in_flight.clear()
+        return store.thread.jobs.get_nowait().keys
+
+    assert asked(StoreHint(0, ()), 0) is None  # the store lacks block 0
+    assert asked(StoreHint(1, (0, 0)), 3) is None  # blocks 1-2 stored, block 3 not
+    assert known_misses() == 2
+    assert asked(StoreHint(1, (0, 1)), 1) == load.block_hashes[1:]  # the run starts there: looked up
+    assert asked(StoreHint(2, ()), 0) == load.block_hashes  # the cache ends before the router thinks
+    assert asked(StoreHint(0, ()), 1) == load.block_hashes[1:]  # ... or after it
+    assert asked(None, 0) == load.block_hashes  # no hint: looked up, as before
+    engine.cancel_load("w")
+    assert not store.may_hold(StoreHint(3, ())) and known_misses() == 3
+    assert store.may_hold(None) and store.may_hold(StoreHint(0, (1,)))
+
+    def hint(store_from: int, tiers: list[int] | None) -> StoreHint | None:
+        return store.hint(Generate(request_id="g", sampling=Sampling(max_tokens=4),
+                                   stream_address="tcp://127.0.0.1:1", store_from=store_from,
+                                   store_tiers=tiers), 70)
+
+    assert hint(1, [0, 1, 0]) == StoreHint(1, (0, 1, 0)) and hint(0, None) is None
+    with pytest.raises(InvalidRequestError, match="store_from.*2 with 3 store_tiers; the prompt has 4 full blocks"):
+        hint(2, [0, 0, 0])
+    with pytest.raises(InvalidRequestError, match="store_from.*-1 with"):
+        hint(-1, [])
+    with pytest.raises(InvalidRequestError, match="store_tiers.*a tier must be 0 to 1"):
+        hint(0, [0, -1])

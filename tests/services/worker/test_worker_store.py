@@ -41,9 +41,11 @@ def get_json(url: str) -> dict:
         return json.loads(error.read())
 
 
-def metric(cluster, name: str, **labels: str) -> float:
-    """A worker-0 metric's value (0 until it is first counted)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port_base + 11}/metrics", timeout=5) as response:
+def metric(cluster, name: str, port_offset: int = 11, **labels: str) -> float:
+    """A worker-0 metric's value (0 until it is first counted); another process's at
+    `port_offset` (the router's is 3)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port_base + port_offset}/metrics",
+                                timeout=5) as response:
         text = response.read().decode()
     total = 0.0
     for family in text_string_to_metric_families(text):
@@ -68,6 +70,14 @@ def stored_tiers(cluster, engine, prompt: list[int]) -> list[int]:
         client.close()
         security.stop()
         context.destroy(linger=0)
+
+
+def the_router_knows_the_store(cluster) -> bool:
+    """The router's index holds every block the store does (their events came): a request
+    placed now is told which of its blocks the store holds (Generate.store_tiers), and its
+    engine asks the store only for those."""
+    blocks = get_json(f"http://127.0.0.1:{cluster.port_base + 6}/health").get("blocks", 0)
+    return blocks > 0 and metric(cluster, "baton_router_store_blocks", port_offset=3) == blocks
 
 
 @pytest.fixture
@@ -113,6 +123,11 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         # The prompt's 4 full blocks were evicted and written back (the fillers' too).
         cluster.wait_for(lambda: metric(cluster, "baton_worker_kvstore_written_blocks_total") >= 4, 30,
                          "the write-back of the evicted blocks")
+        cluster.wait_for(lambda: the_router_knows_the_store(cluster), 10, "the store's events at the router")
+        # Every prompt before was new: the router's index said the store held none of its
+        # blocks, and the worker did not ask the store.
+        assert metric(cluster, "baton_worker_kvstore_fetch_decisions_total", decision="known_miss") >= 3
+        assert metric(cluster, "baton_worker_kvstore_fetch_decisions_total", decision="miss") == 0
         again = client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, **GREEDY)
         assert again.token_ids == want[tuple(prompt)]
         assert again.num_cached_tokens == 64  # blocks 0-3 fetched; 6 prompt tokens computed
@@ -125,6 +140,7 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         evict(client, [filler_a[::-1], filler_b[::-1]])
         cluster.wait_for(lambda: stored_tiers(cluster, reference, other) == [0, 0, 0, 0], 30,
                          "the write-back of the second prompt")
+        cluster.wait_for(lambda: the_router_knows_the_store(cluster), 10, "the store's events at the router")
         os.kill(store.pid, signal.SIGSTOP)  # the store stops answering: every call runs to its deadline
         stalled = client.generate(token_ids=other, max_tokens=MAX_TOKENS, **GREEDY)
         assert stalled.token_ids == want[tuple(other)] and stalled.num_cached_tokens == 0
