@@ -47,8 +47,8 @@ from common.protocol import (
 from common.sampling_params import InvalidRequestError
 from services.decode.lease_source import LeaseSource, pull_result
 from services.worker.kv_loads import KvLoads, LoadDone
-from services.worker.kv_store_use import StoreSource
 from services.worker.role import SendToRouter
+from services.worker.store_source import StoreSource
 
 log = get_logger("decode")
 UNREACHABLE_S = 5.0  # a KV peer whose handshake failed is not tried again for this long

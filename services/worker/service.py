@@ -69,8 +69,9 @@ from common.sockets import Security, check_endpoint, engine_context, send
 from services.decode.imports import Imports
 from services.prefill.exposure import LeaseExposure
 from services.worker.kv_loads import KvLoads, LoadDone
-from services.worker.kv_store_use import StoreAPI, StoreSource
+from services.worker.kv_store_use import StoreAPI
 from services.worker.role import ROLES, Role
+from services.worker.store_source import StoreSource
 
 log = get_logger("worker")
 HELLO_TIMEOUT_S = 10.0

@@ -1,0 +1,202 @@
+"""The KV store as the engine's KvSource (common/engine/kv_connector.py) and the sink of
+its write-back, on the worker's loop (docs/architecture.md §8): it hands the store thread
+(services/worker/kv_store_use.py) its fetches, takes their results without waiting, and
+asks the store only where the router's index says it holds blocks past the engine's cache.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+
+import torch
+
+from common.config import ClusterConfig
+from common.cost_model import load_cost_model
+from common.engine.engine import Engine
+from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, StoreHint, WritebackConfig
+from common.metrics import Registry
+from common.protocol import Generate
+from common.sampling_params import InvalidRequestError
+from services.worker.kv_store_use import (
+    MAX_FETCHES_IN_FLIGHT,
+    TIER_NAMES,
+    FetchCosts,
+    FetchJob,
+    FetchResult,
+    StoreAPI,
+    StoreThread,
+    decide,
+)
+
+KNOWN_STORED_BLOCKS = 1 << 16  # (namespace, block) the store is remembered to hold, at most
+STORE_RETRY_S = 2.0  # after a failed fetch, requests compute without asking the store this long
+
+
+class StoreMetrics:
+    def __init__(self, registry: Registry):
+        self.written = registry.counter("baton_worker_kvstore_written_blocks_total",
+                                        "Evicted blocks written back to the KV store")
+        self.dropped = registry.counter("baton_worker_kvstore_dropped_blocks_total",
+                                        "Evicted blocks not written back: the staging queue was full")
+        self.fetched = registry.counter("baton_worker_kvstore_fetched_blocks_total",
+                                        "Prompt blocks fetched from the KV store, by tier", labels=("tier",))
+        self.decisions = registry.counter("baton_worker_kvstore_fetch_decisions_total",
+                                          "Prompts with blocks past the local cache: fetched, recomputed "
+                                          "(not worth it), missed (not stored) or known_miss (the router's "
+                                          "index says the store holds none of them: not asked)",
+                                          labels=("decision",))
+        self.failures = registry.counter("baton_worker_kvstore_failures_total",
+                                         "KV store calls that failed (the request recomputed, or the copy "
+                                         "was lost)", labels=("op",))
+
+
+class StoreSource:
+    """The KV store as the engine's KvSource, and the sink of its write-back: the store
+    thread, the fetches it has out, and what has been reported to metrics so far. A part
+    it starts covers the load's named (full) blocks from `start` on; it lands a leading
+    run of them, as many as the store holds and `decide` finds worth fetching."""
+
+    name = "kvstore"
+
+    def __init__(self, config: ClusterConfig, engine: Engine, make_client: Callable[[], StoreAPI], registry: Registry):
+        self.config = config
+        self.engine = engine
+        self.metrics = StoreMetrics(registry)
+        known = KnownBlocks(KNOWN_STORED_BLOCKS)
+        writeback = engine.enable_writeback(
+            WritebackConfig(config.kvstore_writeback_queue_blocks, config.kvstore_writeback_min_hits), known)
+        self.costs = FetchCosts(load_cost_model(config.profile), engine.config.block_size)
+        pool = None
+        if engine.device.type == "cpu":  # the store copies straight into the engine's blocks
+            pool = engine.kv_cache.data.view(-1).view(torch.uint8).numpy()
+        self.thread = StoreThread(make_client, pool, engine.kv_cache.layout, writeback, known, self.costs,
+                                  config.kvstore_fetch)
+        self.in_flight: dict[str, tuple[int, ...]] = {}  # request id -> its fetch's destination blocks
+        self.skip_until = 0.0  # monotonic: a dead store must not cost every request a deadline
+        self.prefill_seen = (0, 0.0)
+        self.reported = dict(written=0, dropped=0, put_failures=0, fetch_failures=0)
+        self.reported_fetched = [0] * len(TIER_NAMES)
+
+    def start_thread(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.thread.close(self.config.kvstore_timeout_s + 1)
+
+    def accepting(self) -> bool:
+        """Whether a fetch would be asked for now: fetching is on, not too many are out, and
+        the store did not fail a moment ago."""
+        return self.config.kvstore_fetch != "never" and len(self.in_flight) < MAX_FETCHES_IN_FLIGHT \
+            and time.monotonic() >= self.skip_until
+
+    def hint(self, request: Generate, num_tokens: int) -> StoreHint | None:
+        """The request's store_from and store_tiers, for its load (InvalidRequestError names
+        what is wrong)."""
+        tiers = request.store_tiers
+        if tiers is None:
+            return None
+        num_blocks = num_tokens // self.engine.config.block_size
+        if not 0 <= request.store_from <= num_blocks - len(tiers):
+            raise InvalidRequestError("store_from", f"{request.store_from} with {len(tiers)} store_tiers; the "
+                                      f"prompt has {num_blocks} full blocks")
+        if any(not 0 <= tier < len(TIER_NAMES) for tier in tiers):
+            raise InvalidRequestError("store_tiers", f"a tier must be 0 to {len(TIER_NAMES) - 1}")
+        return StoreHint(request.store_from, tuple(tiers))
+
+    def may_hold(self, hint: StoreHint | None) -> bool:
+        """False when the router's index says the store holds nothing right after this
+        engine's cache (counted as a known miss): the load need not even be begun for the
+        store. Where the cache ends elsewhere than the router believes, a fetch is lost, never
+        a wrong block loaded."""
+        if hint is None or hint.tiers:
+            return True
+        self.metrics.decisions.inc(decision="known_miss")
+        return False
+
+    # ---- KvSource
+
+    def start(self, load: KvLoad, start: int) -> bool:
+        """Ask the store thread for the load's named blocks from `start` on; False (nothing
+        asked) when there are none, the router's index says the store lacks the first of
+        them, or the store is not `accepting`."""
+        keys = load.block_hashes[start:]
+        if not keys or not self.accepting():
+            return False
+        if load.store_hint is not None and load.store_hint.run_from(load.first_block + start) == 0:
+            self.metrics.decisions.inc(decision="known_miss")
+            return False
+        dst = load.dst_block_ids[start:start + len(keys)]
+        if load.through_prompt_end:  # a decode worker: what the store does not give is pulled
+            other_s = self.costs.block_pull_s(self.engine.kv_cache.layout.bytes_per_block)
+            if not self._may_beat(len(keys), other_s):
+                return False  # not even a lookup: it would only delay the pull
+        else:
+            other_s = self.costs.block_prefill_s((load.first_block + start) * self.engine.config.block_size)
+        self.thread.submit(FetchJob(load.request_id, load.namespace, keys, dst,
+                                    time.monotonic() + self.config.kvstore_timeout_s, other_s))
+        self.in_flight[load.request_id] = dst
+        return True
+
+    def _may_beat(self, num_blocks: int, block_other_s: float) -> bool:
+        """Whether `decide` would fetch the blocks if the store held them all on its
+        fastest tier (the best a lookup could find)."""
+        layout = self.engine.kv_cache.layout
+        return decide(self.config.kvstore_fetch, [0] * num_blocks, layout.bytes_per_block, layout.block_size,
+                      self.costs.links(), block_other_s).fetch
+
+    def poll(self) -> list[Landed]:
+        """Finished fetches (their bytes in the engine's blocks)."""
+        landed: list[Landed] = []
+        while True:
+            try:
+                result = self.thread.results.get_nowait()
+            except queue.Empty:
+                break
+            landed.append(self._land(result))
+        return landed
+
+    def cancel(self, request_id: str) -> bool:
+        """A store fetch cannot be stopped midway: it ends by its deadline, and `poll`
+        reports it then."""
+        return request_id not in self.in_flight
+
+    def _land(self, result: FetchResult) -> Landed:
+        dst = self.in_flight.pop(result.request_id, ())
+        landed = result.landed
+        if result.bounce is not None and landed:  # the engine's pool is on the device
+            layout = self.engine.kv_cache.layout
+            planes = 2 * layout.num_layers
+            values = result.bounce.reshape(planes, -1, layout.bytes_per_block // planes)[:, :landed]
+            self.engine.write_blocks(dst[:landed], values.transpose(1, 0, 2).reshape(landed, -1))
+        if result.decision == "failed":
+            self.skip_until = time.monotonic() + STORE_RETRY_S
+        else:
+            self.metrics.decisions.inc(decision=result.decision)
+        return Landed(result.request_id, landed, self.name, error=result.error)
+
+    # ---- the loop's upkeep
+
+    def observe_engine(self) -> None:
+        """Each turn: learn the engine's measured prefill throughput, for `decide`."""
+        stats = self.engine.stats
+        tokens, seconds = self.prefill_seen
+        if stats.prefill_tokens > tokens:
+            self.costs.observe_prefill(stats.prefill_tokens - tokens, stats.prefill_seconds - seconds)
+            self.prefill_seen = (stats.prefill_tokens, stats.prefill_seconds)
+
+    def report(self) -> None:
+        """Move the thread's and the engine's counters into the metrics."""
+        counters = self.thread.counters
+        writeback = self.engine.writeback
+        now = dict(written=counters.written_blocks, dropped=writeback.dropped_blocks if writeback else 0,
+                   put_failures=counters.put_failures, fetch_failures=counters.fetch_failures)
+        self.metrics.written.inc(now["written"] - self.reported["written"])
+        self.metrics.dropped.inc(now["dropped"] - self.reported["dropped"])
+        self.metrics.failures.inc(now["put_failures"] - self.reported["put_failures"], op="put")
+        self.metrics.failures.inc(now["fetch_failures"] - self.reported["fetch_failures"], op="fetch")
+        self.reported = now
+        for tier, name in enumerate(TIER_NAMES):
+            count = counters.fetched_blocks[tier]
+            self.metrics.fetched.inc(count - self.reported_fetched[tier], tier=name)
+            self.reported_fetched[tier] = count
