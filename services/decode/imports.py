@@ -118,7 +118,7 @@ class Imports:
         self.fail = fail  # the service's: an error to the request's tokenizer, and forget it
         self.forget = forget  # the service's: stop tracking a request (request id, outcome, report)
         self.metrics = DecodeMetrics(registry)
-        self.imports: dict[str, Import] = {}  # request id -> import not yet decoding
+        self.pending: dict[str, Import] = {}  # request id -> import not yet decoding
         self.handed_back: dict[str, Import] = {}  # request id -> import whose failed pull the router may re-place
         self.timings: dict[str, dict[str, float]] = {}  # request id -> its split, sent with its last tokens
         self.recomputed: set[str] = set()  # requests whose prompt (plus first token) is prefilled here
@@ -142,8 +142,8 @@ class Imports:
         _check_handle(handle, prompt_ids, self.engine.config.block_size)
         params_from_sampling(request.sampling).validate()
         now = time.monotonic()
-        self.imports[request.request_id] = Import(request, handle, prompt_ids, now, now, store_hint)
-        self._begin(self.imports[request.request_id])
+        self.pending[request.request_id] = Import(request, handle, prompt_ids, now, now, store_hint)
+        self._begin(self.pending[request.request_id])
 
     def _begin(self, item: Import) -> None:
         """Take blocks and start loading them (the store first, when there is one, then the
@@ -203,11 +203,11 @@ class Imports:
         now = time.monotonic()
         renew_every = self.config.kv_lease_ttl_s / 3
         retry = self._room() != self.refused_room
-        for item in list(self.imports.values()):
+        for item in list(self.pending.values()):
             if item.load is None:
                 if retry:
                     self._begin(item)
-                if item.load is None and item.request.request_id in self.imports \
+                if item.load is None and item.request.request_id in self.pending \
                         and now - item.renewed >= renew_every:
                     item.renewed = now
                     self._update_lease(item, "renew")
@@ -216,7 +216,7 @@ class Imports:
             del self.handed_back[item.request.request_id]
             log.warning("kv_verdict_missing", request_id=item.request.request_id, wait_s=VERDICT_WAIT_S)
             self._fall_back(item, f"{item.failure}; no word from the router", release=True)
-        waiting = sum(item.load is None for item in self.imports.values())
+        waiting = sum(item.load is None for item in self.pending.values())
         if retry:
             self.refused_room = self._room() if waiting else None
         self.metrics.waiting.set(waiting)
@@ -227,7 +227,7 @@ class Imports:
         request_id = done.load.request_id
         pulled = self.lease_source.pulled(request_id)
         self.lease_source.forget(request_id)
-        item = self.imports.get(request_id)
+        item = self.pending.get(request_id)
         if item is None or item.load is not done.load:
             return False
         lease_parts = [part for part in done.parts if part.source == self.lease_source.name]
@@ -253,7 +253,7 @@ class Imports:
 
     def _landed(self, item: Import) -> None:
         request_id = item.request.request_id
-        del self.imports[request_id]
+        del self.pending[request_id]
         self.timings[request_id] = item.timings
         self.landing[request_id] = item.handle.first_logprob
         assert item.load is not None  # load_done lands only begun imports
@@ -268,7 +268,7 @@ class Imports:
         self.metrics.failures.inc(cause=cause)
         log.warning("kv_pull_failed", request_id=request_id, status=result.status, code=result.code,
                     reason=result.reason, policy=self.config.kv_load_failure_policy)
-        del self.imports[request_id]
+        del self.pending[request_id]
         if not result.settled:  # late bytes may still land: the blocks stay out of use
             log.error("kv_blocks_quarantined", request_id=request_id)
             self.fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer {result.status}: {result.reason}")
@@ -333,7 +333,7 @@ class Imports:
         self.metrics.recomputed.inc()
 
     def _give_up(self, item: Import, code: ErrorCode, why: str) -> None:
-        self.imports.pop(item.request.request_id, None)
+        self.pending.pop(item.request.request_id, None)
         self._update_lease(item, "release")
         self.fail(item.request.request_id, code, why)
 
@@ -355,7 +355,7 @@ class Imports:
         if handed_back is not None:  # its blocks are freed already
             self._update_lease(handed_back, "release")
             return True
-        item = self.imports.pop(request_id, None)
+        item = self.pending.pop(request_id, None)
         if item is None:
             self.recomputed.discard(request_id)
             self.replay.pop(request_id, None)
