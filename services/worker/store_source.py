@@ -118,31 +118,38 @@ class StoreSource:
 
     def start(self, load: KvLoad, start: int) -> bool:
         """Ask the store thread for the load's named blocks from `start` on; False (nothing
-        asked) when there are none, the router's index says the store lacks the first of
-        them, or the store is not `accepting`."""
+        asked) when there are none, the store is not `accepting`, the router's index says
+        the store lacks the first of them, or no tier it could find them on would beat the
+        other way to get them (the run the index names, else the fastest tier for all)."""
         keys = load.block_hashes[start:]
         if not keys or not self.accepting():
             return False
-        if load.store_hint is not None and load.store_hint.run_from(load.first_block + start) == 0:
+        first = load.first_block + start
+        hint = load.store_hint
+        run = hint.run_from(first) if hint is not None else None
+        if run == 0:
             self.metrics.decisions.inc(decision="known_miss")
             return False
+        best = hint.tiers[first - hint.start:][:len(keys)] if hint is not None and run else (0,) * len(keys)
         dst = load.dst_block_ids[start:start + len(keys)]
         if load.through_prompt_end:  # a decode worker: what the store does not give is pulled
             other_s = self.costs.block_pull_s(self.engine.kv_cache.layout.bytes_per_block)
-            if not self._may_beat(len(keys), other_s):
+            if not self._may_beat(best, other_s):
                 return False  # not even a lookup: it would only delay the pull
         else:
-            other_s = self.costs.block_prefill_s((load.first_block + start) * self.engine.config.block_size)
+            other_s = self.costs.block_prefill_s(first * self.engine.config.block_size)
+            if run and not self._may_beat(best, other_s):
+                self.metrics.decisions.inc(decision="recompute")  # as the lookup would have decided
+                return False
         self.thread.submit(FetchJob(load.request_id, load.namespace, keys, dst,
                                     time.monotonic() + self.config.kvstore_timeout_s, other_s))
         self.in_flight[load.request_id] = dst
         return True
 
-    def _may_beat(self, num_blocks: int, block_other_s: float) -> bool:
-        """Whether `decide` would fetch the blocks if the store held them all on its
-        fastest tier (the best a lookup could find)."""
+    def _may_beat(self, tiers: tuple[int, ...], block_other_s: float) -> bool:
+        """Whether `decide` would fetch blocks stored on `tiers`."""
         layout = self.engine.kv_cache.layout
-        return decide(self.config.kvstore_fetch, [0] * num_blocks, layout.bytes_per_block, layout.block_size,
+        return decide(self.config.kvstore_fetch, list(tiers), layout.bytes_per_block, layout.block_size,
                       self.costs.links(), block_other_s).fetch
 
     def poll(self) -> list[Landed]:

@@ -134,3 +134,33 @@ def test_the_store_is_not_asked_for_blocks_the_routers_index_says_it_lacks(make_
         hint(-1, [])
     with pytest.raises(InvalidRequestError, match="store_tiers.*a tier must be 0 to 1"):
         hint(0, [0, -1])
+
+
+def test_a_hinted_run_the_cost_model_would_not_fetch_is_not_looked_up(make_engine, random_prompts):
+    """With the router's hint the store's tiers are known before a lookup: where `decide`
+    would not fetch from them (here: the SSD tier's latency against a fast prefill), the
+    store is not asked, and the decision is counted as the lookup would have counted it."""
+    import dataclasses
+
+    from common.config import ClusterConfig
+    from common.engine.kv_connector import StoreHint
+    from common.metrics import Registry
+    from common.sampling_params import SamplingParams
+    from services.worker.store_source import StoreSource
+
+    engine = make_engine(max_model_len=128)
+    registry = Registry()
+    store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, registry)  # kvstore_fetch "auto"
+    load = engine.begin_load("w", random_prompts([70], seed=46)[0], SamplingParams(max_tokens=4))
+    assert load is not None and len(load.block_hashes) == 4
+    for _ in range(60):
+        store.costs.observe_prefill(100_000, 1.0)  # measured: 100k tokens/s, 0.16 ms a block
+    assert not store.start(dataclasses.replace(load, store_hint=StoreHint(0, (1, 1, 1, 1))), 0)
+    assert not store.in_flight
+    assert registry.collectors.get_sample_value("baton_worker_kvstore_fetch_decisions_total",
+                                                {"decision": "recompute"}) == 1.0
+    for _ in range(60):
+        store.costs.observe_prefill(100, 1.0)  # measured: 100 tokens/s, 0.16 s a block
+    assert store.start(dataclasses.replace(load, store_hint=StoreHint(0, (0, 0, 1, 1))), 0)
+    assert store.thread.jobs.get_nowait().keys == load.block_hashes
+    engine.cancel_load("w")
