@@ -22,7 +22,15 @@ from common.engine.checkpoint import fingerprints, load_model_config, load_state
 from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
 from common.engine.gguf import checkpoint_dir, read_weight_blocks
 from common.engine.kv_cache import KVCache, KVLayout
-from common.engine.kv_connector import KnownBlocks, KvLoad, KvLoadError, StagedBlocks, WritebackConfig, WritebackQueue
+from common.engine.kv_connector import (
+    KnownBlocks,
+    KvLoad,
+    KvLoadError,
+    StagedBlocks,
+    StoreHint,
+    WritebackConfig,
+    WritebackQueue,
+)
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
@@ -167,8 +175,8 @@ class Engine:
 
     def begin_load(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                    tenant_salt: str | None = None, *, first_token_id: int | None = None,
-                   block_hashes: Seq[int] | None = None, max_blocks: int = 1 << 30,
-                   hold_kv: bool = False) -> KvLoad | None:
+                   block_hashes: Seq[int] | None = None, plan: Callable[[KvLoad], int] | None = None,
+                   store_hint: StoreHint | None = None, hold_kv: bool = False) -> KvLoad | None:
         """Take a request whose prompt KV past this engine's prefix cache comes, in part or
         whole, from elsewhere: fresh blocks are allocated for it and the request waits,
         outside the batch, until `complete_load` (or `cancel_load`). None, taking
@@ -181,9 +189,12 @@ class Engine:
         block size or tenant). Prompt logprobs are the other engine's to give: such a
         request never computes them, not even when a preemption recomputes its prompt.
 
-        Without it, up to `max_blocks` full blocks are loaded, never the one holding the
-        prompt's last token (computed to sample), and none for a request that scores its
-        prompt. Raises InvalidRequestError. `hold_kv` as for `add_request`."""
+        Without it, only full blocks are loaded, never the one holding the prompt's last
+        token (computed to sample), and none for a request that scores its prompt. `plan`
+        (the connector's scheduler half, services/worker/kv_loads.py) is shown them first,
+        as a load with no blocks allocated yet, and answers how many of the leading ones
+        to allocate (all when there is no `plan`). `store_hint` goes into the load as it
+        is. Raises InvalidRequestError. `hold_kv` as for `add_request`."""
         if first_token_id is not None and params is not None and params.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
@@ -204,7 +215,10 @@ class Engine:
         if first_token_id is not None:
             count = -(-seq.prompt_len // size) - len(hits)
         else:
-            count = min(max_blocks, limit - len(hits))
+            count = limit - len(hits)
+            if count > 0 and plan is not None:
+                count = min(count, plan(KvLoad(request_id, seq.root_hash, len(hits), (),
+                                               tuple(seq.block_hashes[len(hits):limit]), False, store_hint)))
             if count <= 0:
                 return None
         fresh = self.scheduler.receive(seq, hits, count)
@@ -215,7 +229,7 @@ class Engine:
         seq.num_cached_tokens = len(hits) * size
         self._seqs[request_id] = seq
         return KvLoad(request_id, seq.root_hash, len(hits), tuple(fresh),
-                      tuple(seq.block_hashes[len(hits):len(hits) + count]), first_token_id is not None)
+                      tuple(seq.block_hashes[len(hits):len(hits) + count]), first_token_id is not None, store_hint)
 
     def complete_load(self, request_id: str, landed_blocks: int) -> list[RequestOutput]:
         """The first `landed_blocks` of a `begin_load`'s blocks hold their KV: they join

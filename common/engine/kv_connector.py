@@ -1,8 +1,12 @@
 """Every way KV enters or leaves the engine, behind one seam (docs/architecture.md §7.1).
 
-In: `Engine.begin_load` allocates a request's blocks past its local prefix hits and
-returns a `KvLoad`; one or more `KvSource`s (the KV store's tiers, a prefill worker's
-lease) fill leading parts of it in turn, each handed what the ones before left; then
+In, as vLLM's connector splits it: a scheduler half and a transfer half. The engine's
+own prefix cache is matched first (`Engine.begin_load`); each `KvSource` then answers
+`match` (how many of the blocks past it the source can give, and at what cost per block)
+before any block is allocated, so the cost model picks the sources a request uses and
+how many blocks to allocate for them (services/worker/kv_loads.py). The transfer half:
+the chosen sources are asked in turn, cheapest first, each for what the ones before it
+left (`start`, then `poll` reports the part, `cancel` stops it); then
 `Engine.complete_load` lets the request decode (the whole prompt came) or prefill the
 rest, and `Engine.cancel_load` ends it when a source failed with nothing late to land.
 Out: the prefix cache's evictions are staged (`WritebackQueue`) for the KV store's
@@ -15,6 +19,7 @@ engine and every source share.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +63,12 @@ class KvLoad:
     block_hashes: tuple[int, ...]
     through_prompt_end: bool
     store_hint: StoreHint | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """The blocks the load covers: those allocated for it, or, shown to a plan before
+        any is allocated (`Engine.begin_load`), those named."""
+        return len(self.dst_block_ids) if self.dst_block_ids else len(self.block_hashes)
 
 
 class KvLoadError(ValueError):
@@ -183,17 +194,39 @@ class Landed:
     detail: object = None  # the source's own account of the part (a lease's: its PullResult)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """A source's answer to `match`, before anything is allocated or asked: it may give
+    up to `blocks` of the load's blocks from the asked one on, at about `block_s` seconds
+    a block. `sure`: it holds them all (a lease does); otherwise it only believes so, or
+    only asking will tell, and it cannot stand in for another source. `why` names a
+    refusal (blocks == 0), for metrics."""
+
+    blocks: int
+    block_s: float
+    sure: bool = False
+    why: str = ""
+
+
+def no_offer(why: str) -> Offer:
+    return Offer(0, math.inf, why=why)
+
+
 class KvSource(Protocol):
-    """A place prompt KV comes from. `start` is handed a load and the index of its first
-    block this source is asked for (the blocks before it landed from earlier sources or
-    were cached); it answers False when it has nothing to give (no transfer started).
-    Once started, `poll` reports the part exactly once, settled or not; `cancel` stops a
-    part and answers True when no byte of it can land any more. Every method runs on the
-    engine's loop and never blocks it."""
+    """A place prompt KV comes from. `match` says what the source could give of a load
+    from its block `start` on (the blocks before it are cached or landed from other
+    sources) without asking anyone. `start` asks for them; `rival_block_s` is what a
+    block costs the next best way (another source, or recomputing it), so a source whose
+    own lookup finds its blocks dearer may give fewer, or none. It answers False when it
+    gives nothing (no transfer started). Once started, `poll` reports the part exactly
+    once, settled or not; `cancel` stops a part and answers True when no byte of it can
+    land any more. Every method runs on the engine's loop and never blocks it."""
 
     name: str
 
-    def start(self, load: KvLoad, start: int) -> bool: ...
+    def match(self, load: KvLoad, start: int) -> Offer: ...
+
+    def start(self, load: KvLoad, start: int, rival_block_s: float) -> bool: ...
 
     def poll(self) -> list[Landed]: ...
 

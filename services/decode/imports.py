@@ -4,8 +4,9 @@ The worker service (services/worker/service.py) runs the `decode` role with this
 
 A Generate with a `kv_handle` is imported: the engine allocates blocks for the prompt,
 reusing those it holds by hash (`Engine.begin_load`); the KV store, when the cluster has
-one, is asked for what it holds of the rest, and the transport pulls whatever is still
-missing from the prefill worker's lease (services/worker/kv_loads.py). While the pool or
+one and its blocks cost less than a pull, is asked for what it holds of the rest, and
+the transport pulls whatever is still missing from the prefill worker's lease
+(services/worker/kv_loads.py chooses). While the pool or
 the batch is full the request waits here and its lease is renewed through the router.
 Once every byte has landed the request joins the decode batch with the prefill worker's
 first token (which the client has had already). A pull that fails or passes its deadline
@@ -20,7 +21,6 @@ prefills straight to a decode worker).
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,7 +129,8 @@ class Imports:
         self.peers: dict[str, str] = {}  # KV address handshaken with -> the prefill process (instance id) there
         self.unreachable: dict[str, float] = {}  # KV address -> until when not to try it again
         self.refused_room: tuple[int, int] | None = None  # _room() when waiting imports last found none
-        self.lease_source = LeaseSource(transport, config.kv_transfer_timeout_s)
+        self.lease_source = LeaseSource(transport, config.kv_transfer_timeout_s,
+                                        engine.kv_cache.layout.bytes_per_block)
 
     # ---- requests ------------------------------------------------------------------
 
@@ -146,14 +147,14 @@ class Imports:
         self._begin(self.pending[request.request_id])
 
     def _begin(self, item: Import) -> None:
-        """Take blocks and start loading them (the store first, when there is one, then the
-        lease); leaves the import waiting when there is no room."""
+        """Take blocks and start loading them (from the store, when there is one and it is
+        worth asking, and from the lease); leaves the import waiting when there is no room."""
         request, handle = item.request, item.handle
         try:
             self._connect(handle.kv_address, handle.prefill_instance_id)
             load = self.engine.begin_load(request.request_id, item.prompt_ids, params_from_sampling(request.sampling),
                                           request.tenant, first_token_id=handle.first_token_id,
-                                          block_hashes=handle.block_hashes)
+                                          block_hashes=handle.block_hashes, store_hint=item.store_hint)
         except (KvLoadError, InvalidRequestError, HandshakeRefused) as error:
             self._give_up(item, ErrorCode.INVALID_REQUEST, str(error))
             return
@@ -162,7 +163,7 @@ class Imports:
             return
         if load is None:
             return
-        item.load = load = dataclasses.replace(load, store_hint=item.store_hint)
+        item.load = load
         self.metrics.blocks_reused.inc(load.first_block)
         item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
         item.pull_started = time.monotonic()
@@ -236,8 +237,6 @@ class Imports:
             if result.status == "done":
                 self.metrics.bytes.inc(result.nbytes)
                 self.metrics.seconds.observe(result.seconds)
-                if self.store is not None:  # the store's fetches are weighed against pulls
-                    self.store.costs.observe_pull(result.nbytes, result.seconds)
         if done.whole:
             if not pulled:  # the store and this worker's cache had every block
                 self._update_lease(item, "release")

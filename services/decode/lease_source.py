@@ -6,9 +6,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from common.engine.kv_connector import KvLoad, Landed
+from common.engine.kv_connector import KvLoad, Landed, Offer, no_offer
 from common.kv_transfer import KvTransport, PullHandle, PullResult
 from common.protocol import KvHandle
+from services.worker.kv_store_use import Ewma
+
+# bytes/s of a pull before any is measured: as fast as the KV store's seeded DRAM tier, so
+# an unmeasured decode worker pulls (the store's latency makes it the slower) until its
+# pulls show the store faster
+SEED_PULL_BANDWIDTH = 1e9
 
 
 @dataclass
@@ -20,13 +26,17 @@ class Pull:
 
 
 class LeaseSource:
-    """Pulls of the loads whose handles `expect` named. A part's `detail` is its PullResult."""
+    """Pulls of the loads whose handles `expect` named. A part's `detail` is its PullResult.
+    The lease holds every block of its prompt; a block costs its bytes over the measured
+    bandwidth of this worker's pulls."""
 
     name = "lease"
 
-    def __init__(self, transport: KvTransport, timeout_s: float):
+    def __init__(self, transport: KvTransport, timeout_s: float, bytes_per_block: int):
         self.transport = transport
         self.timeout_s = timeout_s
+        self.bytes_per_block = bytes_per_block
+        self.bandwidth = Ewma(SEED_PULL_BANDWIDTH)  # bytes/s of the pulls that completed
         self.pulls: dict[str, Pull] = {}  # request id -> the handle it was handed off with, and its pull
 
     def expect(self, request_id: str, handle: KvHandle) -> None:
@@ -42,7 +52,12 @@ class LeaseSource:
     def forget(self, request_id: str) -> None:
         self.pulls.pop(request_id, None)
 
-    def start(self, load: KvLoad, start: int) -> bool:
+    def match(self, load: KvLoad, start: int) -> Offer:
+        if load.request_id not in self.pulls or start >= len(load.dst_block_ids):
+            return no_offer("nothing")
+        return Offer(len(load.dst_block_ids) - start, self.bytes_per_block / self.bandwidth.value, sure=True)
+
+    def start(self, load: KvLoad, start: int, rival_block_s: float) -> bool:
         entry = self.pulls.get(load.request_id)
         if entry is None or start >= len(load.dst_block_ids):
             return False
@@ -61,6 +76,8 @@ class LeaseSource:
             entry.reported = True
             result = entry.pull.wait(0)
             landed = entry.asked if result.status == "done" else 0
+            if landed and result.nbytes > 0 and result.seconds > 0:
+                self.bandwidth.update(result.nbytes / result.seconds)
             parts.append(Landed(request_id, landed, self.name, error=result.reason, settled=result.settled,
                                 detail=result))
         return parts

@@ -1,30 +1,44 @@
-"""The loop's side of every KV load (common/engine/kv_connector.py): a request's blocks
-past the local prefix cache are allocated once (`Engine.begin_load`), its sources are
-asked in order, each for what the ones before it did not land, and the load ends when a
-source leaves nothing to ask or none is left. The role then completes it in the engine
-(`Engine.complete_load`, or `cancel_load` when what it needed did not come).
+"""The loop's side of every KV load (common/engine/kv_connector.py), both halves.
 
-Which sources a role asks, and in what order, is the role's: a co-located or prefill
-worker asks the KV store and computes the rest; a decode worker asks the KV store, then
-the prefill worker's lease for whatever the store did not give.
+The scheduler half: before a load's blocks are allocated (`plan`, handed to
+`Engine.begin_load`), and again each time blocks are still missing, every source not yet
+asked answers `match` for the blocks from the first missing one on. A source is worth
+asking when its cost per block beats its rival's: the cheapest other source sure to
+give all that is missing, or recomputing the blocks (where the load may stop short: not
+a load through the prompt's end). The cheapest source worth asking is asked; one that
+offers nothing, or is dearer than its rival, is passed over for the load. Nothing is
+allocated for blocks no source worth asking offers.
+
+The transfer half: the asked source's part lands (`poll`), the next source is chosen
+for what it left, and the load ends when nothing is missing or no source is worth
+asking. The role then completes it in the engine (`Engine.complete_load`, or
+`cancel_load` when what it needed did not come).
+
+Which sources a role has is the role's: a co-located or prefill worker has the KV store
+(and computes the rest); a decode worker has the KV store and the prefill worker's
+lease, and the lease is sure to hold every block.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.engine.engine import Engine
-from common.engine.kv_connector import KvLoad, KvSource, Landed
+from common.engine.kv_connector import KvLoad, KvSource, Landed, Offer
 from common.logs import get_logger
+from common.metrics import Registry
 
 log = get_logger("worker")
+
+# seconds to compute one block at a prompt block index; None: the load lands whole
+Recompute = Callable[[int], float] | None
 
 
 @dataclass
 class LoadInFlight:
     load: KvLoad
-    sources: tuple[KvSource, ...]  # asked in this order
-    next_source: int = 0  # the next one to ask
+    untried: list[KvSource]  # neither asked nor passed over yet
+    recompute: Recompute
     landed: int = 0  # leading blocks of the load that hold their KV
     parts: list[Landed] = field(default_factory=list)  # what each source asked came to
     asking: KvSource | None = None  # the source whose part is out
@@ -50,12 +64,17 @@ class LoadDone:
 
 
 class KvLoads:
-    """The loads in flight on one engine, each walking its sources in order."""
+    """The loads in flight on one engine, each choosing among its sources as it goes."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, registry: Registry | None = None):
         self.engine = engine
         self.loads: dict[str, LoadInFlight] = {}
         self.done: list[LoadDone] = []  # ended loads not yet taken by `tend`
+        self.choices = (registry or Registry()).counter(
+            "baton_worker_kv_source_choices_total",
+            "Each KV source's part in each load: asked, costlier (its rival was cheaper), or why it offered "
+            "nothing (known_miss: the router's index says the store lacks the blocks; off: the source takes no "
+            "load now)", labels=("source", "choice"))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.loads
@@ -63,11 +82,24 @@ class KvLoads:
     def __len__(self) -> int:
         return len(self.loads)
 
-    def begin(self, load: KvLoad, sources: Sequence[KvSource]) -> None:
-        """Walk a load `Engine.begin_load` gave through `sources`; its end comes out of `tend`."""
+    def plan(self, sources: Sequence[KvSource], recompute: Recompute) -> Callable[[KvLoad], int]:
+        """For `Engine.begin_load`: how many of a load's leading blocks any source worth
+        asking might give (0: none is, and each source's choice is counted now)."""
+        def blocks(load: KvLoad) -> int:
+            chosen = _choose(load, 0, sources, recompute)
+            if chosen.asked is None:
+                self._count(chosen.passed)
+                return 0
+            return max(offer.blocks for offer in chosen.worth)
+        return blocks
+
+    def begin(self, load: KvLoad, sources: Sequence[KvSource], recompute: Recompute = None) -> None:
+        """Walk a load `Engine.begin_load` gave through `sources` (`recompute`: what a
+        block costs to compute, None for a load through the prompt's end); its end comes
+        out of `tend`."""
         if load.request_id in self.loads:
             raise ValueError(f"{load.request_id!r} is loading already")
-        flight = LoadInFlight(load, tuple(sources))
+        flight = LoadInFlight(load, list(sources), recompute)
         self.loads[load.request_id] = flight
         self._ask_next(flight)
 
@@ -109,17 +141,63 @@ class KvLoads:
             self._end(flight)
 
     def _ask_next(self, flight: LoadInFlight) -> None:
-        """Hand what is still missing to the next source that takes it; end the load when
-        nothing is missing or no source is left."""
-        total = len(flight.load.dst_block_ids)
-        while flight.landed < total and flight.next_source < len(flight.sources):
-            source = flight.sources[flight.next_source]
-            flight.next_source += 1
-            if source.start(flight.load, flight.landed):
+        """Hand what is still missing to the cheapest source worth asking that takes it;
+        end the load when nothing is missing or no source is worth asking."""
+        load = flight.load
+        while flight.landed < load.num_blocks and flight.untried:
+            chosen = _choose(load, flight.landed, flight.untried, flight.recompute)
+            self._count(chosen.passed)
+            for source, _ in chosen.passed:
+                flight.untried.remove(source)
+            if chosen.asked is None:
+                break
+            source, rival_s = chosen.asked
+            flight.untried.remove(source)
+            if source.start(load, flight.landed, rival_s):
+                self.choices.inc(source=source.name, choice="asked")
                 flight.asking = source
                 return
+            self.choices.inc(source=source.name, choice="declined")
         self._end(flight)
 
     def _end(self, flight: LoadInFlight) -> None:
         del self.loads[flight.load.request_id]
         self.done.append(LoadDone(flight.load, flight.landed, tuple(flight.parts)))
+
+    def _count(self, passed: Sequence[tuple[KvSource, str]]) -> None:
+        for source, why in passed:
+            self.choices.inc(source=source.name, choice=why)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One round of the scheduler half: the source to ask and its rival's cost per block
+    (None: none is worth asking), the offers worth asking, and the sources passed over
+    with why."""
+
+    asked: tuple[KvSource, float] | None
+    worth: tuple[Offer, ...]
+    passed: tuple[tuple[KvSource, str], ...]
+
+
+def _choose(load: KvLoad, start: int, sources: Sequence[KvSource], recompute: Recompute) -> Choice:
+    missing = load.num_blocks - start
+    offers = [(source, source.match(load, start)) for source in sources]
+    passed = [(source, offer.why or "nothing") for source, offer in offers if offer.blocks <= 0]
+    offers = [(source, offer) for source, offer in offers if offer.blocks > 0]
+    computed_s = recompute(load.first_block + start) if recompute is not None else None
+    worth: list[tuple[KvSource, Offer, float]] = []
+    for source, offer in offers:
+        rivals = [other.block_s for peer, other in offers
+                  if peer is not source and other.sure and other.blocks >= missing]
+        if computed_s is not None:
+            rivals.append(computed_s)
+        rival_s = min(rivals, default=float("inf"))
+        if offer.block_s < rival_s:
+            worth.append((source, offer, rival_s))
+        else:
+            passed.append((source, "costlier"))
+    if not worth:
+        return Choice(None, (), tuple(passed))
+    source, _, rival_s = min(worth, key=lambda chosen: chosen[1].block_s)
+    return Choice((source, rival_s), tuple(offer for _, offer, _ in worth), tuple(passed))

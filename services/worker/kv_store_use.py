@@ -4,8 +4,9 @@ decode worker, pulling them from the prefill worker (docs/architecture.md §8).
 Fetching n blocks costs the store call's latency plus their bytes over the measured
 bandwidth of the tiers they sit on; computing them costs their tokens' prefill seconds,
 from this engine's own measured prefill throughput; pulling them costs their bytes over
-the KV transport's measured bandwidth (the pull of the rest runs anyway, so its latency
-is not saved). Both sides are measured as they go
+the KV transport's measured bandwidth (services/decode/lease_source.py; the pull of the
+rest runs anyway, so its latency is not saved). Which way is chosen per request is
+services/worker/kv_loads.py's, on these costs. Both sides are measured as they go
 (EWMAs) and seeded conservatively: slow links and the cost profile's prefill, so an
 unmeasured worker recomputes unless the store is clearly worth it. `decide` is pure.
 StoreThread is the worker's one thread that calls the store; StoreSource
@@ -13,6 +14,7 @@ StoreThread is the worker's one thread that calls the store; StoreSource
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -33,10 +35,6 @@ FETCH_MODES = ("auto", "always", "never")
 TIER_NAMES = ("dram", "ssd")  # the store's tier numbers, as StoreEvents and lookup give them
 SEED_BANDWIDTH = (1e9, 2e8)  # bytes/s of a fetch from DRAM, from SSD, before any is measured
 SEED_LATENCY = (2e-3, 10e-3)  # seconds of one fetch call's fixed cost, per tier
-# bytes/s of a pull from a prefill worker before any is measured: as fast as the store's
-# DRAM, so an unmeasured decode worker pulls (the store's latency makes it the slower)
-# until its pulls show the store faster
-SEED_PULL_BANDWIDTH = 1e9
 EWMA_ALPHA = 0.2
 MIN_PREFILL_SAMPLE_TOKENS = 16  # a prefill too short to time says nothing of throughput
 
@@ -101,6 +99,17 @@ def decide(mode: str, tiers: Sequence[int], bytes_per_block: int, block_size: in
     return Decision(True, count, fetch_s, compute_s, "faster_than_prefill")
 
 
+def cheapest_block_s(tiers: Sequence[int], bytes_per_block: int, links: Sequence[Link]) -> float:
+    """The lowest cost per block of fetching a leading run of blocks on `tiers`: `decide`
+    fetches some of them exactly when this is below the other way's cost per block."""
+    cheapest, transfer, latency = math.inf, 0.0, 0.0
+    for count, tier in enumerate(tiers, 1):
+        transfer += bytes_per_block / links[tier].bytes_per_s
+        latency = max(latency, links[tier].latency_s)
+        cheapest = min(cheapest, (transfer + latency) / count)
+    return cheapest
+
+
 class FetchCosts:
     """What `decide` needs, measured: per tier bandwidth and latency from the store
     client's own calls (the store thread updates those), and the engine's prefill
@@ -112,7 +121,6 @@ class FetchCosts:
         self.bandwidth = [Ewma(seed) for seed in SEED_BANDWIDTH]
         self.latency = [Ewma(seed) for seed in SEED_LATENCY]
         self.prefill_rate = Ewma(0.0)  # tokens/s; unused until measured
-        self.pull_bandwidth = Ewma(SEED_PULL_BANDWIDTH)  # bytes/s of the KV transport's pulls
 
     def links(self) -> list[Link]:
         return [Link(b.value, lat.value) for b, lat in zip(self.bandwidth, self.latency)]
@@ -122,14 +130,6 @@ class FetchCosts:
         if self.prefill_rate.samples:
             return self.block_size / self.prefill_rate.value
         return self.cost_model.recompute_s(self.block_size, depth_tokens)
-
-    def block_pull_s(self, bytes_per_block: int) -> float:
-        """Seconds to pull one block from a prefill worker: measured, else the seed's."""
-        return bytes_per_block / self.pull_bandwidth.value
-
-    def observe_pull(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
-            self.pull_bandwidth.update(num_bytes / seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0:

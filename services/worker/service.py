@@ -23,7 +23,6 @@ jobs and takes its results without waiting.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
@@ -177,7 +176,8 @@ class WorkerService:
         self.joined_after_beat = 0  # rehellos answering heartbeats up to this one are stale
         self.joined = False  # the router has welcomed us and not asked us to say hello again
         self.last_turn = time.monotonic()  # when the loop last went round: a stall means a wedge
-        self.kv_loads = KvLoads(engine)  # requests whose prompt KV is arriving (common/engine/kv_connector.py)
+        # requests whose prompt KV is arriving (common/engine/kv_connector.py)
+        self.kv_loads = KvLoads(engine, self.registry)
         self.transport: KvTransport | None = None
         self.exposure: LeaseExposure | None = None
         self.imports: Imports | None = None
@@ -421,14 +421,24 @@ class WorkerService:
     def _load_from_store(self, request: Generate, prompt_ids: list[int], params: SamplingParams,
                          store_hint: StoreHint | None, hold_kv: bool = False) -> bool:
         """Start loading the prompt's blocks past the local cache from the KV store; False
-        when there are none, the router's index says the store holds none past the local
-        cache, or the store takes no fetch now: the caller adds the request."""
-        if self.store is None or not self.store.accepting() or not self.store.may_hold(store_hint):
+        when the store is not worth asking for any of them (it lacks them, as the router's
+        index says, or computing them is cheaper) or takes no fetch now: the caller adds
+        the request."""
+        if self.store is None or not self.store.accepting():
             return False
-        load = self.engine.begin_load(request.request_id, prompt_ids, params, request.tenant, hold_kv=hold_kv)
+        costs = self.store.costs
+        size = self.engine.config.block_size
+
+        def recompute(block: int) -> float:
+            return costs.block_prefill_s(block * size)
+
+        sources = (self.store,)
+        load = self.engine.begin_load(request.request_id, prompt_ids, params, request.tenant,
+                                      plan=self.kv_loads.plan(sources, recompute), store_hint=store_hint,
+                                      hold_kv=hold_kv)
         if load is None:
             return False
-        self.kv_loads.begin(dataclasses.replace(load, store_hint=store_hint), (self.store,))
+        self.kv_loads.begin(load, sources, recompute)
         return True
 
     def _load_done(self, done: LoadDone) -> None:

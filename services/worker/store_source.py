@@ -1,7 +1,7 @@
 """The KV store as the engine's KvSource (common/engine/kv_connector.py) and the sink of
 its write-back, on the worker's loop (docs/architecture.md §8): it hands the store thread
 (services/worker/kv_store_use.py) its fetches, takes their results without waiting, and
-asks the store only where the router's index says it holds blocks past the engine's cache.
+offers blocks only where the router's index does not say the store lacks them.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from common.config import ClusterConfig
 from common.cost_model import load_cost_model
 from common.engine.engine import Engine
-from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, StoreHint, WritebackConfig
+from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, Offer, StoreHint, WritebackConfig, no_offer
 from common.metrics import Registry
 from common.protocol import Generate
 from common.sampling_params import InvalidRequestError
@@ -26,7 +26,7 @@ from services.worker.kv_store_use import (
     FetchResult,
     StoreAPI,
     StoreThread,
-    decide,
+    cheapest_block_s,
 )
 
 KNOWN_STORED_BLOCKS = 1 << 16  # (namespace, block) the store is remembered to hold, at most
@@ -42,9 +42,8 @@ class StoreMetrics:
         self.fetched = registry.counter("baton_worker_kvstore_fetched_blocks_total",
                                         "Prompt blocks fetched from the KV store, by tier", labels=("tier",))
         self.decisions = registry.counter("baton_worker_kvstore_fetch_decisions_total",
-                                          "Prompts with blocks past the local cache: fetched, recomputed "
-                                          "(not worth it), missed (not stored) or known_miss (the router's "
-                                          "index says the store holds none of them: not asked)",
+                                          "Store lookups of prompt blocks past the local cache: fetched, "
+                                          "recomputed (not worth it) or missed (not stored)",
                                           labels=("decision",))
         self.failures = registry.counter("baton_worker_kvstore_failures_total",
                                          "KV store calls that failed (the request recomputed, or the copy "
@@ -104,53 +103,48 @@ class StoreSource:
             raise InvalidRequestError("store_tiers", f"a tier must be 0 to {len(TIER_NAMES) - 1}")
         return StoreHint(request.store_from, tuple(tiers))
 
-    def may_hold(self, hint: StoreHint | None) -> bool:
-        """False when the router's index says the store holds nothing right after this
-        engine's cache (counted as a known miss): the load need not even be begun for the
-        store. Where the cache ends elsewhere than the router believes, a fetch is lost, never
-        a wrong block loaded."""
-        if hint is None or hint.tiers:
-            return True
-        self.metrics.decisions.inc(decision="known_miss")
-        return False
-
     # ---- KvSource
 
-    def start(self, load: KvLoad, start: int) -> bool:
-        """Ask the store thread for the load's named blocks from `start` on; False (nothing
-        asked) when there are none, the store is not `accepting`, the router's index says
-        the store lacks the first of them, or no tier it could find them on would beat the
-        other way to get them (the run the index names, else the fastest tier for all)."""
+    def match(self, load: KvLoad, start: int) -> Offer:
+        """The load's named blocks from `start` on, at the cost of the cheapest prefix of
+        the tiers they are on, as `decide` weighs them: the run the router's index names
+        (none when it says the store lacks the first of them), else, where the index
+        does not say (no hint, or the engine's cache ends elsewhere than the router
+        believes), all of them at the fastest tier's cost. Never sure: the router's view
+        may be stale, and a lookup tells."""
+        count = len(load.block_hashes) - start
+        if count <= 0:
+            return no_offer("nothing")
+        if not self.accepting():
+            return no_offer("off")
+        hint = load.store_hint
+        first = load.first_block + start
+        run = hint.run_from(first) if hint is not None else None
+        if run == 0:
+            return no_offer("known_miss")
+        if self.config.kvstore_fetch == "always":  # the operator's choice: no cost is weighed
+            return Offer(run or count, 0.0)
+        if run is not None and hint is not None:
+            tiers = hint.tiers[first - hint.start:][:count]
+            return Offer(len(tiers), self._block_s(tiers))
+        return Offer(count, self._block_s((0,) * count))
+
+    def start(self, load: KvLoad, start: int, rival_block_s: float) -> bool:
+        """Ask the store thread for the load's named blocks from `start` on; its lookup
+        then fetches the leading run `decide` finds cheaper than `rival_block_s` a block."""
         keys = load.block_hashes[start:]
         if not keys or not self.accepting():
             return False
-        first = load.first_block + start
-        hint = load.store_hint
-        run = hint.run_from(first) if hint is not None else None
-        if run == 0:
-            self.metrics.decisions.inc(decision="known_miss")
-            return False
-        best = hint.tiers[first - hint.start:][:len(keys)] if hint is not None and run else (0,) * len(keys)
         dst = load.dst_block_ids[start:start + len(keys)]
-        if load.through_prompt_end:  # a decode worker: what the store does not give is pulled
-            other_s = self.costs.block_pull_s(self.engine.kv_cache.layout.bytes_per_block)
-            if not self._may_beat(best, other_s):
-                return False  # not even a lookup: it would only delay the pull
-        else:
-            other_s = self.costs.block_prefill_s(first * self.engine.config.block_size)
-            if run and not self._may_beat(best, other_s):
-                self.metrics.decisions.inc(decision="recompute")  # as the lookup would have decided
-                return False
         self.thread.submit(FetchJob(load.request_id, load.namespace, keys, dst,
-                                    time.monotonic() + self.config.kvstore_timeout_s, other_s))
+                                    time.monotonic() + self.config.kvstore_timeout_s, rival_block_s))
         self.in_flight[load.request_id] = dst
         return True
 
-    def _may_beat(self, tiers: tuple[int, ...], block_other_s: float) -> bool:
-        """Whether `decide` would fetch blocks stored on `tiers`."""
+    def _block_s(self, tiers: tuple[int, ...]) -> float:
+        """Seconds a block of the cheapest leading run of blocks on `tiers` costs to fetch."""
         layout = self.engine.kv_cache.layout
-        return decide(self.config.kvstore_fetch, list(tiers), layout.bytes_per_block, layout.block_size,
-                      self.costs.links(), block_other_s).fetch
+        return cheapest_block_s(tiers, layout.bytes_per_block, self.costs.links())
 
     def poll(self) -> list[Landed]:
         """Finished fetches (their bytes in the engine's blocks)."""

@@ -90,8 +90,10 @@ def test_no_fetch_without_a_block_past_the_cache_before_the_last_token(fresh, ra
     assert fresh.begin_load("short", random_prompts([16], seed=5)[0]) is None  # its one block holds the last token
     prompt = random_prompts([40], seed=6)[0]
     fresh.generate([prompt], GREEDY)
-    assert fresh.begin_load("cached", prompt, max_blocks=8) is None  # both full blocks are cached
-    assert fresh.begin_load("none", random_prompts([40], seed=7)[0], max_blocks=0) is None
+    assert fresh.begin_load("cached", prompt, plan=lambda load: 8) is None  # both full blocks are cached
+    shown = []
+    assert fresh.begin_load("none", random_prompts([40], seed=7)[0], plan=lambda load: shown.append(load) or 0) is None
+    assert [(load.first_block, len(load.block_hashes), load.dst_block_ids) for load in shown] == [(0, 2, ())]
     fresh.check_integrity()
     assert fresh.block_manager.num_used == 0
     fresh.add_request("short", random_prompts([16], seed=5)[0], GREEDY)  # nothing was registered

@@ -1,5 +1,6 @@
-"""KvLoads walks a load through its sources in order (services/worker/kv_loads.py): each
-is asked for what the ones before it did not land, and the load's end says what came.
+"""KvLoads chooses a load's sources on their offers and walks the load through them
+(services/worker/kv_loads.py): the cheapest worth asking first, each asked for what the
+ones before it did not land, and the load's end says what came.
 The sources here copy real KV, block by block, from an engine that computed the prompt
 (as a transport or the store would), into a real engine: fp32, greedy, token for token."""
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from common.engine.engine import Engine
-from common.engine.kv_connector import KvLoad, Landed
+from common.engine.kv_connector import KvLoad, Landed, Offer, no_offer
 from common.engine.leases import KvLease
+from common.metrics import Registry
 from common.sampling_params import SamplingParams
 from services.worker.kv_loads import KvLoads
 
@@ -16,19 +18,24 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 class CopySource:
-    """Copies at most `limit` blocks of the lease per part, landing them at the next poll;
-    `stoppable` False: a part out cannot be cancelled (it lands anyway)."""
+    """Offers, and copies, at most `limit` blocks of the lease per part at `block_s` a
+    block, landing them at the next poll; `stoppable` False: a part out cannot be
+    cancelled (it lands anyway)."""
 
-    def __init__(self, name: str, src: Engine, dst: Engine, lease: KvLease, limit: int, stoppable: bool = True):
+    def __init__(self, name: str, src: Engine, dst: Engine, lease: KvLease, limit: int, stoppable: bool = True,
+                 block_s: float = 1.0, sure: bool = False, claims: int | None = None):
         self.name, self.src, self.dst, self.lease = name, src, dst, lease
-        self.limit, self.stoppable = limit, stoppable
+        self.limit, self.stoppable, self.block_s, self.sure = limit, stoppable, block_s, sure
+        self.claims = limit if claims is None else claims  # the blocks it offers
         self.out: list[tuple[KvLoad, int]] = []
-        self.asked: list[int] = []
+        self.asked: list[tuple[int, float]] = []  # (start, rival_block_s) of each part asked
 
-    def start(self, load: KvLoad, start: int) -> bool:
-        self.asked.append(start)
-        if self.limit == 0:
-            return False
+    def match(self, load: KvLoad, start: int) -> Offer:
+        count = min(self.claims, load.num_blocks - start)
+        return Offer(count, self.block_s, self.sure) if count > 0 else no_offer("empty")
+
+    def start(self, load: KvLoad, start: int, rival_block_s: float) -> bool:
+        self.asked.append((start, rival_block_s))
         self.out.append((load, start))
         return True
 
@@ -75,18 +82,86 @@ def finish(engine: Engine, loads: KvLoads, request_id: str) -> list[int]:
     return tokens
 
 
-def test_each_source_is_asked_for_what_the_ones_before_it_left(prefilled, make_engine):
+def choices(registry: Registry, source: str, choice: str) -> float:
+    return registry.collectors.get_sample_value("baton_worker_kv_source_choices_total",
+                                                {"source": source, "choice": choice}) or 0.0
+
+
+def test_the_cheaper_source_is_asked_first_and_each_for_what_the_ones_before_it_left(prefilled, make_engine):
+    """The lease holds every block; the store offers 4 at a lower cost, so it is asked
+    first (against the lease's cost), and the lease for the rest. A source offering
+    nothing is never asked."""
     src, prompt, first, lease = prefilled
     want = make_engine().generate([prompt], GREEDY)[0].token_ids
     dst = make_engine()
     load = dst.begin_load("r", prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
     assert load is not None and len(load.dst_block_ids) == 7
-    nothing, store, lease_source = (CopySource("none", src, dst, lease, 0), CopySource("store", src, dst, lease, 4),
-                                    CopySource("lease", src, dst, lease, 99))
+    nothing, lease_source, store = (CopySource("none", src, dst, lease, 0),
+                                    CopySource("lease", src, dst, lease, 99, block_s=2.0, sure=True),
+                                    CopySource("store", src, dst, lease, 4, block_s=1.0))
+    registry = Registry()
+    loads = KvLoads(dst, registry)
+    loads.begin(load, (nothing, lease_source, store))
+    assert nothing.asked == [] and store.asked == [(0, 2.0)] and lease_source.asked == []
+    assert loads.tend() == [] and lease_source.asked == [(4, float("inf"))]  # the store landed blocks 0-3
+    assert finish(dst, loads, "r") == want
+    assert [choices(registry, name, "asked") for name in ("none", "store", "lease")] == [0, 1, 1]
+    assert choices(registry, "none", "empty") == 1
+    dst.check_integrity()
+
+
+def test_a_source_dearer_than_its_rival_is_passed_over(prefilled, make_engine):
+    """The store's blocks cost more than the lease's, which holds them all: only the
+    lease is asked."""
+    src, prompt, first, lease = prefilled
+    want = make_engine().generate([prompt], GREEDY)[0].token_ids
+    dst = make_engine()
+    load = dst.begin_load("r", prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
+    assert load is not None
+    store, lease_source = (CopySource("store", src, dst, lease, 4, block_s=3.0),
+                           CopySource("lease", src, dst, lease, 99, block_s=2.0, sure=True))
+    registry = Registry()
+    loads = KvLoads(dst, registry)
+    loads.begin(load, (store, lease_source))
+    assert store.asked == [] and lease_source.asked == [(0, float("inf"))]
+    assert finish(dst, loads, "r") == want
+    assert choices(registry, "store", "costlier") == 1 and choices(registry, "lease", "asked") == 1
+
+
+def test_a_source_that_only_believes_it_holds_every_block_does_not_stand_in_for_the_lease(prefilled,
+                                                                                          make_engine):
+    """The store offers every block, cheaper, but lands 2 (its index was stale): the lease,
+    which is sure to hold them, is still asked for the rest."""
+    src, prompt, first, lease = prefilled
+    want = make_engine().generate([prompt], GREEDY)[0].token_ids
+    dst = make_engine()
+    load = dst.begin_load("r", prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
+    assert load is not None
+    store = CopySource("store", src, dst, lease, 2, block_s=0.5, claims=99)
+    lease_source = CopySource("lease", src, dst, lease, 99, sure=True)
     loads = KvLoads(dst)
-    loads.begin(load, (nothing, store, lease_source))
-    assert nothing.asked == [0] and store.asked == [0] and lease_source.asked == []
-    assert loads.tend() == [] and lease_source.asked == [4]  # the store landed blocks 0-3
+    loads.begin(load, (store, lease_source))
+    assert store.asked == [(0, 1.0)] and loads.tend() == [] and lease_source.asked == [(2, float("inf"))]
+    assert finish(dst, loads, "r") == want
+
+
+def test_the_plan_allocates_only_what_a_source_worth_asking_offers(prefilled, make_engine):
+    """A load that may stop short (not through the prompt's end) is planned before its
+    blocks are allocated: a source cheaper than computing the blocks gets blocks for its
+    offer only; when computing is cheaper, nothing is allocated and the request is not
+    taken as a load."""
+    src, prompt, _, lease = prefilled
+    want = make_engine().generate([prompt], GREEDY)[0].token_ids
+    dst = make_engine()
+    registry = Registry()
+    loads = KvLoads(dst, registry)
+    store = CopySource("store", src, dst, lease, 4, block_s=1.0)
+    assert dst.begin_load("dear", prompt, GREEDY, plan=loads.plan((store,), lambda block: 0.5)) is None
+    assert dst.block_manager.num_used == 0 and choices(registry, "store", "costlier") == 1
+    load = dst.begin_load("r", prompt, GREEDY, plan=loads.plan((store,), lambda block: 5.0))
+    assert load is not None and load.first_block == 0 and len(load.dst_block_ids) == 4  # of the 6 full blocks
+    loads.begin(load, (store,), lambda block: 5.0)
+    assert store.asked == [(0, 5.0)]
     assert finish(dst, loads, "r") == want
     dst.check_integrity()
 
@@ -96,8 +171,8 @@ def test_a_part_that_cannot_be_stopped_ends_the_load_without_asking_further(pref
     dst = make_engine()
     load = dst.begin_load("r", prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
     assert load is not None
-    store, lease_source = CopySource("store", src, dst, lease, 4, stoppable=False), CopySource("lease", src, dst,
-                                                                                               lease, 99)
+    store = CopySource("store", src, dst, lease, 4, stoppable=False, block_s=0.5)
+    lease_source = CopySource("lease", src, dst, lease, 99, sure=True)
     loads = KvLoads(dst)
     loads.begin(load, (store, lease_source))
     assert not loads.cancel("r")  # the store's part is out: it lands, and nothing more is asked

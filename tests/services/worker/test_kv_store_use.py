@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.cost_model import load_cost_model
-from services.worker.kv_store_use import Decision, FetchCosts, Link, decide
+from services.worker.kv_store_use import Decision, FetchCosts, Link, cheapest_block_s, decide
 
 FAST = [Link(10e9, 1e-4), Link(1e9, 1e-3)]
 BLOCK = 10**6  # a MB per block: 0.1 ms from DRAM, 1 ms from SSD on FAST
@@ -62,19 +62,15 @@ def test_measurements_move_the_decision():
     costs.observe_fetch([5], 10, 1.0)  # ignored: no such tier
 
 
-def test_a_decode_worker_weighs_the_store_against_its_measured_pulls():
-    """Seeded, a pull is as fast as the store's DRAM, whose latency then loses; once pulls
-    are measured slower, the stored blocks are fetched."""
+def test_the_cheapest_prefix_cost_agrees_with_decide():
+    """`cheapest_block_s` (what the store offers a load at) is below another way's cost
+    per block exactly when `decide` fetches some blocks: seeded links, DRAM then SSD."""
     costs = FetchCosts(load_cost_model(""), block_size=16)
-    pull_s = costs.block_pull_s(BLOCK)
-    assert pull_s == pytest.approx(1e-3)  # 1 MB at the seeded 1 GB/s
-    assert not decide("auto", [0] * 4, BLOCK, 16, costs.links(), pull_s).fetch
-    costs.observe_pull(0, 1.0)  # nothing moved: ignored
-    for _ in range(50):
-        costs.observe_pull(4 * BLOCK, 0.04)  # measured: 100 MB/s, 10 ms a block
-    pull_s = costs.block_pull_s(BLOCK)
-    assert pull_s == pytest.approx(0.01, rel=1e-3)
-    assert decide("auto", [0] * 4, BLOCK, 16, costs.links(), pull_s).num_blocks == 4
+    tiers = [0, 0, 1, 1, 1]
+    cheapest = cheapest_block_s(tiers, BLOCK, costs.links())
+    assert cheapest == pytest.approx((2 * BLOCK / 1e9 + 2e-3) / 2)  # the DRAM pair: 1 ms each plus the latency
+    for other_s in (cheapest * 0.9, cheapest * 1.1, 0.05, 1.0):
+        assert decide("auto", tiers, BLOCK, 16, costs.links(), other_s).fetch == (cheapest < other_s)
 
 
 def test_write_back_waits_for_a_batch_or_for_its_oldest_to_age(make_engine, monkeypatch):

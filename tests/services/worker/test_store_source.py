@@ -42,24 +42,32 @@ def test_a_fetch_through_a_host_buffer_lands_in_the_right_blocks(make_engine, ra
     assert tokens == want
 
 
-def test_a_decode_load_asks_the_store_only_when_it_could_beat_the_pull(make_engine, random_prompts):
-    """A lookup delays the pull of the rest: a decode worker's load skips the store while
-    even its fastest tier could not fetch the blocks sooner than they are pulled."""
+def test_a_decode_loads_store_offer_is_weighed_against_the_leases_measured_pulls(make_engine, random_prompts):
+    """A lookup delays the pull of the rest: the store's offer to a decode worker's load
+    (its fastest tier, as no hint names the tiers) loses to the lease's seeded pull, and
+    wins once the pulls measured slow (services/worker/kv_loads.py then asks it first)."""
     from common.config import ClusterConfig
     from common.metrics import Registry
+    from common.protocol import KvHandle
     from common.sampling_params import SamplingParams
+    from services.decode.lease_source import LeaseSource
     from services.worker.store_source import StoreSource
 
     engine = make_engine(max_model_len=128)
     store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, Registry())  # its thread never starts
+    lease = LeaseSource(None, 1.0, engine.kv_cache.layout.bytes_per_block)  # type: ignore[arg-type]  # no pull here
     prompt = random_prompts([70], seed=43)[0]
     load = engine.begin_load("d", prompt, SamplingParams(max_tokens=4), first_token_id=5)
-    assert load is not None and len(load.block_hashes) == 4
-    assert not store.start(load, 0) and not store.in_flight  # 4 blocks pulled at the seeded 1 GB/s: ~0.3 ms
+    assert load is not None and len(load.block_hashes) == 4 and len(load.dst_block_ids) == 5
+    lease.expect("d", KvHandle("p", "tcp://127.0.0.1:1", "ab" * 16, "i", list(range(5)), list(load.block_hashes),
+                               70, 5))
+    stored, pulled = store.match(load, 0), lease.match(load, 0)
+    assert (stored.blocks, stored.sure) == (4, False) and (pulled.blocks, pulled.sure) == (5, True)
+    assert stored.block_s > pulled.block_s  # 64 KiB blocks at the seeded 1 GB/s: ~66 µs each
     for _ in range(50):
-        store.costs.observe_pull(10 << 20, 1.0)  # measured: 10 MiB/s, 6 ms a block
-    assert store.start(load, 0) and store.in_flight["d"] == load.dst_block_ids[:4]
-    assert store.thread.jobs.get_nowait().keys == load.block_hashes
+        lease.bandwidth.update(10 << 20)  # measured: 10 MiB/s, 6 ms a block
+    assert lease.match(load, 0).block_s > stored.block_s
+    assert store.match(load, 4).blocks == 0 and lease.match(load, 4).blocks == 1  # the partial block is the lease's
     engine.cancel_load("d")
 
 
@@ -79,48 +87,38 @@ def test_the_engines_prefill_rate_is_learnt_every_turn_without_a_fetch(make_engi
     assert store.costs.prefill_rate.samples == 1
 
 
-def test_the_store_is_not_asked_for_blocks_the_routers_index_says_it_lacks(make_engine, random_prompts):
-    """KvLoad.store_hint (the router's view): a load whose first block to fetch is where the
-    store's run ends is not looked up, nor begun for a prompt with no run after the cache;
-    where the cache ends elsewhere than the router believes, the store is asked as before;
-    a bad hint is refused by name."""
+def test_the_store_offers_no_blocks_the_routers_index_says_it_lacks(make_engine, random_prompts):
+    """KvLoad.store_hint (the router's view): the store offers nothing for a load whose
+    first block to fetch is where the store's run ends, and the run's blocks at their
+    tiers' cost; where the cache ends elsewhere than the router believes, it offers every
+    block, known only by a lookup, as without a hint; a bad hint is refused by name."""
     import dataclasses
 
     from common.config import ClusterConfig
-    from common.engine.kv_connector import StoreHint
+    from common.engine.kv_connector import Offer, StoreHint
     from common.metrics import Registry
     from common.protocol import Generate, Sampling
     from common.sampling_params import InvalidRequestError, SamplingParams
     from services.worker.store_source import StoreSource
 
     engine = make_engine(max_model_len=128)
-    registry = Registry()
-    store = StoreSource(ClusterConfig(kvstore=True, kvstore_fetch="always"), engine, lambda: None, registry)
+    store = StoreSource(ClusterConfig(kvstore=True, kvstore_fetch="always"), engine, lambda: None, Registry())
     prompt = random_prompts([70], seed=45)[0]  # 4 full blocks
     load = engine.begin_load("w", prompt, SamplingParams(max_tokens=4))
     assert load is not None and load.first_block == 0 and len(load.block_hashes) == 4
 
-    def known_misses() -> float:
-        return registry.collectors.get_sample_value("baton_worker_kvstore_fetch_decisions_total",
-                                                    {"decision": "known_miss"}) or 0.0
+    def offer(hint: StoreHint | None, start: int) -> Offer:
+        return store.match(dataclasses.replace(load, store_hint=hint), start)
 
-    def asked(hint: StoreHint | None, start: int) -> tuple[int, ...] | None:
-        """The keys the store thread was asked for (None: not asked)."""
-        if not store.start(dataclasses.replace(load, store_hint=hint), start):
-            return None
-        store.in_flight.clear()
-        return store.thread.jobs.get_nowait().keys
-
-    assert asked(StoreHint(0, ()), 0) is None  # the store lacks block 0
-    assert asked(StoreHint(1, (0, 0)), 3) is None  # blocks 1-2 stored, block 3 not
-    assert known_misses() == 2
-    assert asked(StoreHint(1, (0, 1)), 1) == load.block_hashes[1:]  # the run starts there: looked up
-    assert asked(StoreHint(2, ()), 0) == load.block_hashes  # the cache ends before the router thinks
-    assert asked(StoreHint(0, ()), 1) == load.block_hashes[1:]  # ... or after it
-    assert asked(None, 0) == load.block_hashes  # no hint: looked up, as before
+    assert offer(StoreHint(0, ()), 0).why == "known_miss"  # the store lacks block 0
+    assert offer(StoreHint(1, (0, 0)), 3).why == "known_miss"  # blocks 1-2 stored, block 3 not
+    assert offer(StoreHint(1, (0, 1)), 1) == Offer(2, 0.0)  # the run starts there ("always": no cost weighed)
+    assert offer(StoreHint(2, ()), 0) == Offer(4, 0.0)  # the cache ends before the router thinks
+    assert offer(StoreHint(0, ()), 1) == Offer(3, 0.0)  # ... or after it
+    assert offer(None, 0) == Offer(4, 0.0)  # no hint: a lookup tells
+    assert store.start(load, 1, 0.0) and store.thread.jobs.get_nowait().keys == load.block_hashes[1:]
+    store.in_flight.clear()
     engine.cancel_load("w")
-    assert not store.may_hold(StoreHint(3, ())) and known_misses() == 3
-    assert store.may_hold(None) and store.may_hold(StoreHint(0, (1,)))
 
     def hint(store_from: int, tiers: list[int] | None) -> StoreHint | None:
         return store.hint(Generate(request_id="g", sampling=Sampling(max_tokens=4),
@@ -136,31 +134,32 @@ def test_the_store_is_not_asked_for_blocks_the_routers_index_says_it_lacks(make_
         hint(0, [0, -1])
 
 
-def test_a_hinted_run_the_cost_model_would_not_fetch_is_not_looked_up(make_engine, random_prompts):
-    """With the router's hint the store's tiers are known before a lookup: where `decide`
-    would not fetch from them (here: the SSD tier's latency against a fast prefill), the
-    store is not asked, and the decision is counted as the lookup would have counted it."""
+def test_a_hinted_runs_offer_is_the_cheapest_prefix_of_its_tiers(make_engine, random_prompts):
+    """With the router's hint the store's tiers are known before a lookup: the offer's
+    cost per block is the cheapest leading run's, so it beats computing the blocks exactly
+    when `decide` would fetch some of them (here: the SSD tier's latency against a fast
+    prefill, then DRAM blocks first against a slow one)."""
     import dataclasses
 
     from common.config import ClusterConfig
     from common.engine.kv_connector import StoreHint
     from common.metrics import Registry
     from common.sampling_params import SamplingParams
+    from services.worker.kv_store_use import decide
     from services.worker.store_source import StoreSource
 
     engine = make_engine(max_model_len=128)
-    registry = Registry()
-    store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, registry)  # kvstore_fetch "auto"
+    store = StoreSource(ClusterConfig(kvstore=True), engine, lambda: None, Registry())  # kvstore_fetch "auto"
     load = engine.begin_load("w", random_prompts([70], seed=46)[0], SamplingParams(max_tokens=4))
     assert load is not None and len(load.block_hashes) == 4
-    for _ in range(60):
-        store.costs.observe_prefill(100_000, 1.0)  # measured: 100k tokens/s, 0.16 ms a block
-    assert not store.start(dataclasses.replace(load, store_hint=StoreHint(0, (1, 1, 1, 1))), 0)
-    assert not store.in_flight
-    assert registry.collectors.get_sample_value("baton_worker_kvstore_fetch_decisions_total",
-                                                {"decision": "recompute"}) == 1.0
-    for _ in range(60):
-        store.costs.observe_prefill(100, 1.0)  # measured: 100 tokens/s, 0.16 s a block
-    assert store.start(dataclasses.replace(load, store_hint=StoreHint(0, (0, 0, 1, 1))), 0)
-    assert store.thread.jobs.get_nowait().keys == load.block_hashes
+    layout = engine.kv_cache.layout
+    for prefill_rate, tiers in ((100_000, (1, 1, 1, 1)), (100, (0, 0, 1, 1)), (100, (1, 1, 1, 1))):
+        for _ in range(60):
+            store.costs.observe_prefill(prefill_rate, 1.0)
+        offer = store.match(dataclasses.replace(load, store_hint=StoreHint(0, tiers)), 0)
+        computed_s = store.costs.block_prefill_s()
+        fetches = decide("auto", tiers, layout.bytes_per_block, layout.block_size, store.costs.links(),
+                         computed_s).fetch
+        assert offer.blocks == 4 and (offer.block_s < computed_s) == fetches
+        assert fetches == (prefill_rate == 100)
     engine.cancel_load("w")

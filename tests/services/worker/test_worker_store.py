@@ -126,7 +126,7 @@ def test_an_evicted_prompt_is_fetched_back_and_a_dead_store_means_recompute(stor
         cluster.wait_for(lambda: the_router_knows_the_store(cluster), 10, "the store's events at the router")
         # Every prompt before was new: the router's index said the store held none of its
         # blocks, and the worker did not ask the store.
-        assert metric(cluster, "baton_worker_kvstore_fetch_decisions_total", decision="known_miss") >= 3
+        assert metric(cluster, "baton_worker_kv_source_choices_total", source="kvstore", choice="known_miss") >= 3
         assert metric(cluster, "baton_worker_kvstore_fetch_decisions_total", decision="miss") == 0
         again = client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, **GREEDY)
         assert again.token_ids == want[tuple(prompt)]
