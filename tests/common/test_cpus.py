@@ -3,6 +3,7 @@ engine's I/O threads kept off its cores."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -84,7 +85,12 @@ def test_an_engine_context_starts_its_io_threads_on_the_cpus_given():
     context = engine_context(str(cpu))
     try:
         context.socket(zmq.PUSH).close(0)  # the threads start with the first socket
-        started = {thread: cpus for thread, cpus in _io_threads("self").items() if thread not in before}
+        deadline = time.monotonic() + 5
+        while True:  # each thread names itself once running: the name may come a moment later
+            started = {thread: cpus for thread, cpus in _io_threads("self").items() if thread not in before}
+            if started or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert started and set(started.values()) == {str(cpu)}, started
     finally:
         context.term()
