@@ -22,15 +22,7 @@ from common.engine.checkpoint import fingerprints, load_model_config, load_state
 from common.engine.config import DEVICE_PATTERN, DTYPE_SETTINGS, EngineConfig, dtype_choice, resolve_dtype
 from common.engine.gguf import checkpoint_dir, read_weight_blocks
 from common.engine.kv_cache import KVCache, KVLayout
-from common.engine.kv_connector import (
-    KnownBlocks,
-    KvLoad,
-    KvLoadError,
-    StagedBlocks,
-    StoreHint,
-    WritebackConfig,
-    WritebackQueue,
-)
+from common.engine.kv_connector import KvLoad, KvLoadError, KvSink, StoreHint
 from common.engine.leases import KvLease, KvLeases
 from common.engine.model import CausalLM
 from common.engine.queue_policy import make_queue_policy
@@ -149,9 +141,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._root_hashes: dict[str, int] = {}
         self._eos = frozenset(self.model_config.eos_token_ids)
-        self.writeback: WritebackQueue | None = None  # enable_writeback sets these
-        self.writeback_config: WritebackConfig | None = None
-        self.known_stored: KnownBlocks | None = None
+        self.sinks: list[KvSink] = [self.leases]  # where KV leaves for (common/engine/kv_connector.py)
         log.info("engine_ready", model=str(config.model_dir), dtype=config.dtype, dtype_choice=dtype_reason,
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
                  amx_chunk_attention=backend.amx_chunks,
@@ -278,17 +268,17 @@ class Engine:
             raise KeyError(f"{request_id!r} is not loading KV")
         return seq
 
-    # ---- KV to elsewhere: the KV store's write-back (docs/architecture.md §8) ------------
+    # ---- KV to elsewhere: sinks (docs/architecture.md §7.2) ------------------------------
 
-    def enable_writeback(self, config: WritebackConfig, known: KnownBlocks) -> WritebackQueue:
-        """Stage a copy of every block the prefix cache evicts (and of its ancestors the
-        store is not known to hold) for the KV store; returns the queue to drain."""
-        if config.queue_blocks <= 0 or config.min_hits < 0:
-            raise EngineConfigError(f"write-back: queue_blocks must be positive and min_hits >= 0, got {config}")
-        self.writeback_config, self.known_stored = config, known
-        self.writeback = WritebackQueue(config.queue_blocks)
-        self.block_manager.on_evict = self._stage_evicted
-        return self.writeback
+    def add_sink(self, sink: KvSink) -> None:
+        """Tell `sink` of every eviction from the prefix cache and of every held request's
+        end, after the sinks added before it (the engine's own leases come first)."""
+        self.sinks.append(sink)
+        self.block_manager.on_evict = self._evicted  # an engine without a sink names no chains
+
+    def _evicted(self, blocks: list[EvictedBlock]) -> None:
+        for sink in self.sinks:
+            sink.evicted(blocks)
 
     def pool_planes(self) -> torch.Tensor:
         """The KV pool as (planes, num_blocks, plane elements): block b's value is [:, b, :]."""
@@ -310,59 +300,6 @@ class Engine:
         source = source.reshape(len(block_ids), planes.shape[0], -1).transpose(0, 1).to(self.device)
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         planes.index_copy_(1, index, source)
-
-    def _stage_evicted(self, evicted: list[EvictedBlock]) -> None:
-        """The eviction hook: choose what the store lacks, root-first, and copy it."""
-        assert self.writeback is not None and self.writeback_config is not None and self.known_stored is not None
-        chosen = self._writeback_chains(evicted, self.writeback_config.min_hits, self.known_stored)
-        if not chosen:
-            return
-        room = self.writeback.room()
-        if len(chosen) > room:
-            self.writeback.drop(len(chosen) - room)
-            chosen = chosen[:room]  # a root-first prefix: what is kept is still reachable
-            if not chosen:
-                return
-        namespaces: list[int] = []
-        parents: list[int] = []
-        for block in chosen:  # _writeback_chains takes only blocks named with their chain
-            assert block.root is not None and block.parent is not None
-            namespaces.append(block.root)
-            parents.append(block.parent)
-        keys = [block.name for block in chosen]
-        values = self.read_blocks([block.block_id for block in chosen])
-        for namespace in set(namespaces):
-            self.known_stored.add(namespace, [key for key, ns in zip(keys, namespaces) if ns == namespace])
-        self.writeback.push(StagedBlocks(tuple(namespaces), tuple(keys), tuple(parents), values))
-
-    def _writeback_chains(self, evicted: list[EvictedBlock], min_hits: int,
-                          known: KnownBlocks) -> list[EvictedBlock]:
-        """Each evicted block reused at least `min_hits` times, preceded by its ancestors
-        that the store is not known to hold and this engine still has (this eviction's
-        blocks or cached ones), root-first, each block once."""
-        manager = self.block_manager
-        in_batch = {block.name: block for block in evicted}
-        seen: set[int] = set()
-        chosen: list[EvictedBlock] = []
-        for block in evicted:
-            if block.root is None or block.hits < min_hits:
-                continue
-            chain: list[EvictedBlock] = []
-            current: EvictedBlock | None = block
-            while current is not None and current.root is not None and current.name not in seen \
-                    and (current.root, current.name) not in known:
-                chain.append(current)
-                seen.add(current.name)
-                parent = current.parent
-                if parent is None or parent == current.root:
-                    break
-                current = in_batch.get(parent)
-                if current is None and parent in manager.hash_to_block:
-                    parent_id = manager.hash_to_block[parent]
-                    current = EvictedBlock(parent_id, parent, manager.block_parent[parent_id],
-                                           manager.block_root[parent_id], manager.block_hits[parent_id])
-            chosen.extend(reversed(chain))
-        return chosen
 
     def _new_sequence(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None,
                       tenant_salt: str | None) -> Sequence:
@@ -517,9 +454,14 @@ class Engine:
         blocks = self.scheduler.finish(seq, reason, hold=True)
         prompt_blocks = -(-seq.prompt_len // self.config.block_size)
         self.block_manager.release(blocks[prompt_blocks:])  # the prompt's KV is what moves
-        return self.leases.grant(seq.request_id, blocks[:prompt_blocks],
-                                 seq.block_hashes[:seq.prompt_len // self.config.block_size],
-                                 seq.prompt_len, last_token_id)
+        for sink in self.sinks:
+            lease = sink.held(seq.request_id, blocks[:prompt_blocks],
+                              seq.block_hashes[:seq.prompt_len // self.config.block_size], seq.prompt_len,
+                              last_token_id)
+            if lease is not None:
+                return lease
+        self.block_manager.release(blocks[:prompt_blocks])  # no sink holds it
+        return None
 
     def _final_text(self, seq: Sequence) -> str:
         if seq.stop_text is not None and seq.detokenizer is not None:  # the detokenizer found it

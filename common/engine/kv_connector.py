@@ -9,9 +9,10 @@ the chosen sources are asked in turn, cheapest first, each for what the ones bef
 left (`start`, then `poll` reports the part, `cancel` stops it); then
 `Engine.complete_load` lets the request decode (the whole prompt came) or prefill the
 rest, and `Engine.cancel_load` ends it when a source failed with nothing late to land.
-Out: the prefix cache's evictions are staged (`WritebackQueue`) for the KV store's
-write-back, and a prefill worker's finished prompt stays held under a lease
-(common/engine/leases.py) for a decode worker's pull.
+Out: every place KV leaves for is a `KvSink` the engine tells, on its loop, of what
+it may take: the prefix cache's evictions (the KV store's write-back, `Writeback`, stages
+copies for the store thread) and the end of a request that asked to hold its prompt's KV
+(a prefill worker's leases, common/engine/leases.py, hold it for a decode worker's pull).
 
 The sources themselves live with the roles that own their sockets and threads
 (services/worker/kv_loads.py and the modules it names); this module holds what the
@@ -23,11 +24,16 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from common.engine.block_manager import BlockManager, EvictedBlock
+
+if TYPE_CHECKING:
+    from common.engine.leases import KvLease
 
 
 @dataclass(frozen=True)
@@ -231,3 +237,94 @@ class KvSource(Protocol):
     def poll(self) -> list[Landed]: ...
 
     def cancel(self, request_id: str) -> bool: ...
+
+
+# ---- out: sinks ----------------------------------------------------------------------------
+
+class KvSink(Protocol):
+    """A place KV leaves the engine for. The engine tells every sink it has
+    (`Engine.add_sink`), on its loop; a sink never blocks it. `evicted`: the prefix cache
+    is about to reuse these cached blocks, whose KV is still intact (copy what you keep,
+    now). `held`: a request that asked to hold its prompt's KV (`hold_kv`) ended; the
+    first sink that answers a lease owns the prompt's blocks until it hands them back
+    (`Engine.release_lease`), and the request's last output carries the lease."""
+
+    name: str
+
+    def evicted(self, blocks: list[EvictedBlock]) -> None: ...
+
+    def held(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[int], num_tokens: int,
+             last_token_id: int) -> KvLease | None: ...
+
+
+class Writeback:
+    """The KV store's write-back as a sink (docs/architecture.md §8): each evicted block
+    reused at least `min_hits` times, with its ancestors the store is not known to hold,
+    is copied root-first into `queue` for the worker's store thread; what finds no room
+    is dropped (counted)."""
+
+    name = "writeback"
+
+    def __init__(self, config: WritebackConfig, known: KnownBlocks, block_manager: BlockManager,
+                 read_blocks: Callable[[Sequence[int]], np.ndarray]):
+        if config.queue_blocks <= 0 or config.min_hits < 0:
+            raise ValueError(f"write-back: queue_blocks must be positive and min_hits >= 0, got {config}")
+        self.config = config
+        self.known = known
+        self.queue = WritebackQueue(config.queue_blocks)
+        self.block_manager = block_manager
+        self.read_blocks = read_blocks
+
+    def evicted(self, blocks: list[EvictedBlock]) -> None:
+        chosen = self._chains(blocks)
+        if not chosen:
+            return
+        room = self.queue.room()
+        if len(chosen) > room:
+            self.queue.drop(len(chosen) - room)
+            chosen = chosen[:room]  # a root-first prefix: what is kept is still reachable
+            if not chosen:
+                return
+        namespaces: list[int] = []
+        parents: list[int] = []
+        for block in chosen:  # _chains takes only blocks named with their chain
+            assert block.root is not None and block.parent is not None
+            namespaces.append(block.root)
+            parents.append(block.parent)
+        keys = [block.name for block in chosen]
+        values = self.read_blocks([block.block_id for block in chosen])
+        for namespace in set(namespaces):
+            self.known.add(namespace, [key for key, ns in zip(keys, namespaces) if ns == namespace])
+        self.queue.push(StagedBlocks(tuple(namespaces), tuple(keys), tuple(parents), values))
+
+    def held(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[int], num_tokens: int,
+             last_token_id: int) -> KvLease | None:
+        return None  # write-back takes blocks as they are evicted, not as requests end
+
+    def _chains(self, evicted: list[EvictedBlock]) -> list[EvictedBlock]:
+        """Each evicted block reused at least `min_hits` times, preceded by its ancestors
+        that the store is not known to hold and this engine still has (this eviction's
+        blocks or cached ones), root-first, each block once."""
+        manager, known = self.block_manager, self.known
+        in_batch = {block.name: block for block in evicted}
+        seen: set[int] = set()
+        chosen: list[EvictedBlock] = []
+        for block in evicted:
+            if block.root is None or block.hits < self.config.min_hits:
+                continue
+            chain: list[EvictedBlock] = []
+            current: EvictedBlock | None = block
+            while current is not None and current.root is not None and current.name not in seen \
+                    and (current.root, current.name) not in known:
+                chain.append(current)
+                seen.add(current.name)
+                parent = current.parent
+                if parent is None or parent == current.root:
+                    break
+                current = in_batch.get(parent)
+                if current is None and parent in manager.hash_to_block:
+                    parent_id = manager.hash_to_block[parent]
+                    current = EvictedBlock(parent_id, parent, manager.block_parent[parent_id],
+                                           manager.block_root[parent_id], manager.block_hits[parent_id])
+            chosen.extend(reversed(chain))
+        return chosen

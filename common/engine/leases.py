@@ -40,7 +40,10 @@ class KvLease:
 
 
 class KvLeases:
-    """The live leases of one engine, by lease id."""
+    """The live leases of one engine, by lease id: the engine's sink
+    (common/engine/kv_connector.py) for the prompts of requests that hold their KV."""
+
+    name = "lease"
 
     def __init__(self) -> None:
         self._held: dict[str, KvLease] = {}
@@ -53,10 +56,14 @@ class KvLeases:
         """Blocks held under leases (the leased-blocks gauge)."""
         return sum(len(lease.block_ids) for lease in self._held.values())
 
-    def grant(self, request_id: str, block_ids: Seq[int], block_hashes: Seq[int], num_tokens: int,
-              first_token_id: int) -> KvLease:
+    def evicted(self, blocks: Seq[object]) -> None:
+        """A leased block is referenced, so never evicted: nothing to do."""
+
+    def held(self, request_id: str, block_ids: Seq[int], block_hashes: Seq[int], num_tokens: int,
+             last_token_id: int) -> KvLease:
+        """Grant a lease on a finished prompt's blocks (the engine keeps their reference)."""
         lease = KvLease(os.urandom(16).hex(), request_id, tuple(block_ids), tuple(block_hashes),
-                        num_tokens, first_token_id)
+                        num_tokens, last_token_id)
         self._held[lease.lease_id] = lease
         return lease
 

@@ -14,7 +14,16 @@ import torch
 from common.config import ClusterConfig
 from common.cost_model import load_cost_model
 from common.engine.engine import Engine
-from common.engine.kv_connector import KnownBlocks, KvLoad, Landed, Offer, StoreHint, WritebackConfig, no_offer
+from common.engine.kv_connector import (
+    KnownBlocks,
+    KvLoad,
+    Landed,
+    Offer,
+    StoreHint,
+    Writeback,
+    WritebackConfig,
+    no_offer,
+)
 from common.metrics import Registry
 from common.protocol import Generate
 from common.sampling_params import InvalidRequestError
@@ -63,13 +72,15 @@ class StoreSource:
         self.engine = engine
         self.metrics = StoreMetrics(registry)
         known = KnownBlocks(KNOWN_STORED_BLOCKS)
-        writeback = engine.enable_writeback(
-            WritebackConfig(config.kvstore_writeback_queue_blocks, config.kvstore_writeback_min_hits), known)
+        self.writeback = Writeback(WritebackConfig(config.kvstore_writeback_queue_blocks,
+                                                   config.kvstore_writeback_min_hits),
+                                   known, engine.block_manager, engine.read_blocks)
+        engine.add_sink(self.writeback)
         self.costs = FetchCosts(load_cost_model(config.profile), engine.config.block_size)
         pool = None
         if engine.device.type == "cpu":  # the store copies straight into the engine's blocks
             pool = engine.kv_cache.data.view(-1).view(torch.uint8).numpy()
-        self.thread = StoreThread(make_client, pool, engine.kv_cache.layout, writeback, known, self.costs,
+        self.thread = StoreThread(make_client, pool, engine.kv_cache.layout, self.writeback.queue, known, self.costs,
                                   config.kvstore_fetch)
         self.in_flight: dict[str, tuple[int, ...]] = {}  # request id -> its fetch's destination blocks
         self.skip_until = 0.0  # monotonic: a dead store must not cost every request a deadline
@@ -189,8 +200,7 @@ class StoreSource:
     def report(self) -> None:
         """Move the thread's and the engine's counters into the metrics."""
         counters = self.thread.counters
-        writeback = self.engine.writeback
-        now = dict(written=counters.written_blocks, dropped=writeback.dropped_blocks if writeback else 0,
+        now = dict(written=counters.written_blocks, dropped=self.writeback.queue.dropped_blocks,
                    put_failures=counters.put_failures, fetch_failures=counters.fetch_failures)
         self.metrics.written.inc(now["written"] - self.reported["written"])
         self.metrics.dropped.inc(now["dropped"] - self.reported["dropped"])

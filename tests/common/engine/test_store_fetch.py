@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from common.engine.engine import Engine
-from common.engine.kv_connector import KnownBlocks, WritebackConfig
+from common.engine.kv_connector import KnownBlocks, Writeback, WritebackConfig, WritebackQueue
 from common.hashing import chain_hashes
 from common.sampling_params import SamplingParams
 
@@ -116,9 +116,17 @@ def test_an_abort_while_fetching_keeps_the_blocks_until_the_fetch_completes(fres
     fresh.check_integrity()
 
 
+def add_writeback(engine: Engine, config: WritebackConfig, known: KnownBlocks) -> WritebackQueue:
+    """The KV store's write-back as the engine's sink, as StoreSource adds it; its queue."""
+    sink = Writeback(config, known, engine.block_manager, engine.read_blocks)
+    engine.add_sink(sink)
+    return sink.queue
+
+
 def test_evicted_blocks_are_staged_root_first_with_their_values(make_engine, random_prompts):
     engine = make_engine(max_model_len=64, num_kv_blocks=8)
-    queue = engine.enable_writeback(WritebackConfig(queue_blocks=64), KnownBlocks(1000))
+    known = KnownBlocks(1000)
+    queue = add_writeback(engine, WritebackConfig(queue_blocks=64), known)
     first, other = random_prompts([64, 100], seed=9)
     first = first[:63]  # 3 full blocks, and a partial one that is never named
     engine.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
@@ -136,14 +144,14 @@ def test_evicted_blocks_are_staged_root_first_with_their_values(make_engine, ran
     assert [staged.parents[i] for i in mine] == [root, *chain[:2]]
     assert all(staged.namespaces[i] == root for i in mine)
     assert np.array_equal(staged.values[mine], values)
-    assert all((root, key) in engine.known_stored for key in chain)  # not staged again
+    assert all((root, key) in known for key in chain)  # not staged again
     assert queue.pop_all() is None and queue.oldest_age_s() == 0.0
     assert queue.num_blocks == 0 and queue.dropped_blocks == 0
 
 
 def test_a_full_queue_drops_and_counts_and_min_hits_filters(make_engine, random_prompts):
     engine = make_engine(max_model_len=64, num_kv_blocks=8)
-    queue = engine.enable_writeback(WritebackConfig(queue_blocks=2), KnownBlocks(1000))
+    queue = add_writeback(engine, WritebackConfig(queue_blocks=2), KnownBlocks(1000))
     prompts = random_prompts([48] * 5, seed=10)
     for prompt in prompts[:3]:
         engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
@@ -153,7 +161,7 @@ def test_a_full_queue_drops_and_counts_and_min_hits_filters(make_engine, random_
     assert staged is not None and staged.parents[0] == staged.namespaces[0]  # a kept prefix starts at the root
 
     picky = make_engine(max_model_len=64, num_kv_blocks=8)
-    queue = picky.enable_writeback(WritebackConfig(queue_blocks=64, min_hits=1), KnownBlocks(1000))
+    queue = add_writeback(picky, WritebackConfig(queue_blocks=64, min_hits=1), KnownBlocks(1000))
     reused = prompts[0]
     picky.generate([reused], SamplingParams(max_tokens=1, temperature=0.0))
     picky.generate([reused[:40] + [5] * 8], SamplingParams(max_tokens=1, temperature=0.0))  # reuses 2 blocks
@@ -165,3 +173,38 @@ def test_a_full_queue_drops_and_counts_and_min_hits_filters(make_engine, random_
     assert chain[0] in keys and chain[1] in keys  # reused once each
     assert chain[2] not in keys  # never reused, no descendant staged it
     picky.check_integrity()
+
+
+class EvictionLog:
+    """A sink that keeps the names of the blocks it is told were evicted."""
+
+    name = "log"
+
+    def __init__(self) -> None:
+        self.names: list[int] = []
+
+    def evicted(self, blocks) -> None:
+        self.names += [block.name for block in blocks]
+
+    def held(self, *args) -> None:
+        return None
+
+
+def test_every_sink_is_told_of_each_eviction_and_the_lease_still_holds(make_engine, random_prompts):
+    """Two sinks beside the engine's leases: both see the same evictions (the write-back
+    stages each, with its ancestors the store lacks), and a held request's prompt still
+    goes under a lease, as the first sink that answers one."""
+    engine = make_engine(max_model_len=64, num_kv_blocks=8)
+    log = EvictionLog()
+    engine.add_sink(log)
+    queue = add_writeback(engine, WritebackConfig(queue_blocks=64), KnownBlocks(1000))
+    prompts = random_prompts([48] * 4, seed=12)
+    for prompt in prompts:
+        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    staged = queue.pop_all()
+    assert staged is not None and log.names and set(log.names) <= set(staged.keys)  # with cached ancestors
+    engine.add_request("held", prompts[0], SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    [lease] = [output.kv_lease for output in engine.step() if output.finished]
+    assert lease is not None and len(lease.block_ids) == 3 and engine.leases.num_blocks == 3
+    engine.release_lease(lease.lease_id, "held")
+    engine.check_integrity()
