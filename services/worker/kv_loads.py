@@ -7,7 +7,7 @@ asking when its cost per block beats its rival's: the cheapest other source sure
 give all that is missing, or recomputing the blocks (where the load may stop short: not
 a load through the prompt's end). The cheapest source worth asking is asked; one that
 offers nothing, or is dearer than its rival, is passed over for the load. Nothing is
-allocated for blocks no source worth asking offers.
+allocated when no source is worth asking.
 
 The transfer half: the asked source's part lands (`poll`), the next source is chosen
 for what it left, and the load ends when nothing is missing or no source is worth
@@ -83,14 +83,17 @@ class KvLoads:
         return len(self.loads)
 
     def plan(self, sources: Sequence[KvSource], recompute: Recompute) -> Callable[[KvLoad], int]:
-        """For `Engine.begin_load`: how many of a load's leading blocks any source worth
-        asking might give (0: none is, and each source's choice is counted now)."""
+        """For `Engine.begin_load`: how many of a load's leading blocks to allocate (0: no
+        source is worth asking, and each source's choice is counted now). A source sure of
+        its offer gets that many; one that only believes (the store, as the router's
+        index last saw it) may find more when asked, so every named block is allocated
+        for it: the blocks it does not fill are freed when the load completes."""
         def blocks(load: KvLoad) -> int:
             chosen = _choose(load, 0, sources, recompute)
             if chosen.asked is None:
                 self._count(chosen.passed)
                 return 0
-            return max(offer.blocks for offer in chosen.worth)
+            return max(offer.blocks if offer.sure else load.num_blocks for offer in chosen.worth)
         return blocks
 
     def begin(self, load: KvLoad, sources: Sequence[KvSource], recompute: Recompute = None) -> None:
