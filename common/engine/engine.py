@@ -152,14 +152,24 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None, tenant_salt: str | None = None,
-                    hold_kv: bool = False) -> None:
+                    hold_kv: bool = False, *, plan: Callable[[KvLoad], int] | None = None,
+                    store_hint: StoreHint | None = None) -> KvLoad | None:
         """Queue a request; raises InvalidRequestError naming a bad parameter. With
         `hold_kv` (the prefill role) its finishing output carries a KvLease on the
-        prompt's blocks, which stay held until `release_lease` or the lease expires."""
+        prompt's blocks, which stay held until `release_lease` or the lease expires.
+        With `plan` (the connector's scheduler half) its blocks past the local cache may
+        come from elsewhere, as `begin_load` without a first token takes them: when the
+        plan allocates any, the request waits for them and their load is returned;
+        otherwise (None) it is queued to prefill, as without a plan."""
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
         seq.hold_kv = hold_kv
+        if plan is not None:
+            load = self._begin_load(seq, None, None, plan, store_hint)
+            if load is not None:
+                return load
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+        return None
 
     # ---- KV from elsewhere: one load path (docs/architecture.md §7.1) -----------------
 
@@ -189,6 +199,12 @@ class Engine:
             params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
         seq.hold_kv = hold_kv
+        return self._begin_load(seq, first_token_id, block_hashes, plan, store_hint)
+
+    def _begin_load(self, seq: Sequence, first_token_id: int | None, block_hashes: Seq[int] | None,
+                    plan: Callable[[KvLoad], int] | None, store_hint: StoreHint | None) -> KvLoad | None:
+        """`begin_load` for a sequence made already; it is registered only when taken."""
+        request_id = seq.request_id
         size = self.config.block_size
         if first_token_id is not None:
             if not 0 <= first_token_id < self.model_config.vocab_size:

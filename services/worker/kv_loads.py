@@ -72,9 +72,10 @@ class KvLoads:
         self.done: list[LoadDone] = []  # ended loads not yet taken by `tend`
         self.choices = (registry or Registry()).counter(
             "baton_worker_kv_source_choices_total",
-            "Each KV source's part in each load: asked, costlier (its rival was cheaper), or why it offered "
-            "nothing (known_miss: the router's index says the store lacks the blocks; off: the source takes no "
-            "load now)", labels=("source", "choice"))
+            "Each KV source's part in each load: asked, declined (chosen, but it started nothing), costlier "
+            "(its rival was cheaper), or why it offered nothing (known_miss: the router's index says the store "
+            "lacks the blocks; off: the source takes no load now; nothing: none of the blocks is its to give)",
+            labels=("source", "choice"))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.loads
@@ -184,6 +185,8 @@ class Choice:
 
 
 def _choose(load: KvLoad, start: int, sources: Sequence[KvSource], recompute: Recompute) -> Choice:
+    """Match every source for the load's blocks from `start` on, and choose (module
+    docstring)."""
     missing = load.num_blocks - start
     offers = [(source, source.match(load, start)) for source in sources]
     passed = [(source, offer.why or "nothing") for source, offer in offers if offer.blocks <= 0]

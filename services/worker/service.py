@@ -37,7 +37,6 @@ from msgspec.structs import replace
 
 from common.config import ClusterConfig
 from common.engine.engine import Engine, RequestOutput
-from common.engine.kv_connector import StoreHint
 from common.kv_transfer import KvTransport, TransferOptions, transport_for_cache
 from common.logs import get_logger
 from common.metrics import Registry
@@ -63,7 +62,7 @@ from common.protocol import (
     params_from_sampling,
     split_prompt_logprobs,
 )
-from common.sampling_params import InvalidRequestError, SamplingParams
+from common.sampling_params import InvalidRequestError
 from common.sockets import Security, check_endpoint, engine_context, send
 from services.decode.imports import Imports
 from services.prefill.exposure import LeaseExposure
@@ -414,32 +413,23 @@ class WorkerService:
             params = self.exposure.admit(request, prompt_ids, self.session)
         else:
             params = params_from_sampling(request.sampling)
-        if not self._load_from_store(request, prompt_ids, params, store_hint, hold_kv=hold_kv):
+        if self.store is None or not self.store.accepting():
             self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant,
                                     hold_kv=hold_kv)
-
-    def _load_from_store(self, request: Generate, prompt_ids: list[int], params: SamplingParams,
-                         store_hint: StoreHint | None, hold_kv: bool = False) -> bool:
-        """Start loading the prompt's blocks past the local cache from the KV store; False
-        when the store is not worth asking for any of them (it lacks them, as the router's
-        index says, or computing them is cheaper) or takes no fetch now: the caller adds
-        the request."""
-        if self.store is None or not self.store.accepting():
-            return False
-        costs = self.store.costs
-        size = self.engine.config.block_size
+            return
+        # The store is asked for the prompt's blocks past the local cache when it is worth
+        # it (it holds them, as the router's index says, and fetching beats computing).
+        costs, size = self.store.costs, self.engine.config.block_size
 
         def recompute(block: int) -> float:
             return costs.block_prefill_s(block * size)
 
         sources = (self.store,)
-        load = self.engine.begin_load(request.request_id, prompt_ids, params, request.tenant,
-                                      plan=self.kv_loads.plan(sources, recompute), store_hint=store_hint,
-                                      hold_kv=hold_kv)
-        if load is None:
-            return False
-        self.kv_loads.begin(load, sources, recompute)
-        return True
+        load = self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant,
+                                       hold_kv=hold_kv, plan=self.kv_loads.plan(sources, recompute),
+                                       store_hint=store_hint)
+        if load is not None:
+            self.kv_loads.begin(load, sources, recompute)
 
     def _load_done(self, done: LoadDone) -> None:
         """A load's sources are done: a handed-off request's is the imports'; any other

@@ -1,5 +1,5 @@
-"""The KV store as the engine's KvSource (common/engine/kv_connector.py) and the sink of
-its write-back, on the worker's loop (docs/architecture.md §8): it hands the store thread
+"""The KV store as the engine's KvSource (common/engine/kv_connector.py), and the owner of
+its write-back sink, on the worker's loop (docs/architecture.md §8): it hands the store thread
 (services/worker/kv_store_use.py) its fetches, takes their results without waiting, and
 offers blocks only where the router's index does not say the store lacks them.
 """
@@ -60,8 +60,8 @@ class StoreMetrics:
 
 
 class StoreSource:
-    """The KV store as the engine's KvSource, and the sink of its write-back: the store
-    thread, the fetches it has out, and what has been reported to metrics so far. A part
+    """The KV store as the engine's KvSource, and its write-back (`Writeback`, the sink it
+    adds to the engine): the store thread, the fetches it has out, and what has been reported to metrics so far. A part
     it starts covers the load's named (full) blocks from `start` on; it lands a leading
     run of them, as many as the store holds and `decide` finds worth fetching."""
 

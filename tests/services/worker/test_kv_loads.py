@@ -148,9 +148,9 @@ def test_a_source_that_only_believes_it_holds_every_block_does_not_stand_in_for_
 def test_the_plan_allocates_for_the_sources_worth_asking(prefilled, make_engine):
     """A load that may stop short (not through the prompt's end) is planned before its
     blocks are allocated: when computing the blocks is cheaper than any source, nothing is
-    allocated and the request is not taken as a load; a source sure of its offer gets
-    blocks for it; one that only believes its offer (it may hold more when asked) gets
-    every named block."""
+    allocated and the request is not taken as a load (`add_request` queues it to prefill);
+    a source sure of its offer gets blocks for it; one that only believes its offer (it
+    may hold more when asked) gets every named block."""
     src, prompt, _, lease = prefilled
     want = make_engine().generate([prompt], GREEDY)[0].token_ids
     dst = make_engine()
@@ -168,4 +168,28 @@ def test_the_plan_allocates_for_the_sources_worth_asking(prefilled, make_engine)
     loads.begin(load, (sure,), lambda block: 5.0)
     assert sure.asked == [(0, 5.0)]
     assert finish(dst, loads, "r") == want
+    dst.check_integrity()
+    other = make_engine()  # add_request with a plan that allocates nothing queues the request to prefill
+    assert other.add_request("q", prompt, GREEDY, plan=KvLoads(other).plan((sure,), lambda block: 0.5)) is None
+    queued = []
+    while other.has_unfinished():
+        queued += [token for output in other.step() for token in output.new_token_ids]
+    assert queued == want
+
+
+def test_a_part_that_cannot_be_stopped_ends_the_load_without_asking_further(prefilled, make_engine):
+    src, prompt, first, lease = prefilled
+    dst = make_engine()
+    load = dst.begin_load("r", prompt, GREEDY, first_token_id=first, block_hashes=lease.block_hashes)
+    assert load is not None
+    store = CopySource("store", src, dst, lease, 4, stoppable=False, block_s=0.5)
+    lease_source = CopySource("lease", src, dst, lease, 99, sure=True)
+    loads = KvLoads(dst)
+    loads.begin(load, (store, lease_source))
+    assert not loads.cancel("r")  # the store's part is out: it lands, and nothing more is asked
+    assert dst.abort("r") and dst.block_manager.num_used == 7  # a late copy may land: the blocks stay
+    [done] = loads.tend()
+    assert done.landed == 4 and not done.whole and lease_source.asked == []
+    assert dst.complete_load("r", done.landed) == []  # the aborted request ends here
+    assert dst.block_manager.num_used == 0 and not dst.has_unfinished()
     dst.check_integrity()
