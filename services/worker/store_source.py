@@ -119,10 +119,10 @@ class StoreSource:
     def match(self, load: KvLoad, start: int) -> Offer:
         """The load's named blocks from `start` on, at the cost of the cheapest prefix of
         the tiers they are on, as `decide` weighs them: the run the router's index names
-        (none when it says the store lacks the first of them), else, where the index
-        does not say (no hint, or the engine's cache ends elsewhere than the router
-        believes), all of them at the fastest tier's cost. Never sure: the router's view
-        may be stale, and a lookup tells."""
+        (none when it says the store lacks the first of them, or holds no run at all),
+        else, where the index does not say (no hint, or the engine's cache ends elsewhere
+        than the router believes), all of them at the fastest tier's cost. Never sure:
+        the router's view may be stale, and a lookup tells."""
         count = len(load.block_hashes) - start
         if count <= 0:
             return no_offer("nothing")
@@ -131,7 +131,11 @@ class StoreSource:
         hint = load.store_hint
         first = load.first_block + start
         run = hint.run_from(first) if hint is not None else None
-        if run == 0:
+        if run == 0 or (hint is not None and not hint.tiers):
+            # A prompt with no stored run at all past the blocks the router believes are
+            # cached here is not looked up even where the cache ends elsewhere: asking
+            # would cost most prompts the store lacks a round trip, to find, at best, a
+            # few blocks written back a moment ago.
             return no_offer("known_miss")
         if self.config.kvstore_fetch == "always":  # the operator's choice: no cost is weighed
             return Offer(run or count, 0.0)

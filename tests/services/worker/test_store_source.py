@@ -89,9 +89,10 @@ def test_the_engines_prefill_rate_is_learnt_every_turn_without_a_fetch(make_engi
 
 def test_the_store_offers_no_blocks_the_routers_index_says_it_lacks(make_engine, random_prompts):
     """KvLoad.store_hint (the router's view): the store offers nothing for a load whose
-    first block to fetch is where the store's run ends, and the run's blocks at their
-    tiers' cost; where the cache ends elsewhere than the router believes, it offers every
-    block, known only by a lookup, as without a hint; a bad hint is refused by name."""
+    first block to fetch is where the store's run ends, or when there is no run at all,
+    and the run's blocks at their tiers' cost; where the cache ends elsewhere than the
+    router believes, it offers every block, known only by a lookup, as without a hint; a
+    bad hint is refused by name."""
     import dataclasses
 
     from common.config import ClusterConfig
@@ -113,8 +114,9 @@ def test_the_store_offers_no_blocks_the_routers_index_says_it_lacks(make_engine,
     assert offer(StoreHint(0, ()), 0).why == "known_miss"  # the store lacks block 0
     assert offer(StoreHint(1, (0, 0)), 3).why == "known_miss"  # blocks 1-2 stored, block 3 not
     assert offer(StoreHint(1, (0, 1)), 1) == Offer(2, 0.0)  # the run starts there ("always": no cost weighed)
-    assert offer(StoreHint(2, ()), 0) == Offer(4, 0.0)  # the cache ends before the router thinks
-    assert offer(StoreHint(0, ()), 1) == Offer(3, 0.0)  # ... or after it
+    assert offer(StoreHint(2, (0,)), 0) == Offer(4, 0.0)  # the cache ends before the router thinks
+    assert offer(StoreHint(0, (0,)), 2) == Offer(2, 0.0)  # ... or after it
+    assert offer(StoreHint(2, ()), 0).why == "known_miss"  # no stored run at all: not asked wherever it ends
     assert offer(None, 0) == Offer(4, 0.0)  # no hint: a lookup tells
     assert store.start(load, 1, 0.0) and store.thread.jobs.get_nowait().keys == load.block_hashes[1:]
     store.in_flight.clear()
