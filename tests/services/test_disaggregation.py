@@ -609,35 +609,3 @@ def test_a_pull_past_its_deadline_is_recomputed_and_both_sides_let_go(hung, engi
     assert metric(hung, PREFILL, "baton_kv_exposures_total", outcome="done") == pulled
     wait_leases_freed(hung, 5)
     wait_idle(hung)
-
-
-# ---- a router restarted during a prefill ----------------------------------------------------
-
-def test_a_router_killed_during_a_prefill_loses_no_hand_off(make_cluster, engine, random_prompts):
-    """The prefill worker is stopped (SIGSTOP) with the request sent to it, the router is
-    SIGKILLed, then the prefill worker goes on: its KvReady reaches no router that held the
-    hand-off. On rejoining the restarted router it sends the KvReady again with the request
-    and prompt; the router adopts the hand-off (docs/disaggregation.md §2), places it on
-    the decode worker, and the client gets every token, the in-process engine's."""
-    cluster = start_pd(make_cluster, "zmq", "--worker-timeout-s", "10")
-    try:
-        [prompt] = random_prompts([200], seed=505)
-        want = expected(engine, prompt, 12)
-        router_pid, prefill_pid = cluster.router_health()["pid"], cluster.worker_health(PREFILL)["pid"]
-        with Client(cluster.sdk, timeout_s=90) as client, ThreadPoolExecutor(1) as pool:
-            os.kill(prefill_pid, signal.SIGSTOP)
-            try:
-                result = pool.submit(client.generate, token_ids=prompt, max_tokens=12, **GREEDY)
-                with Client(cluster.sdk, timeout_s=10) as watcher:
-                    cluster.wait_for(lambda: any(w.role == "prefill" and w.in_flight == 1
-                                                 for w in watcher.status().workers), 5,
-                                     "the router to place the request on the stopped prefill worker")
-                os.kill(router_pid, signal.SIGKILL)
-            finally:
-                os.kill(prefill_pid, signal.SIGCONT)
-            assert result.result(120).token_ids == want
-        assert cluster.router_health()["pid"] != router_pid
-        assert metric(cluster, None, "baton_router_handoffs_parked_total", outcome="placed") == 1  # adopted
-        wait_idle(cluster)
-    finally:
-        cluster.stop()
