@@ -317,6 +317,10 @@ class KvTransport:
         """End an exposure (and any pull of it, which is failed to the puller)."""
         return self._call(self._do_withdraw, transfer_id)
 
+    def serving(self, transfer_id: str) -> bool:
+        """Whether a peer's pull of this exposure is running now."""
+        return self._call(self._do_serving, transfer_id)
+
     def pull(self, peer: str, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int],
              deadline: float) -> PullHandle:
         """Pull the peer's exposed `src_block_ids` into our `dst_block_ids` (same order),
@@ -656,6 +660,10 @@ class KvTransport:
             return False
         exposure.lease_deadline = max(exposure.lease_deadline, time.monotonic() + lease_s)
         return True
+
+    def _do_serving(self, transfer_id: str) -> bool:
+        exposure = self._exposures.get(transfer_id)
+        return exposure is not None and exposure.serve is not None
 
     def _do_withdraw(self, transfer_id: str) -> bool:
         exposure = self._exposures.get(transfer_id)

@@ -51,7 +51,7 @@ class Held:
     prompt: np.ndarray
     session: str  # the router registration it came (or its KvReady went) under
     ready: KvReady | None = None  # once the prompt is computed
-    claimed: bool = False  # a decode worker renewed or released the lease: its router knows
+    claimed: bool = False  # a decode worker renewed, released or is pulling the lease: its router knows
 
 
 class PrefillMetrics:
@@ -151,10 +151,16 @@ class LeaseExposure:
 
     def rejoined(self, session: str) -> None:
         """Send again, with the request, the KvReady of every lease no decode worker has
-        claimed that went to an earlier registration: this router may never have had it."""
+        claimed that went to an earlier registration: this router may never have had it.
+        A lease a decode worker is pulling now is claimed: that worker has the request,
+        and tells the router so when it rejoins."""
         for held in self.held.values():
-            if held.ready is not None and not held.claimed and held.session != session:
-                self._send_ready(held.ready, session, joined=True)
+            if held.ready is None or held.claimed or held.session == session:
+                continue
+            if self.transport.serving(held.ready.lease_id):
+                held.claimed = True
+                continue
+            self._send_ready(held.ready, session, joined=True)
 
     # ---- leases --------------------------------------------------------------------
 

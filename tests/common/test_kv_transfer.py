@@ -112,6 +112,8 @@ def _serve(conn, transport: str, geometry: PoolGeometry, fingerprint: str, optio
             conn.send(None if event is None else (event.transfer_id, event.status, event.reason, event.settled))
         elif command == "counters":
             conn.send(dict(server.counters))
+        elif command == "serving":
+            conn.send(server.serving(args[0]))
 
 
 class ServerProcess:
@@ -472,6 +474,27 @@ def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, t
         assert client.cancel("req-7") is True and handle.wait(1.0).status == "cancelled"
         assert server.event(5.0) == ("req-7", "cancelled", "cancelled by the puller", True)
         assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_server_knows_which_exposures_a_peer_is_pulling(spawn_server, transport):
+    """`serving` is True while a pull of the exposure runs, False before and after (a
+    prefill worker rejoining a restarted router does not hand such a lease off again)."""
+    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=4 << 10))
+    client, _ = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+    with client:
+        peer = client.connect(server.address)
+        blocks = list(range(0, GEOMETRY.num_blocks, 2))
+        server.ask("expose", "req-9", blocks, 30.0)
+        assert server.ask("serving", "req-9") is False and server.ask("serving", "nothing") is False
+        handle = client.pull(peer, "req-9", blocks, blocks, time.monotonic() + WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while client.counters_snapshot()["pieces_landed"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.ask("serving", "req-9") is True
+        assert handle.wait(WAIT_S).status == "done"
+        assert server.event(5.0)[:2] == ("req-9", "done")
+        assert server.ask("serving", "req-9") is False
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -581,6 +581,43 @@ def test_a_router_restarted_during_a_prefill_loses_no_hand_off(restarting, engin
     wait_idle(restarting)
 
 
+def test_a_lease_being_pulled_is_not_handed_off_again_after_a_router_restart(make_cluster, engine,
+                                                                            random_prompts):
+    """Two decode workers, slow pulls. While one decode worker pulls a request's KV it is
+    stopped (SIGSTOP) and the router is killed. The prefill worker rejoins the restarted
+    router but does not send that KvReady again, since its transport is serving the
+    lease, so the router places nothing on the other decode worker. Once the stopped one
+    goes on, it finishes the pull and the request: the engine's tokens."""
+    cluster = make_cluster(workers=0, prefill=1, decode=2,
+                           extra=[*PD_FLAGS, *ALL_REMOTE, "--kv-transport", "zmq", "--kv-send-pause-s", "0.2",
+                                  "--kv-transfer-timeout-s", "30", "--worker-timeout-s", "10"])
+    try:
+        [prompt] = random_prompts([40], seed=911)
+        router_pid = cluster.router_health()["pid"]
+        with ThreadPoolExecutor(1) as pool, Client(cluster.sdk, timeout_s=120, retry_unavailable=False) as client:
+            answer = pool.submit(client.generate, token_ids=prompt, max_tokens=8, **GREEDY)
+            puller = cluster.wait_for(lambda: next((i for i in (1, 2) if cluster.worker_health(i)["kv_blocks_used"]),
+                                                   None), 10, "a decode worker to start its pull")
+            puller_pid = cluster.worker_health(puller)["pid"]
+            os.kill(puller_pid, signal.SIGSTOP)
+            try:
+                os.kill(router_pid, signal.SIGKILL)
+                cluster.wait_for(lambda: router_restarted(cluster, router_pid), 60, "the router to restart")
+                with Client(cluster.sdk, timeout_s=10) as watcher:
+                    cluster.wait_for(lambda: len(watcher.status().workers) == 2, 30,
+                                     "the prefill worker and the other decode worker to rejoin")
+                time.sleep(4 * 0.5)  # past the adoption wait (two heartbeats) of any KvReady sent again
+                assert metric(cluster, None, "baton_router_handoffs_parked_total") == 0
+            finally:
+                os.kill(puller_pid, signal.SIGCONT)
+            assert answer.result(120).token_ids == expected(engine, prompt, 8)
+        assert metric(cluster, None, "baton_router_handoffs_parked_total") == 0
+        assert metric(cluster, 3 - puller, "baton_kv_transfer_bytes_total") == 0  # the other one pulled nothing
+        wait_idle(cluster)
+    finally:
+        cluster.stop()
+
+
 def router_restarted(cluster, old_pid: int) -> bool:
     try:
         return cluster.router_health()["pid"] != old_pid
