@@ -458,18 +458,37 @@ def test_a_reopening_exposure_outlives_a_failed_pull_and_another_peer_pulls_it(s
     assert server.event()[:2] == ("req-r", "done")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, transport):
-    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=4 << 10))
-    client, _ = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
-    with client:
+SLOW_PIECES = 4 << 10  # bytes a piece, with a pause before each: a pull of half the pool takes seconds
+
+
+def slow_pull(spawn_server, transport: str, transfer_id: str):
+    """A server that pauses 50 ms before each 4 KiB piece, half its pool exposed under
+    `transfer_id`, and a puller; the puller's transport, the server, the pull's peer and
+    the exposed blocks (enter the transport to close it)."""
+    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=SLOW_PIECES))
+    client, _ = puller(transport, options=TransferOptions(max_piece_bytes=SLOW_PIECES))
+    try:
         peer = client.connect(server.address)
         blocks = list(range(0, GEOMETRY.num_blocks, 2))
-        server.ask("expose", "req-7", blocks, 30.0)
+        server.ask("expose", transfer_id, blocks, 30.0)
+    except BaseException:
+        client.close()
+        raise
+    return client, server, peer, blocks
+
+
+def wait_pieces(client, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while client.counters_snapshot()["pieces_landed"] < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, transport):
+    client, server, peer, blocks = slow_pull(spawn_server, transport, "req-7")
+    with client:
         handle = client.pull(peer, "req-7", blocks, blocks, time.monotonic() + WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while client.counters_snapshot()["pieces_landed"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_pieces(client, 2)
         started = time.monotonic()
         assert client.cancel("req-7") is True and handle.wait(1.0).status == "cancelled"
         assert server.event(5.0) == ("req-7", "cancelled", "cancelled by the puller", True)
@@ -480,17 +499,11 @@ def test_cancel_tells_the_server_which_ends_the_exposure_settled(spawn_server, t
 def test_the_server_knows_which_exposures_a_peer_is_pulling(spawn_server, transport):
     """`serving` is True while a pull of the exposure runs, False before and after (a
     prefill worker rejoining a restarted router does not hand such a lease off again)."""
-    server = spawn_server(transport, options=TransferOptions(send_pause_s=0.05, max_piece_bytes=4 << 10))
-    client, _ = puller(transport, options=TransferOptions(max_piece_bytes=4 << 10))
+    client, server, peer, blocks = slow_pull(spawn_server, transport, "req-9")
     with client:
-        peer = client.connect(server.address)
-        blocks = list(range(0, GEOMETRY.num_blocks, 2))
-        server.ask("expose", "req-9", blocks, 30.0)
         assert server.ask("serving", "req-9") is False and server.ask("serving", "nothing") is False
         handle = client.pull(peer, "req-9", blocks, blocks, time.monotonic() + WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while client.counters_snapshot()["pieces_landed"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_pieces(client, 2)
         assert server.ask("serving", "req-9") is True
         assert handle.wait(WAIT_S).status == "done"
         assert server.event(5.0)[:2] == ("req-9", "done")
@@ -517,9 +530,7 @@ def test_abort_mid_transfer_lets_no_late_byte_land_in_reused_blocks(spawn_server
         blocks = list(range(1, GEOMETRY.num_blocks, 2))  # no runs: one small piece per block and plane
         server.ask("expose", "req-6", blocks, 30.0)
         handle = client.pull(peer, "req-6", blocks, blocks, time.monotonic() + WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while client.counters_snapshot()["pieces_landed"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_pieces(client, 5)
         assert not handle.done(), "the slowed transfer finished before the abort"
         assert client.cancel("req-6") is True
         assert handle.wait(1.0).status == "cancelled"
