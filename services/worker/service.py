@@ -419,12 +419,7 @@ class WorkerService:
             return
         # The store is asked for the prompt's blocks past the local cache when it is worth
         # it (it holds them, as the router's index says, and fetching beats computing).
-        costs, size = self.store.costs, self.engine.config.block_size
-
-        def recompute(block: int) -> float:
-            return costs.block_prefill_s(block * size)
-
-        sources = (self.store,)
+        sources, recompute = (self.store,), self.store.recompute_s
         load = self.engine.add_request(request.request_id, prompt_ids, params, tenant_salt=request.tenant,
                                        hold_kv=hold_kv, plan=self.kv_loads.plan(sources, recompute),
                                        store_hint=store_hint)

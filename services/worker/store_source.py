@@ -191,6 +191,11 @@ class StoreSource:
             self.metrics.decisions.inc(decision=result.decision)
         return Landed(result.request_id, landed, self.name, error=result.error)
 
+    def recompute_s(self, block: int) -> float:
+        """Seconds this engine takes to compute prompt block `block` (the rival of a fetch
+        that may stop short: services/worker/kv_loads.py)."""
+        return self.costs.block_prefill_s(block * self.engine.config.block_size)
+
     # ---- the loop's upkeep
 
     def observe_engine(self) -> None:
