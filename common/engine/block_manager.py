@@ -144,6 +144,14 @@ class BlockManager:
                 del cached[block_id]
             ref_counts[block_id] += 1
 
+    def retain(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each referenced block (a second holder, not a prefix hit)."""
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            if ref_counts[block_id] <= 0:
+                raise BlockManagerError(f"block {block_id} is not referenced; cannot retain it")
+            ref_counts[block_id] += 1
+
     def allocate(self, count: int) -> list[int]:
         """`count` fresh blocks with one reference each: free blocks first, then the LRU
         cached ones, evicted (the hook sees them, then the event sink their names)."""

@@ -176,7 +176,8 @@ class Engine:
     def begin_load(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                    tenant_salt: str | None = None, *, first_token_id: int | None = None,
                    block_hashes: Seq[int] | None = None, plan: Callable[[KvLoad], int] | None = None,
-                   store_hint: StoreHint | None = None, hold_kv: bool = False) -> KvLoad | None:
+                   store_hint: StoreHint | None = None, hold_kv: bool = False,
+                   through_prompt_end: bool = False) -> KvLoad | None:
         """Take a request whose prompt KV past this engine's prefix cache comes, in part or
         whole, from elsewhere: fresh blocks are allocated for it and the request waits,
         outside the batch, until `complete_load` (or `cancel_load`). None, taking
@@ -184,9 +185,11 @@ class Engine:
 
         With `first_token_id` the prompt was computed elsewhere (a prefill worker's
         lease): the load runs through the prompt's end, and the request then decodes
-        from that token. `block_hashes`, the other engine's names of the full blocks,
-        must equal this engine's (KvLoadError otherwise: another model, tokenizer, dtype,
-        block size or tenant). Prompt logprobs are the other engine's to give: such a
+        from that token. `through_prompt_end` without it: the same, the first token given
+        to `complete_load` (the prompt's parts come while it is still being prefilled).
+        `block_hashes`, the other engine's names of the full blocks, must equal this
+        engine's (KvLoadError otherwise: another model, tokenizer, dtype, block size or
+        tenant). Prompt logprobs are the other engine's to give: such a
         request never computes them, not even when a preemption recomputes its prompt.
 
         Without it, only full blocks are loaded, never the one holding the prompt's last
@@ -195,20 +198,22 @@ class Engine:
         as a load with no blocks allocated yet, and answers how many of the leading ones
         to allocate (all when there is no `plan`). `store_hint` goes into the load as it
         is. Raises InvalidRequestError. `hold_kv` as for `add_request`."""
-        if first_token_id is not None and params is not None and params.prompt_logprobs is not None:
+        through_prompt_end = through_prompt_end or first_token_id is not None
+        if through_prompt_end and params is not None and params.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=None)
         seq = self._new_sequence(request_id, prompt, params, tenant_salt)
         seq.hold_kv = hold_kv
-        return self._begin_load(seq, first_token_id, block_hashes, plan, store_hint)
+        return self._begin_load(seq, first_token_id, block_hashes, plan, store_hint, through_prompt_end)
 
     def _begin_load(self, seq: Sequence, first_token_id: int | None, block_hashes: Seq[int] | None,
-                    plan: Callable[[KvLoad], int] | None, store_hint: StoreHint | None) -> KvLoad | None:
+                    plan: Callable[[KvLoad], int] | None, store_hint: StoreHint | None,
+                    through: bool = False) -> KvLoad | None:
         """`begin_load` for a sequence made already; it is registered only when taken."""
         request_id = seq.request_id
         size = self.config.block_size
         if first_token_id is not None:
-            if not 0 <= first_token_id < self.model_config.vocab_size:
-                raise InvalidRequestError("first_token_id", f"{first_token_id} is outside the vocabulary")
+            self._check_token(first_token_id)
+        if through:
             full_blocks = seq.prompt_len // size
             if block_hashes is not None and list(block_hashes) != seq.block_hashes[:full_blocks]:
                 raise KvLoadError("the prefill engine names this prompt's blocks otherwise: its model, tokenizer, "
@@ -218,7 +223,7 @@ class Engine:
             limit = max_hit_tokens(seq) // size
         hits = self.block_manager.match_prefix(seq.block_hashes, seq.token_ids,
                                                limit if self.config.enable_prefix_caching else 0)
-        if first_token_id is not None:
+        if through:
             count = -(-seq.prompt_len // size) - len(hits)
         else:
             count = limit - len(hits)
@@ -232,17 +237,30 @@ class Engine:
             return None
         seq.loading = True
         seq.pending_token_id = first_token_id
+        seq.load_through_end = through
         seq.num_cached_tokens = len(hits) * size
         self._seqs[request_id] = seq
         return KvLoad(request_id, seq.root_hash, len(hits), tuple(fresh),
-                      tuple(seq.block_hashes[len(hits):len(hits) + count]), first_token_id is not None, store_hint)
+                      tuple(seq.block_hashes[len(hits):len(hits) + count]), through, store_hint)
 
-    def complete_load(self, request_id: str, landed_blocks: int) -> list[RequestOutput]:
+    def _check_token(self, token_id: int) -> None:
+        if not 0 <= token_id < self.model_config.vocab_size:
+            raise InvalidRequestError("first_token_id", f"{token_id} is outside the vocabulary")
+
+    def block_names(self, request_id: str) -> tuple[int, ...]:
+        """The names of a taken request's full prompt blocks, as this engine makes them
+        (KeyError for an unknown request)."""
+        seq = self._seqs[request_id]
+        return tuple(seq.block_hashes[:seq.prompt_len // self.config.block_size])
+
+    def complete_load(self, request_id: str, landed_blocks: int,
+                      first_token_id: int | None = None) -> list[RequestOutput]:
         """The first `landed_blocks` of a `begin_load`'s blocks hold their KV: they join
         the prefix cache. A load through the prompt's end must land whole (else
         `cancel_load`); the request then decodes, and its first output, returned here,
         holds the other engine's first token (the client may have it already; the output
-        says whether it alone finished the request). Any other load's unlanded blocks are
+        says whether it alone finished the request); `first_token_id` is that token when
+        `begin_load` did not have it. Any other load's unlanded blocks are
         freed and the request prefills the rest of its prompt. A request aborted while
         loading ends now ([]). Until this is called the blocks stay the load's, even
         across an abort, so a late copy never lands in a block another request holds."""
@@ -252,18 +270,26 @@ class Engine:
         planned = len(seq.block_ids) - num_local
         if not 0 <= landed_blocks <= planned:
             raise ValueError(f"landed_blocks={landed_blocks}: the load had {planned} blocks")
-        if seq.pending_token_id is not None and landed_blocks < planned and not seq.abort_on_loaded:
-            raise ValueError(f"{request_id!r}: a load through the prompt's end lands whole ({landed_blocks} of "
-                             f"{planned} blocks); cancel_load it instead")
+        if seq.load_through_end and not seq.abort_on_loaded:
+            if landed_blocks < planned:
+                raise ValueError(f"{request_id!r}: a load through the prompt's end lands whole ({landed_blocks} of "
+                                 f"{planned} blocks); cancel_load it instead")
+            if first_token_id is not None:
+                self._check_token(first_token_id)
+                seq.pending_token_id = first_token_id
+            if seq.pending_token_id is None:
+                raise ValueError(f"{request_id!r}: a load through the prompt's end needs its first token")
         seq.loading = False
         if seq.abort_on_loaded:
             self.abort(request_id)
             return []
-        if seq.pending_token_id is not None:
+        if seq.load_through_end:
             self.scheduler.received(seq)
             now = time.perf_counter()
             seq.first_scheduled_time = now
             first, seq.pending_token_id = seq.pending_token_id, None
+            assert first is not None  # checked above
+            seq.load_through_end = False
             return [self._advance(seq, first, None, now)]
         self.scheduler.fetched(seq, num_local + landed_blocks)
         seq.num_cached_tokens = (num_local + landed_blocks) * size
@@ -346,6 +372,24 @@ class Engine:
     def lease(self, lease_id: str, request_id: str) -> KvLease:
         """A live lease (LeaseError if forged, stale or released)."""
         return self.leases.get(lease_id, request_id)
+
+    def lease_part(self, request_id: str, first_block: int, min_blocks: int) -> KvLease | None:
+        """A part of a held request's prompt while it is still being prefilled
+        (docs/disaggregation.md §2.1): its computed full prompt blocks from `first_block` on,
+        when there are at least `min_blocks` (and one), under a lease of their own: a
+        second reference, the request keeps its own. None otherwise, or for a request
+        that is not prefilling here with `hold_kv`."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.hold_kv or seq.loading:
+            return None
+        computed = min(seq.num_computed, seq.prompt_len, len(seq.block_ids) * self.config.block_size)
+        last = computed // self.config.block_size
+        if last - first_block < max(min_blocks, 1):
+            return None
+        block_ids = seq.block_ids[first_block:last]
+        self.block_manager.retain(block_ids)
+        return self.leases.part(request_id, first_block, block_ids, seq.block_hashes[first_block:last],
+                                seq.prompt_len)
 
     def release_lease(self, lease_id: str, request_id: str) -> None:
         """The decode side has the KV (or gave up): free the blocks (they stay cached)."""

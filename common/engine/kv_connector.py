@@ -206,12 +206,15 @@ class Offer:
     up to `blocks` of the load's blocks from the asked one on, at about `block_s` seconds
     a block. `sure`: it holds them all (a lease does); otherwise it only believes so, or
     only asking will tell, and it cannot stand in for another source. `why` names a
-    refusal (blocks == 0), for metrics."""
+    refusal (blocks == 0), for metrics. `coming`: the source will have more of the load
+    later (a prompt still being prefilled elsewhere), so the load waits for it rather
+    than ending, and it may be asked again (`KvLoads.resume`)."""
 
     blocks: int
     block_s: float
     sure: bool = False
     why: str = ""
+    coming: bool = False
 
 
 def no_offer(why: str) -> Offer:

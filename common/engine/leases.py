@@ -29,7 +29,11 @@ class KvLease:
 
     `block_ids[i]` holds the prompt's tokens [i * block_size, (i + 1) * block_size);
     `block_hashes` names the full blocks (the last block may be partial and unnamed);
-    `num_tokens` is the prompt length whose KV the blocks hold."""
+    `num_tokens` is the prompt length whose KV the blocks hold.
+
+    A part (`part`; docs/disaggregation.md §2.1) holds prompt blocks [first_block,
+    first_block + len(block_ids)) of a prompt still being prefilled, all full, beside the
+    request's own reference; it has no first token yet (-1)."""
 
     lease_id: str
     request_id: str
@@ -37,6 +41,8 @@ class KvLease:
     block_hashes: tuple[int, ...]
     num_tokens: int
     first_token_id: int
+    part: bool = False
+    first_block: int = 0
 
 
 class KvLeases:
@@ -64,6 +70,15 @@ class KvLeases:
         """Grant a lease on a finished prompt's blocks (the engine keeps their reference)."""
         lease = KvLease(os.urandom(16).hex(), request_id, tuple(block_ids), tuple(block_hashes),
                         num_tokens, last_token_id)
+        self._held[lease.lease_id] = lease
+        return lease
+
+    def part(self, request_id: str, first_block: int, block_ids: Seq[int], block_hashes: Seq[int],
+             num_tokens: int) -> KvLease:
+        """Grant a lease on a part of a prompt still being prefilled (the caller took a
+        reference to each block for it)."""
+        lease = KvLease(os.urandom(16).hex(), request_id, tuple(block_ids), tuple(block_hashes), num_tokens, -1,
+                        part=True, first_block=first_block)
         self._held[lease.lease_id] = lease
         return lease
 

@@ -60,6 +60,7 @@ class Sequence:
     first_token_time: float | None = None
     hold_kv: bool = False  # on finishing, keep the prompt's blocks under a lease (prefill role)
     pending_token_id: int | None = None  # an import's first token, sampled by the prefill engine
+    load_through_end: bool = False  # loading its whole prompt, computed elsewhere (it then decodes)
     loading: bool = False  # RECEIVING KV from elsewhere (Engine.begin_load)
     abort_on_loaded: bool = False  # aborted while loading: ends when the load completes
 

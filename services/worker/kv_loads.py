@@ -32,6 +32,7 @@ log = get_logger("worker")
 
 # seconds to compute one block at a prompt block index; None: the load lands whole
 Recompute = Callable[[int], float] | None
+COMING = "coming"  # a source's choice: nothing yet, more later (Offer.coming)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class LoadInFlight:
     parts: list[Landed] = field(default_factory=list)  # what each source asked came to
     asking: KvSource | None = None  # the source whose part is out
     cancelled: bool = False  # no source is asked after the part out
+    waiting: bool = False  # for a source that will have more (`resume`)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class KvLoads:
             "baton_worker_kv_source_choices_total",
             "Each KV source's part in each load: asked, declined (chosen, but it started nothing), costlier "
             "(its rival was cheaper), or why it offered nothing (known_miss: the router's index says the store "
-            "lacks the blocks; off: the source takes no load now; nothing: none of the blocks is its to give)",
+            "lacks the blocks; off: the source takes no load now; nothing: none of the blocks is its to give; "
+            "coming: none yet, more later)",
             labels=("source", "choice"))
 
     def __contains__(self, request_id: str) -> bool:
@@ -122,6 +125,13 @@ class KvLoads:
         done, self.done = self.done, []
         return done
 
+    def resume(self, request_id: str) -> None:
+        """A source has more for a load that waits for it (its offer said `coming`): ask
+        again."""
+        flight = self.loads.get(request_id)
+        if flight is not None and flight.waiting and flight.asking is None and not flight.cancelled:
+            self._ask_next(flight)
+
     def cancel(self, request_id: str) -> bool:
         """Stop a load's transfer; True when no byte of it can land any more (the load is
         forgotten here: the caller ends the request), False when a source cannot say so
@@ -146,22 +156,31 @@ class KvLoads:
 
     def _ask_next(self, flight: LoadInFlight) -> None:
         """Hand what is still missing to the cheapest source worth asking that takes it;
-        end the load when nothing is missing or no source is worth asking."""
+        end the load when nothing is missing or no source is worth asking, unless a
+        source will have more: then the load waits for `resume`. A source whose offer is
+        `coming` stays to be asked again."""
         load = flight.load
+        flight.waiting = False
         while flight.landed < load.num_blocks and flight.untried:
             chosen = _choose(load, flight.landed, flight.untried, flight.recompute)
             self._count(chosen.passed)
-            for source, _ in chosen.passed:
-                flight.untried.remove(source)
+            for source, why in chosen.passed:
+                if why != COMING:
+                    flight.untried.remove(source)
             if chosen.asked is None:
+                if any(why == COMING for _, why in chosen.passed):
+                    flight.waiting = True
+                    return
                 break
-            source, rival_s = chosen.asked
-            flight.untried.remove(source)
+            source, rival_s, coming = chosen.asked
             if source.start(load, flight.landed, rival_s):
                 self.choices.inc(source=source.name, choice="asked")
+                if not coming:
+                    flight.untried.remove(source)
                 flight.asking = source
                 return
             self.choices.inc(source=source.name, choice="declined")
+            flight.untried.remove(source)
         self._end(flight)
 
     def _end(self, flight: LoadInFlight) -> None:
@@ -175,11 +194,11 @@ class KvLoads:
 
 @dataclass(frozen=True)
 class Choice:
-    """One round of the scheduler half: the source to ask and its rival's cost per block
-    (None: none is worth asking), the offers worth asking, and the sources passed over
-    with why."""
+    """One round of the scheduler half: the source to ask, its rival's cost per block and
+    whether it will have more later (None: none is worth asking), the offers worth
+    asking, and the sources passed over with why."""
 
-    asked: tuple[KvSource, float] | None
+    asked: tuple[KvSource, float, bool] | None
     worth: tuple[Offer, ...]
     passed: tuple[tuple[KvSource, str], ...]
 
@@ -189,7 +208,8 @@ def _choose(load: KvLoad, start: int, sources: Sequence[KvSource], recompute: Re
     docstring)."""
     missing = load.num_blocks - start
     offers = [(source, source.match(load, start)) for source in sources]
-    passed = [(source, offer.why or "nothing") for source, offer in offers if offer.blocks <= 0]
+    passed = [(source, COMING if offer.coming else offer.why or "nothing")
+              for source, offer in offers if offer.blocks <= 0]
     offers = [(source, offer) for source, offer in offers if offer.blocks > 0]
     computed_s = recompute(load.first_block + start) if recompute is not None else None
     worth: list[tuple[KvSource, Offer, float]] = []
@@ -205,5 +225,5 @@ def _choose(load: KvLoad, start: int, sources: Sequence[KvSource], recompute: Re
             passed.append((source, "costlier"))
     if not worth:
         return Choice(None, (), tuple(passed))
-    source, _, rival_s = min(worth, key=lambda chosen: chosen[1].block_s)
-    return Choice((source, rival_s), tuple(offer for _, offer, _ in worth), tuple(passed))
+    source, offer, rival_s = min(worth, key=lambda chosen: chosen[1].block_s)
+    return Choice((source, rival_s, offer.coming), tuple(offer for _, offer, _ in worth), tuple(passed))

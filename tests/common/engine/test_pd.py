@@ -136,3 +136,46 @@ def test_an_import_that_does_not_fit_takes_nothing(engines, make_engine, random_
     d.check_integrity()
     for request_id, handle in (("held", lease), ("refused", second_lease)):
         p.release_lease(handle.lease_id, request_id)
+
+
+def test_a_prompt_moved_in_parts_while_it_is_prefilled_decodes_as_one_engine_would(make_engine, random_prompts):
+    """A prefill engine that computes the prompt in chunks of 32 tokens leases each
+    chunk's new full blocks as a part (a second reference, the request running on); the
+    decode engine allocates the whole prompt before the first token exists, copies each
+    part as it comes and the rest from the whole lease, and decodes from the first token
+    given at the load's end: the reference engine's tokens, and every block freed once
+    both leases are released."""
+    p, d, ref = make_engine(max_num_batched_tokens=32), make_engine(), make_engine()
+    prompt = random_prompts([150], seed=7)[0]  # 9 full blocks and a partial one
+    p.add_request("parts", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold_kv=True)
+    plan = d.begin_load("parts", prompt, GREEDY, through_prompt_end=True)
+    assert plan is not None and plan.through_prompt_end and len(plan.dst_block_ids) == 10
+    assert p.lease_part("parts", 0, 1) is None  # nothing computed yet
+    parts, first, whole = [], None, None
+    while whole is None:
+        for output in p.step():
+            if output.finished:
+                first, whole = output.new_token_ids[0], output.kv_lease
+        part = p.lease_part("parts", sum(len(lease.block_ids) for lease in parts), 2)
+        if part is not None:
+            assert part.part and part.first_token_id == -1 and part.num_tokens == 150
+            assert part.block_hashes == d.block_names("parts")[part.first_block:part.first_block + len(part.block_ids)]
+            parts.append(part)
+            p.check_integrity()  # the part's reference is counted
+    assert [(lease.first_block, len(lease.block_ids)) for lease in parts] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert whole is not None and first is not None and not whole.part
+    for lease in [*parts, whole]:  # each part, then the whole lease over every block (the copy is the same)
+        for index, src in enumerate(lease.block_ids, start=lease.first_block):
+            size = p.config.block_size
+            dst = plan.dst_block_ids[index]
+            d.kv_cache.data[:, :, dst * size:(dst + 1) * size] = p.kv_cache.data[:, :, src * size:(src + 1) * size]
+    with pytest.raises(ValueError, match="first token"):
+        d.complete_load("parts", 10)
+    [output] = d.complete_load("parts", 10, first_token_id=first)
+    assert [first, *decode(d, "parts")] == ref.generate([prompt], GREEDY)[0].token_ids
+    assert output.new_token_ids == [first]
+    for lease in [*parts, whole]:
+        p.release_lease(lease.lease_id, "parts")
+    p.check_integrity()
+    d.check_integrity()
+    assert p.block_manager.num_used == 0 and p.leases.num_blocks == 0

@@ -193,3 +193,71 @@ def test_a_part_that_cannot_be_stopped_ends_the_load_without_asking_further(pref
     assert dst.complete_load("r", done.landed) == []  # the aborted request ends here
     assert dst.block_manager.num_used == 0 and not dst.has_unfinished()
     dst.check_integrity()
+
+
+class GrowingSource(CopySource):
+    """A source that holds the load's first `held` blocks so far and will hold more until
+    `whole` (a prompt whose parts still come): its offers are `coming` until then."""
+
+    def __init__(self, src: Engine, dst: Engine, lease: KvLease):
+        super().__init__("lease", src, dst, lease, 99, sure=True)
+        self.held, self.whole = 0, False
+
+    def match(self, load: KvLoad, start: int) -> Offer:
+        count = (load.num_blocks if self.whole else min(self.held, load.num_blocks)) - start
+        if count <= 0:
+            return Offer(0, float("inf"), why="nothing", coming=not self.whole)
+        return Offer(count, self.block_s, sure=True, coming=not self.whole)
+
+    def start(self, load: KvLoad, start: int, rival_block_s: float) -> bool:
+        self.limit = self.match(load, start).blocks
+        return super().start(load, start, rival_block_s)
+
+
+def test_a_load_waits_for_a_source_that_will_have_more_and_goes_on_when_resumed(prefilled, make_engine):
+    """A source whose offer is `coming` is asked for what it has, and asked again; with
+    nothing yet, the load waits (no end, nothing out) until `resume` says more came; then
+    the rest lands and the request decodes as one engine would."""
+    src, prompt, first, lease = prefilled
+    want = make_engine().generate([prompt], GREEDY)[0].token_ids
+    dst = make_engine()
+    registry = Registry()
+    loads = KvLoads(dst, registry)
+    growing = GrowingSource(src, dst, lease)
+    load = dst.begin_load("r", prompt, GREEDY, through_prompt_end=True)
+    assert load is not None and len(load.dst_block_ids) == 7
+    loads.begin(load, [growing])
+    assert growing.asked == [] and "r" in loads and loads.tend() == []  # nothing yet: it waits
+    growing.held = 2
+    loads.resume("r")
+    assert growing.asked == [(0, float("inf"))] and loads.tend() == []  # blocks 0-1 landed; waits again
+    loads.resume("r")  # nothing more came: still waiting, nothing asked
+    assert growing.asked == [(0, float("inf"))] and "r" in loads
+    growing.held, growing.whole = 4, True
+    loads.resume("r")
+    assert growing.asked[-1] == (2, float("inf"))
+    [done] = loads.tend()
+    assert done.whole and done.landed == 7 and [part.landed for part in done.parts] == [2, 5]
+    assert choices(registry, "lease", "coming") == 3 and choices(registry, "lease", "asked") == 2  # waited 3 times
+    tokens = []
+    for output in dst.complete_load("r", done.landed, first_token_id=first):
+        tokens += output.new_token_ids
+    while dst.has_unfinished():
+        for output in dst.step():
+            tokens += output.new_token_ids
+    assert tokens == want
+    dst.check_integrity()
+
+
+def test_a_waiting_load_is_cancelled_at_once(prefilled, make_engine):
+    """Nothing is out while a load waits for more: cancelling it needs no settling."""
+    src, prompt, _, lease = prefilled
+    dst = make_engine()
+    loads = KvLoads(dst)
+    load = dst.begin_load("r", prompt, GREEDY, through_prompt_end=True)
+    assert load is not None
+    loads.begin(load, [GrowingSource(src, dst, lease)])
+    assert loads.cancel("r") and "r" not in loads
+    dst.cancel_load("r")
+    dst.check_integrity()
+    assert dst.block_manager.num_used == 0
