@@ -20,7 +20,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_PER_FRAME = 1 << 20
 MAX_KV_FRAMES = 1024  # raw KV pieces in one KvData message
@@ -59,6 +59,8 @@ class MessageType(enum.IntEnum):
     REQUESTS_FINISHED = 26
     KV_PULL_FAILED = 27
     KV_PULL_VERDICT = 28
+    KV_PART = 29
+    KV_MORE = 30
 
 
 # Not StrEnum (UP042): that changes str() and format() of a member from "ErrorCode.X" to its value.
@@ -180,6 +182,11 @@ class KvHandle(msgspec.Struct, forbid_unknown_fields=True):
     prefill_s: float = 0.0  # on the prefill worker: first step to first token
     first_logprob: dict[str, Any] | None = None  # the first token's, when the request asked for logprobs
     failed_on: list[str] = []  # decode workers whose pull of this lease failed: the router re-placed it since
+    # A part (docs/disaggregation.md §2.1): the lease holds prompt blocks [first_block,
+    # first_block + len(block_ids)) of a prompt still being prefilled, and first_token_id
+    # is not known yet; the handle of the whole prompt comes later (KvMore).
+    part: bool = False
+    first_block: int = 0
 
 
 class Generate(msgspec.Struct, forbid_unknown_fields=True):
@@ -265,6 +272,27 @@ class KvReady(msgspec.Struct, forbid_unknown_fields=True):
     # router may not hold the hand-off: the worker rejoined a router (it restarted) since
     # the request came (docs/disaggregation.md §2).
     request: Generate | None = None
+
+
+class KvPart(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill worker to router: a prompt still being prefilled has its prompt blocks
+    [first_block, first_block + len(block_ids)) computed, and holds them under this lease
+    for the decode worker the router picks now (docs/disaggregation.md §2.1)."""
+
+    request_id: str
+    lease_id: str
+    first_block: int
+    block_ids: list[int]
+    block_hashes: list[int]  # their names (every block of a part is full)
+    num_tokens: int  # the whole prompt's
+
+
+class KvMore(msgspec.Struct, forbid_unknown_fields=True):
+    """Router to the decode worker importing a request from its parts: another part, or
+    (`kv_handle.part` false) the lease on the whole prompt with its first token."""
+
+    request_id: str
+    kv_handle: KvHandle
 
 
 class KvLeaseUpdate(msgspec.Struct, forbid_unknown_fields=True):
@@ -535,6 +563,8 @@ MESSAGE_CLASSES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.REQUESTS_FINISHED: RequestsFinished,
     MessageType.KV_PULL_FAILED: KvPullFailed,
     MessageType.KV_PULL_VERDICT: KvPullVerdict,
+    MessageType.KV_PART: KvPart,
+    MessageType.KV_MORE: KvMore,
 }
 MESSAGE_TYPES = {cls: kind for kind, cls in MESSAGE_CLASSES.items()}
 PAYLOAD_COUNTS = {MessageType.GENERATE: (1,), MessageType.KV_PULL_FAILED: (1,), MessageType.SUBMIT: (0, 1),

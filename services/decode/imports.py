@@ -9,7 +9,10 @@ the transport pulls whatever is still missing from the prefill worker's lease
 (services/worker/kv_loads.py chooses). While the pool or
 the batch is full the request waits here and its lease is renewed through the router.
 Once every byte has landed the request joins the decode batch with the prefill worker's
-first token (which the client has had already). A pull that fails or passes its deadline
+first token (which the client has had already). A request whose prompt comes in parts
+(docs/disaggregation.md §2.1) arrives with its first part's handle: its load pulls each
+part as it comes (KvMore) and waits, then the whole prompt's lease brings the rest and the
+first token. A pull that fails or passes its deadline
 is cancelled, and only once no late byte can land are its blocks freed. A failure
 another decode worker could avoid (REPLACEABLE_CAUSES) is reported to the router
 (KvPullFailed), which places the request on another decode worker with the same lease,
@@ -39,6 +42,7 @@ from common.protocol import (
     Generate,
     KvHandle,
     KvLeaseUpdate,
+    KvMore,
     KvPullFailed,
     KvPullVerdict,
     Tokens,
@@ -60,6 +64,8 @@ REPLACEABLE_CAUSES = frozenset({ErrorCode.TIMEOUT.value, "unreachable"})
 # Failures after which the prefill worker exposes the lease no more (withdrawn, closed, or
 # never known): a release would only be refused there.
 EXPOSURE_GONE = frozenset({ErrorCode.UNAVAILABLE.value, ErrorCode.REFUSED.value})
+MISNAMED = ("kv_handle.block_hashes: the prefill engine names this prompt's blocks otherwise (its model, "
+            "tokenizer, dtype, block size or the request's tenant differ from this engine's)")
 VERDICT_WAIT_S = 4.0  # a hand-back waits this long for the router's KvPullVerdict, then falls back here
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -78,6 +84,8 @@ class DecodeMetrics:
                                          "Lease renewals sent for requests waiting here for room")
         self.recomputed = registry.counter("baton_kv_imports_recomputed_total",
                                            "Requests whose pull failed and whose prompt was computed here")
+        self.part_blocks = registry.counter("baton_kv_part_blocks_total", "Prompt blocks pulled from parts of "
+                                            "prompts still being prefilled, before their whole lease came")
         self.replaced = registry.counter("baton_kv_imports_replaced_total", "Requests whose pull failed here "
                                          "and which the router placed on another decode worker")
 
@@ -97,6 +105,12 @@ class Import:
     timings: dict[str, float] = field(default_factory=dict)
     failure: str = ""  # how its pull failed, while handed back to the router
     verdict_by: float = 0.0  # monotonic: handed back, it falls back here if no verdict came by then
+    # Imported from its parts (docs/disaggregation.md §2.1): `handle` is the first part's
+    # until the whole prompt's comes (KvMore); `parts` are every part's handle.
+    parts: list[KvHandle] = field(default_factory=list)
+    last_part: float = 0.0  # monotonic: when its latest part came
+    landed: LoadDone | None = None  # every block landed before the whole prompt's handle came
+    whole_came: float = 0.0  # monotonic: when the whole prompt's handle came after its parts
 
 
 class Imports:
@@ -140,11 +154,14 @@ class Imports:
         router's index says the KV store holds of the prompt."""
         handle = request.kv_handle
         assert handle is not None
-        _check_handle(handle, prompt_ids, self.engine.config.block_size)
+        check_handle(handle, prompt_ids, self.engine.config.block_size)
         params_from_sampling(request.sampling).validate()
         now = time.monotonic()
-        self.pending[request.request_id] = Import(request, handle, prompt_ids, now, now, store_hint)
-        self._begin(self.pending[request.request_id])
+        item = Import(request, handle, prompt_ids, now, now, store_hint, last_part=now)
+        if handle.part:
+            item.parts.append(handle)
+        self.pending[request.request_id] = item
+        self._begin(item)
 
     def _begin(self, item: Import) -> None:
         """Take blocks and start loading them (from the store, when there is one and it is
@@ -152,9 +169,11 @@ class Imports:
         request, handle = item.request, item.handle
         try:
             self._connect(handle.kv_address, handle.prefill_instance_id)
+            whole = not handle.part
             load = self.engine.begin_load(request.request_id, item.prompt_ids, params_from_sampling(request.sampling),
-                                          request.tenant, first_token_id=handle.first_token_id,
-                                          block_hashes=handle.block_hashes, store_hint=item.store_hint)
+                                          request.tenant, first_token_id=handle.first_token_id if whole else None,
+                                          block_hashes=handle.block_hashes if whole else None,
+                                          store_hint=item.store_hint, through_prompt_end=True)
         except (KvLoadError, InvalidRequestError, HandshakeRefused) as error:
             self._give_up(item, ErrorCode.INVALID_REQUEST, str(error))
             return
@@ -163,11 +182,16 @@ class Imports:
             return
         if load is None:
             return
+        if not all(self._names_fit(request.request_id, part) for part in item.parts):
+            self.engine.cancel_load(request.request_id)  # nothing was asked to land yet
+            self._give_up(item, ErrorCode.INVALID_REQUEST, MISNAMED)
+            return
         item.load = load
         self.metrics.blocks_reused.inc(load.first_block)
         item.timings["decode_wait_s"] = round(time.monotonic() - item.arrived, 6)
         item.pull_started = time.monotonic()
-        self.lease_source.expect(request.request_id, handle)
+        for lease in [*item.parts, handle] if whole else item.parts:
+            self.lease_source.expect(request.request_id, lease)
         sources = (self.store, self.lease_source) if self.store is not None else (self.lease_source,)
         self.kv_loads.begin(load, sources)
 
@@ -213,6 +237,13 @@ class Imports:
                     item.renewed = now
                     self._update_lease(item, "renew")
                     self.metrics.renewals.inc()
+        stalled = [i for i in self.pending.values() if i.handle.part and now - i.last_part > self.config.kv_lease_ttl_s]
+        for item in stalled:
+            request_id = item.request.request_id
+            log.warning("kv_parts_stalled", request_id=request_id, wait_s=self.config.kv_lease_ttl_s)
+            self.abort(request_id)
+            self.fail(request_id, ErrorCode.UNAVAILABLE, f"no more of the prompt's KV came from "
+                      f"{item.handle.prefill_worker_id} within {self.config.kv_lease_ttl_s} s")
         for item in [i for i in self.handed_back.values() if now >= i.verdict_by]:
             del self.handed_back[item.request.request_id]
             log.warning("kv_verdict_missing", request_id=item.request.request_id, wait_s=VERDICT_WAIT_S)
@@ -232,15 +263,20 @@ class Imports:
         if item is None or item.load is not done.load:
             return False
         lease_parts = [part for part in done.parts if part.source == self.lease_source.name]
+        part_leases = {handle.lease_id for handle in item.parts}
         for part in lease_parts:
             result = pull_result(part)
             if result.status == "done":
                 self.metrics.bytes.inc(result.nbytes)
                 self.metrics.seconds.observe(result.seconds)
+                if result.transfer_id in part_leases:
+                    self.metrics.part_blocks.inc(part.landed)
         if done.whole:
-            if not pulled:  # the store and this worker's cache had every block
+            if item.handle.part:  # the first token comes with the whole prompt's lease
+                item.landed = done
+                return True
+            if not pulled:  # the store, this worker's cache and the parts had every block
                 self._update_lease(item, "release")
-            item.timings["transfer_s"] = round(time.monotonic() - item.pull_started, 6)
             self._landed(item)
             return True
         result = pull_result(lease_parts[-1]) if lease_parts else \
@@ -253,10 +289,13 @@ class Imports:
     def _landed(self, item: Import) -> None:
         request_id = item.request.request_id
         del self.pending[request_id]
+        # From the pull's start, or, for a prompt imported from its parts, from when its
+        # whole lease came: what the transfer added to the decode's start.
+        item.timings["transfer_s"] = round(time.monotonic() - max(item.pull_started, item.whole_came), 6)
         self.timings[request_id] = item.timings
         self.landing[request_id] = item.handle.first_logprob
         assert item.load is not None  # load_done lands only begun imports
-        self.emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids)))
+        self.emit(self.engine.complete_load(request_id, len(item.load.dst_block_ids), item.handle.first_token_id))
 
     def _pull_failed(self, item: Import, result: PullResult) -> None:
         """Settle a pull that did not complete; then hand the request back to the router if
@@ -275,6 +314,10 @@ class Imports:
         if item.load is not None:
             self.engine.cancel_load(request_id)
         why = f"{result.status} ({result.reason})"
+        if item.handle.part:  # no first token to go on from: the prompt is still being prefilled
+            self.fail(request_id, ErrorCode.KV_TRANSFER_FAILED, f"a part of the prompt's KV could not be moved from "
+                      f"{item.handle.prefill_worker_id}: {why}")
+            return
         if cause in REPLACEABLE_CAUSES and len(item.handle.failed_on) < self.config.kv_pull_replacements:
             self._hand_back(item, cause, why)
         else:
@@ -337,15 +380,73 @@ class Imports:
         self.fail(item.request.request_id, code, why)
 
     def _update_lease(self, item: Import, action: str) -> None:
+        """Renew or release the lease on the whole prompt; a part's lease is the prefill
+        worker's to end (with the request's, or at its deadline)."""
+        if item.handle.part:
+            return
         self.send_to_router(KvLeaseUpdate(request_id=item.request.request_id, lease_id=item.handle.lease_id,
                                           prefill_worker_id=item.handle.prefill_worker_id, action=action), [])
 
     def handle(self, message) -> bool:
-        """The router's verdict on a hand-back; False if `message` is not one."""
-        if not isinstance(message, KvPullVerdict):
+        """The router's verdict on a hand-back, or more of a request imported from its
+        parts; False if `message` is neither."""
+        if isinstance(message, KvPullVerdict):
+            self._on_verdict(message)
+        elif isinstance(message, KvMore):
+            self._more(message.request_id, message.kv_handle)
+        else:
             return False
-        self._on_verdict(message)
         return True
+
+    def _more(self, request_id: str, handle: KvHandle) -> None:
+        """Another part of a request imported from its parts, or the lease on its whole
+        prompt, with the first token: the load goes on (or, every block landed, the
+        request decodes)."""
+        item = self.pending.get(request_id)
+        if item is None or not item.handle.part:  # not importing (any more), or not from parts
+            log.info("kv_more_unexpected", request_id=request_id, part=handle.part)
+            if not handle.part and item is None:  # nobody here will pull it
+                self.send_to_router(KvLeaseUpdate(request_id=request_id, lease_id=handle.lease_id,
+                                                  prefill_worker_id=handle.prefill_worker_id, action="release"), [])
+            return
+        try:
+            check_handle(handle, item.prompt_ids, self.engine.config.block_size)
+        except InvalidRequestError as error:
+            self.abort(request_id)
+            self.fail(request_id, ErrorCode.INVALID_REQUEST, str(error))
+            return
+        if item.load is not None and handle.part and not self._names_fit(request_id, handle):
+            self.abort(request_id)
+            self.fail(request_id, ErrorCode.INVALID_REQUEST, MISNAMED)
+            return
+        if handle.prefill_instance_id != item.handle.prefill_instance_id:
+            self.abort(request_id)
+            self.fail(request_id, ErrorCode.INVALID_REQUEST, "kv_handle: its parts came from another prefill process")
+            return
+        item.last_part = time.monotonic()
+        if handle.part:
+            item.parts.append(handle)
+        else:
+            item.handle = handle
+            item.whole_came = item.last_part
+        if item.load is None:
+            return
+        if not handle.part and list(handle.block_hashes) != list(self.engine.block_names(request_id)):
+            self.abort(request_id)
+            self.fail(request_id, ErrorCode.INVALID_REQUEST, MISNAMED)
+            return
+        if item.landed is not None:  # every block is here: only the first token was missing
+            if not handle.part:
+                self._update_lease(item, "release")
+                self._landed(item)
+            return
+        self.lease_source.expect(request_id, item.handle if not handle.part else handle)
+        self.kv_loads.resume(request_id)
+
+    def _names_fit(self, request_id: str, part: KvHandle) -> bool:
+        """Whether a part names its blocks as this engine does."""
+        names = self.engine.block_names(request_id)
+        return list(part.block_hashes) == list(names[part.first_block:part.first_block + len(part.block_ids)])
 
     def abort(self, request_id: str) -> bool:
         """Stop a handed-off request still importing or handed back; False for any other
@@ -395,11 +496,23 @@ class Imports:
         return tokens
 
 
-def _check_handle(handle: KvHandle, prompt_ids: list[int], block_size: int) -> None:
-    """A handle from the wire must describe this prompt's blocks (InvalidRequestError if not)."""
+def check_handle(handle: KvHandle, prompt_ids: list[int], block_size: int) -> None:
+    """A handle from the wire must describe this prompt's blocks, or a part of its full
+    blocks (InvalidRequestError if not)."""
     blocks = -(-len(prompt_ids) // block_size)
     if handle.num_tokens != len(prompt_ids):
         raise InvalidRequestError("kv_handle.num_tokens", f"{handle.num_tokens}, the prompt has {len(prompt_ids)}")
+    if handle.part:
+        full, first, count = len(prompt_ids) // block_size, handle.first_block, len(handle.block_ids)
+        if not 0 <= first < full or not 0 < count <= full - first or len(set(handle.block_ids)) != count:
+            raise InvalidRequestError("kv_handle.block_ids", f"a part must name 1 to {max(0, full - first)} distinct "
+                                      f"full blocks from block {first} of {full}, got {count}")
+        if len(handle.block_hashes) != count:
+            raise InvalidRequestError("kv_handle.block_hashes", f"must name the part's {count} blocks, got "
+                                      f"{len(handle.block_hashes)}")
+        return
+    if handle.first_block:
+        raise InvalidRequestError("kv_handle.first_block", f"{handle.first_block}: a whole prompt's lease starts at 0")
     if len(handle.block_ids) != blocks or len(set(handle.block_ids)) != blocks:
         raise InvalidRequestError("kv_handle.block_ids", f"must be {blocks} distinct ids, got {len(handle.block_ids)}")
     if len(handle.block_hashes) != len(prompt_ids) // block_size:

@@ -20,11 +20,17 @@ prompt stay here until its lease ends: a KvReady for a request that came before 
 worker's latest (re)join carries them, and on a rejoin the KvReady of every lease no
 decode worker has claimed yet is sent again with them; the new router takes the
 hand-off from there (docs/disaggregation.md §2).
+
+A prompt longer than a prefill chunk is exposed in parts while it is prefilled: at a
+chunk's end its newly computed full blocks go under a lease of their own (KvPart), so the
+decode worker pulls them while the rest is computed (docs/disaggregation.md §2.1). A
+part's exposure ends when pulled, or is withdrawn when the request's lease ends or the
+request ends without one.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from msgspec.structs import replace
@@ -35,7 +41,7 @@ from common.engine.leases import LeaseError
 from common.kv_transfer import KvTransport, TransferEvent
 from common.logs import get_logger
 from common.metrics import Registry
-from common.protocol import Generate, KvLeaseUpdate, KvReady, Tokens, params_from_sampling
+from common.protocol import Generate, KvLeaseUpdate, KvPart, KvReady, Tokens, params_from_sampling
 from common.sampling_params import SamplingParams
 from services.worker.role import SendToRouter
 
@@ -52,6 +58,8 @@ class Held:
     session: str  # the router registration it came (or its KvReady went) under
     ready: KvReady | None = None  # once the prompt is computed
     claimed: bool = False  # a decode worker renewed, released or is pulling the lease: its router knows
+    parts: list[str] = field(default_factory=list)  # the leases of its parts (docs/disaggregation.md §2.1)
+    parts_end: int = 0  # prompt blocks held in parts so far
 
 
 class PrefillMetrics:
@@ -61,6 +69,8 @@ class PrefillMetrics:
                                           labels=("outcome",))
         self.lease_refused = registry.counter("baton_kv_lease_updates_refused_total",
                                               "Lease renewals or releases naming no live lease of that request")
+        self.parts = registry.counter("baton_kv_part_exposures_total", "Leases on parts of prompts still being "
+                                      "prefilled that ended, by how", labels=("outcome",))
 
 
 class LeaseExposure:
@@ -77,6 +87,7 @@ class LeaseExposure:
         self.metrics = PrefillMetrics(registry)
         self.max_tokens: dict[str, int] = {}  # request id -> the max_tokens it asked for
         self.exposed: dict[str, str] = {}  # lease id -> request id, until its TransferEvent
+        self.parts_exposed: dict[str, str] = {}  # a part's lease id -> request id, until its TransferEvent
         self.ready: list[KvReady] = []  # hand-offs of this step, sent once its tokens are pushed
         self.held: dict[str, Held] = {}  # request id -> its Generate, until its lease ends
         self.kv_address = config.advertised(transport.listen(config.worker_kv_address(index)))
@@ -93,8 +104,10 @@ class LeaseExposure:
 
     def forget(self, request_id: str, outcome: str) -> None:
         if outcome != "handed_off":  # a handed-off request's Generate stays until its lease ends
-            self.held.pop(request_id, None)
+            held = self.held.pop(request_id, None)
             self.max_tokens.pop(request_id, None)
+            if held is not None:
+                self._withdraw_parts(held)
 
     def hand_off(self, output: RequestOutput, tokens: Tokens, received: float | None) -> tuple[Tokens, bool]:
         """At the prompt's end (`output` carries the lease): the tokens to send, and whether
@@ -133,10 +146,45 @@ class LeaseExposure:
     def send_ready(self, session: str, joined: bool) -> None:
         """The step's hand-offs to the router, once its tokens are pushed: the first token
         usually reaches the tokenizer before the decode worker's copy of it (either order is
-        right: Tokens.position)."""
+        right: Tokens.position). Before them, the parts the step computed of prompts still
+        being prefilled."""
+        if self.config.kv_part_blocks > 0:
+            self._send_parts(session, joined)
         ready, self.ready = self.ready, []
         for message in ready:
             self._send_ready(message, session, joined)
+
+    def _send_parts(self, session: str, joined: bool) -> None:
+        """Hold under a lease of its own, expose and announce (KvPart) each run of at least
+        `kv_part_blocks` full prompt blocks computed since a request's last part, while its
+        prompt is still being prefilled (docs/disaggregation.md §2.1). Only to the router
+        the request came through: another would not know the hand-off."""
+        for request_id, held in self.held.items():
+            if held.ready is not None or held.session != session or not joined:
+                continue
+            lease = self.engine.lease_part(request_id, held.parts_end, self.config.kv_part_blocks)
+            if lease is None:
+                continue
+            try:
+                self.transport.expose(lease.lease_id, list(lease.block_ids), self.config.kv_lease_ttl_s)
+            except Exception as error:  # noqa: BLE001 (the transport is gone or full: the whole lease still comes)
+                log.warning("kv_part_expose_failed", request_id=request_id, error=str(error))
+                self.engine.release_lease(lease.lease_id, request_id)
+                continue
+            held.parts.append(lease.lease_id)
+            held.parts_end = lease.first_block + len(lease.block_ids)
+            self.parts_exposed[lease.lease_id] = request_id
+            self.send_to_router(KvPart(request_id=request_id, lease_id=lease.lease_id, first_block=lease.first_block,
+                                       block_ids=list(lease.block_ids), block_hashes=list(lease.block_hashes),
+                                       num_tokens=lease.num_tokens), [])
+
+    def _withdraw_parts(self, held: Held) -> None:
+        """End the request's part leases still exposed: its whole prompt's lease ended, or
+        it ended without one. A part being pulled ends once its sends settle."""
+        for lease_id in held.parts:
+            if lease_id in self.parts_exposed:
+                self.transport.withdraw(lease_id)
+        held.parts = []
 
     def _send_ready(self, ready: KvReady, session: str, joined: bool) -> None:
         """KvReady to the router; with the request and its prompt when the router may not
@@ -170,14 +218,19 @@ class LeaseExposure:
         if not isinstance(message, KvLeaseUpdate):
             return False
         lease_id, request_id = message.lease_id, message.request_id
+        part = self.parts_exposed.get(lease_id) == request_id
         try:
             self.engine.lease(lease_id, request_id)
-            if self.exposed.get(lease_id) != request_id:
+            if self.exposed.get(lease_id) != request_id and not part:
                 raise LeaseError("not exposed")
         except LeaseError:
             self.metrics.lease_refused.inc()
             log.warning("lease_update_refused", request_id=request_id, action=message.action,
                         why="no live lease of that request")
+            return True
+        if part:  # a part nobody takes (the router found no decode worker for it)
+            if message.action == "release":
+                self.transport.withdraw(lease_id)  # its TransferEvent frees the blocks
             return True
         held = self.held.get(request_id)
         if held is not None:
@@ -200,10 +253,19 @@ class LeaseExposure:
             self._exposure_ended(event)
 
     def _exposure_ended(self, event: TransferEvent) -> None:
+        part_of = self.parts_exposed.pop(event.transfer_id, None)
+        if part_of is not None:
+            self.metrics.parts.inc(outcome=event.status)
+            if not event.settled:
+                log.error("kv_sends_unsettled", request_id=part_of, status=event.status, reason=event.reason)
+            self.engine.release_lease(event.transfer_id, part_of)
+            return
         request_id = self.exposed.pop(event.transfer_id, None)
         if request_id is None:
             return
-        self.held.pop(request_id, None)
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self._withdraw_parts(held)
         self.metrics.exposures.inc(outcome=event.status)
         if not event.settled:  # a send still pending (its puller gone) only reads the blocks
             log.error("kv_sends_unsettled", request_id=request_id, status=event.status, reason=event.reason)

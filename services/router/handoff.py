@@ -15,7 +15,10 @@ decode worker with room, at most `kv_pull_replacements` times, else the worker f
 on kv_load_failure_policy (KvPullVerdict). A router that restarted holds no pending
 hand-offs: a prefill worker that rejoined it sends KvReady with the request and its
 prompt, and the hand-off is adopted here, parked for two heartbeats first so that a decode
-worker that got it from the old router can rejoin with it (then it is left there).
+worker that got it from the old router can rejoin with it (then it is left there, and
+given the lease as KvMore). A prompt longer than a prefill chunk comes in parts while it
+is prefilled (KvPart, docs/disaggregation.md §2.1): the first part picks the decode worker
+and sends it the request; the later parts and the KvReady follow it there as KvMore.
 
 `HandoffDesk` keeps this state and no socket or clock of its own: the router
 (services/router/service.py) checks who sent each message, gives the time, and lends the
@@ -32,7 +35,18 @@ from msgspec.structs import replace
 from common.config import ClusterConfig
 from common.logs import get_logger
 from common.metrics import Counter
-from common.protocol import Generate, Hello, KvHandle, KvLeaseUpdate, KvPullFailed, KvPullVerdict, KvReady
+from common.protocol import (
+    Abort,
+    Generate,
+    Hello,
+    KvHandle,
+    KvLeaseUpdate,
+    KvMore,
+    KvPart,
+    KvPullFailed,
+    KvPullVerdict,
+    KvReady,
+)
 from common.sockets import check_endpoint
 from services.router.cluster import ClusterState
 from services.router.members import Members
@@ -57,6 +71,7 @@ class Handoff:
     request: Generate
     prompt: Any  # the prompt's token id array (payload 0)
     prefill_worker_id: str
+    decode_worker_id: str | None = None  # placed at its first part (docs/disaggregation.md §2.1)
 
 
 @dataclass
@@ -130,8 +145,72 @@ class HandoffDesk:
         self.pending[request.request_id] = Handoff(request, prompt, prefill_worker_id)
 
     def forget(self, request_id: str) -> None:
-        """The request ended (or its worker was lost) before its KV was ready."""
-        self.pending.pop(request_id, None)
+        """The request ended (or its worker was lost) before its KV was ready: a decode
+        worker importing its parts is told to stop."""
+        handoff = self.pending.pop(request_id, None)
+        if handoff is not None and handoff.decode_worker_id is not None:
+            self._stop_import(request_id, handoff.decode_worker_id)
+
+    def _stop_import(self, request_id: str, worker_id: str) -> None:
+        """End a decode worker's import of a request's parts (the request cannot go on
+        there): its placement ends, and the worker is told (Abort)."""
+        placement = self.decode_pool.placements.get(request_id)
+        if placement is not None and placement.worker_id == worker_id:
+            self.decode_pool.finish(request_id)
+        member = self.members.get(worker_id)
+        if member is not None:
+            self.send(member.identity, Abort(request_id=request_id, reason="its prefill ended"))
+
+    def import_ended(self, request_id: str, worker_id: str) -> bool:
+        """The decode worker `worker_id` ended (or lost) a request it imported from its
+        parts while the prefill still runs: its placement there ends, and the whole
+        prompt's lease goes to whichever decode worker pairing picks then. False if the
+        request is no such import."""
+        handoff = self.pending.get(request_id)
+        if handoff is None or handoff.decode_worker_id != worker_id:
+            return False
+        handoff.decode_worker_id = None
+        placement = self.decode_pool.placements.get(request_id)
+        if placement is not None and placement.worker_id == worker_id:
+            self.decode_pool.finish(request_id)
+        return True
+
+    def importing_on(self, request_id: str) -> str | None:
+        """The decode worker importing a request's parts while its prefill runs, if any."""
+        handoff = self.pending.get(request_id)
+        return handoff.decode_worker_id if handoff is not None else None
+
+    # ---- a prompt still being prefilled: its parts (docs/disaggregation.md §2.1) ----------
+
+    def kv_part(self, identity: bytes, hello: Hello, part: KvPart, now: float) -> None:
+        """The prefill worker `hello` holds a part of a prompt it is still prefilling: the
+        request goes, with the part's handle, to the decode worker pairing picks now, or
+        the part to the decode worker that has the request already. A part nobody takes
+        is released (the whole prompt's lease brings its blocks later)."""
+        handoff = self.pending.get(part.request_id)
+        if handoff is None or handoff.prefill_worker_id != hello.worker_id:
+            self._release(identity, part.request_id, part.lease_id)
+            return
+        handle = KvHandle(prefill_worker_id=hello.worker_id, kv_address=hello.kv_address,
+                          prefill_instance_id=hello.instance_id, lease_id=part.lease_id, block_ids=part.block_ids,
+                          block_hashes=part.block_hashes, num_tokens=part.num_tokens, first_token_id=-1, part=True,
+                          first_block=part.first_block)
+        if handoff.decode_worker_id is None:
+            handoff.decode_worker_id = self._send_to_decode(replace(handoff.request, kv_handle=handle),
+                                                            handoff.prompt, now)
+            if handoff.decode_worker_id is None:
+                self._release(identity, part.request_id, part.lease_id)
+        elif not self._send_more(handoff.decode_worker_id, part.request_id, handle):
+            self._release(identity, part.request_id, part.lease_id)
+
+    def _send_more(self, worker_id: str, request_id: str, handle: KvHandle) -> bool:
+        """Send more of a request's KV to the decode worker it is placed on; False if it is
+        not (any more) or the send failed."""
+        placement = self.decode_pool.placements.get(request_id)
+        member = self.members.get(worker_id)
+        if placement is None or placement.worker_id != worker_id or member is None:
+            return False
+        return self.send(member.identity, KvMore(request_id=request_id, kv_handle=handle))
 
     # ---- the prefill worker holds the KV -------------------------------------------
 
@@ -152,7 +231,12 @@ class HandoffDesk:
         placement = self.cluster.finish(ready.request_id, now=now)
         if placement is not None:
             self.policy.finished(placement, ready.queue_s + ready.prefill_s, now)
-        request = replace(handoff.request, kv_handle=self._handle(hello, ready))
+        handle = self._handle(hello, ready)
+        if handoff.decode_worker_id is not None:  # a decode worker is importing its parts
+            if self._send_more(handoff.decode_worker_id, ready.request_id, handle):
+                return
+            self._stop_import(ready.request_id, handoff.decode_worker_id)
+        request = replace(handoff.request, kv_handle=handle)
         if not self._send_to_decode(request, handoff.prompt, now):
             # Wait for a decode worker within the lease, leaving the other half of it for
             # the pull (docs/disaggregation.md §2).
@@ -191,8 +275,11 @@ class HandoffDesk:
             log.warning("kv_ready_refused", request_id=request_id, worker_id=hello.worker_id, why=why)
             self._release_lease(identity, ready)
             return
-        if request_id in self.decode_pool.placements or request_id in self.parked:
+        placed = self.decode_pool.placements.get(request_id)
+        if placed is not None or request_id in self.parked:
             log.info("kv_ready_again", request_id=request_id, worker_id=hello.worker_id)
+            if placed is not None:  # it may be importing the prompt's parts: it needs this lease
+                self._send_more(placed.worker_id, request_id, self._handle(hello, ready))
             return
         placement = self.cluster.finish(request_id, now=now)  # resumed when the prefill worker rejoined
         if placement is not None:
@@ -230,6 +317,10 @@ class HandoffDesk:
             if parked.adopted and request_id in self.decode_pool.placements:  # a rejoined decode worker has it
                 del self.parked[request_id]
                 log.info("handoff_adoption_dropped", request_id=request_id, why="a decode worker holds it")
+                assert parked.request.kv_handle is not None  # adopted with its handle
+                # It may be importing the prompt's parts: it needs the whole prompt's lease.
+                self._send_more(self.decode_pool.placements[request_id].worker_id, request_id,
+                                parked.request.kv_handle)
             elif not self.live(request_id):  # aborted or failed meanwhile
                 del self.parked[request_id]
                 self._release_lease(parked.prefill_identity, parked.ready)
@@ -268,8 +359,11 @@ class HandoffDesk:
         self.fail(ready.request_id, why)
 
     def _release_lease(self, prefill_identity: bytes, ready: KvReady) -> None:
+        self._release(prefill_identity, ready.request_id, ready.lease_id)
+
+    def _release(self, prefill_identity: bytes, request_id: str, lease_id: str) -> None:
         prefill_worker_id = self.members.by_connection.get(prefill_identity, "")
-        self.send(prefill_identity, KvLeaseUpdate(request_id=ready.request_id, lease_id=ready.lease_id,
+        self.send(prefill_identity, KvLeaseUpdate(request_id=request_id, lease_id=lease_id,
                                                   prefill_worker_id=prefill_worker_id, action="release"))
 
     # ---- the decode worker holds the request ---------------------------------------

@@ -49,6 +49,7 @@ from common.protocol import (
     Hello,
     KvEvents,
     KvLeaseUpdate,
+    KvPart,
     KvPullFailed,
     KvReady,
     Placed,
@@ -77,7 +78,7 @@ PLACEMENT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
 MAX_BLOCK_HASH = 2**64 - 1  # block names are 64-bit (docs/kv-identity.md §1)
 # What each role may send the router; with CURVE off no role is proven and all may.
 ROLE_MESSAGES = {"worker": (Hello, Heartbeat, KvEvents, RequestsFinished),
-                 "prefill": (Hello, Heartbeat, KvEvents, KvReady, RequestsFinished),
+                 "prefill": (Hello, Heartbeat, KvEvents, KvReady, KvPart, RequestsFinished),
                  "decode": (Hello, Heartbeat, KvEvents, KvLeaseUpdate, KvPullFailed, RequestsFinished),
                  "tokenizer": (Generate, Abort, StatusRequest)}
 
@@ -168,8 +169,8 @@ class RouterService:
         self.handlers: dict[type, Callable[[bytes, Any, list], None]] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat, Generate: self._on_generate,
             Abort: self._on_abort, StatusRequest: self._on_status, KvEvents: self._on_kv_report,
-            KvReady: self._on_kv_ready, KvLeaseUpdate: self._on_lease_update, KvPullFailed: self._on_kv_pull_failed,
-            RequestsFinished: self._on_requests_finished}
+            KvReady: self._on_kv_ready, KvPart: self._on_kv_part, KvLeaseUpdate: self._on_lease_update,
+            KvPullFailed: self._on_kv_pull_failed, RequestsFinished: self._on_requests_finished}
 
     def run(self, stop: threading.Event) -> None:
         self.metrics_server.start()
@@ -481,6 +482,8 @@ class RouterService:
         pool = self._pool_for(member.hello.role)
         for finished in message.finished:
             request_id = finished.request_id
+            if pool is self.decode_pool and self.handoffs.import_ended(request_id, worker_id):
+                continue  # it imported the prompt's parts; the prefill goes on, its hand-off with it
             if self.handoffs.placed_elsewhere(request_id, worker_id):
                 continue  # this worker's part ended; the request goes on on another
             self.origins.pop(request_id, None)
@@ -497,7 +500,8 @@ class RouterService:
             self._unsubscribe(member)
             self.prefill_pool.discard(worker_id)
             self.metrics.workers.set(len(self.members))
-            placements = self._pool_for(member.hello.role).remove_worker(worker_id)
+            placements = [placement for placement in self._pool_for(member.hello.role).remove_worker(worker_id)
+                          if not self.handoffs.import_ended(placement.request_id, worker_id)]
             log.error("worker_lost", worker_id=worker_id, in_flight=len(placements),
                       silent_s=round(now - member.last_seen, 2))
             self.failed_over[worker_id] = {placement.request_id for placement in placements}
@@ -571,6 +575,13 @@ class RouterService:
         if member is not None:
             self.handoffs.kv_ready(identity, member.hello, ready, time.monotonic(), payloads[0] if payloads else None)
 
+    def _on_kv_part(self, identity: bytes, part: KvPart, _payloads) -> None:
+        """A prefill worker holds a part of a prompt it is still prefilling
+        (services/router/handoff.py)."""
+        member = self._member_on(identity, "KvPart")
+        if member is not None:
+            self.handoffs.kv_part(identity, member.hello, part, time.monotonic())
+
     def _adopt_request(self, request: Generate) -> None:
         """A hand-off this router did not place (it restarted) goes on: its tokenizer is
         the one the request names."""
@@ -626,6 +637,10 @@ class RouterService:
         placement = self.cluster.placements.get(abort.request_id) or \
             self.decode_pool.placements.get(abort.request_id)
         member = self.members.get(placement.worker_id) if placement else None
+        if member is not None:
+            self._reply(member.identity, abort)
+        importing = self.handoffs.importing_on(abort.request_id)  # its parts, while the prefill runs
+        member = self.members.get(importing) if importing is not None else None
         if member is not None:
             self._reply(member.identity, abort)
 

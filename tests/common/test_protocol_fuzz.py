@@ -26,6 +26,8 @@ from common.protocol import (
     KvHandle,
     KvHello,
     KvLeaseUpdate,
+    KvMore,
+    KvPart,
     KvPull,
     KvPullFailed,
     KvPullVerdict,
@@ -100,6 +102,9 @@ VALID: dict[MessageType, tuple[msgspec.Struct, list]] = {
                            failed_on=["decode-2"])), "timeout", "deadline passed", reply_by=1.5),
         [np.array([5, 6, 7], dtype=np.uint32)]),
     MessageType.KV_PULL_VERDICT: (KvPullVerdict("r-2", "ab" * 16, "moved", worker_id="decode-3"), []),
+    MessageType.KV_PART: (KvPart("r-3", "cd" * 16, 4, [8, 9], [2**63, 7], 400), []),
+    MessageType.KV_MORE: (KvMore("r-3", KvHandle("prefill-1", "tcp://127.0.0.1:7141", "cd" * 16, "i-1", [8, 9],
+                                                 [2**63, 7], 400, -1, part=True, first_block=4)), []),
 }
 # A decode worker's Generate: the prompt is computed elsewhere; pull its KV.
 HANDED_OFF = Generate(request_id="r-2", sampling=Sampling(max_tokens=8), stream_address="tcp://127.0.0.1:9",

@@ -84,6 +84,15 @@ def hung(request, make_cluster):
     cluster.stop()
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def parted(request, make_cluster):
+    """Prefill chunks of 64 tokens (4 blocks) and a part at each chunk's end: a prompt of
+    900 tokens is handed off in 14 parts while it is prefilled, then its whole lease."""
+    cluster = start_pd(make_cluster, request.param, "--max-num-batched-tokens", "64", "--kv-part-blocks", "4")
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def strict(make_cluster):
     """Slow pulls that complete, and a failed pull fails its request."""
@@ -212,6 +221,29 @@ def test_greedy_outputs_equal_colocated_serving_and_a_shared_prefix_is_not_pulle
     pd.wait_for(lambda: metric(pd, PREFILL, "baton_kv_exposures_total", outcome="done") >= 3, 10,
                 "the prefill worker to see its three exposures pulled")
     wait_idle(pd)
+
+
+def test_a_long_prompt_moves_in_parts_while_it_is_prefilled_each_block_once(parted, engine, random_prompts):
+    """A prompt longer than a prefill chunk is handed off in parts (docs/disaggregation.md
+    §5): the decode worker gets the request at the first part and pulls parts while the
+    prefill goes on, then only what the parts did not bring from the whole lease. Greedy
+    tokens equal the in-process engine's; every block moves exactly once; every part's
+    lease ends on the prefill worker."""
+    short, long = random_prompts([48, 900], seed=131)
+    with Client(parted.sdk, timeout_s=60) as client:
+        result = client.generate(token_ids=short, max_tokens=4, **GREEDY)  # one chunk: no part
+        assert result.token_ids == expected(engine, short, 4)
+        block_bytes = metric(parted, DECODE, "baton_kv_transfer_bytes_total") / 3
+        assert block_bytes > 0 and metric(parted, DECODE, "baton_kv_part_blocks_total") == 0
+        result = client.generate(token_ids=long, max_tokens=12, **GREEDY)
+        assert result.token_ids == expected(engine, long, 12)
+    moved = metric(parted, DECODE, "baton_kv_transfer_bytes_total") / block_bytes - 3
+    assert moved == -(-len(long) // 16)  # 57 blocks, each once
+    assert 0 < metric(parted, DECODE, "baton_kv_part_blocks_total") < moved
+    parted.wait_for(lambda: metric(parted, PREFILL, "baton_kv_part_exposures_total") == 900 // 64, 10,
+                    "every part's lease to end on the prefill worker")
+    assert metric(parted, PREFILL, "baton_kv_exposures_total", outcome="done") == 2
+    wait_idle(parted)
 
 
 def test_prompt_logprobs_come_from_the_prefill_worker_once_each(pd, engine, random_prompts):

@@ -44,6 +44,16 @@ def pd_store(tiny_model_dir):
     cluster.stop()
 
 
+@pytest.fixture
+def pd_store_parts(tiny_model_dir):
+    """Prefill chunks of 32 tokens and a part at each: the prompt's blocks from the lease
+    may come in a part before its whole lease (docs/disaggregation.md §2.1)."""
+    cluster = start_cluster(tiny_model_dir, workers=0, prefill=1, decode=1, kvstore=True,
+                            extra=[*FLAGS, "--max-num-batched-tokens", "32", "--kv-part-blocks", "1"])
+    yield cluster
+    cluster.stop()
+
+
 def test_a_decode_worker_takes_blocks_from_the_store_and_the_rest_from_the_lease(pd_store, make_engine,
                                                                                 random_prompts):
     cluster = pd_store
@@ -76,7 +86,21 @@ def test_a_decode_worker_takes_blocks_from_the_store_and_the_rest_from_the_lease
 
 
 def test_one_request_takes_blocks_from_the_cache_the_store_and_the_lease(pd_store, make_engine, random_prompts):
-    cluster = pd_store
+    takes_blocks_from_every_source(pd_store, make_engine, random_prompts)
+
+
+def test_one_request_takes_blocks_from_the_cache_the_store_and_the_lease_in_parts(pd_store_parts, make_engine,
+                                                                                  random_prompts):
+    """As above, prompts prefilled in chunks of 2 blocks and handed off in parts: the
+    decode worker gets each request at its first part, and the lease's blocks come from
+    parts and the whole lease together (which, depends on how the pulls and the prefill
+    interleave), still each once and token for token."""
+    takes_blocks_from_every_source(pd_store_parts, make_engine, random_prompts)
+    pd_store_parts.wait_for(lambda: metric(pd_store_parts, PREFILL, "baton_kv_part_exposures_total") > 0, 10,
+                            "the prefill worker's parts to end")
+
+
+def takes_blocks_from_every_source(cluster, make_engine, random_prompts) -> None:
     shared, tail, head_tail, filler_a, filler_b = random_prompts([64, 40, 5, 110, 110], seed=62)
     first_prompt, head_prompt, second_prompt = shared + tail[:6], shared[:32] + head_tail, shared + tail
     reference = make_engine(max_model_len=128)

@@ -12,9 +12,12 @@ from common.hashing import root_hash
 from common.metrics import Registry
 from common.protocol import (
     PROTOCOL_VERSION,
+    Abort,
     Generate,
     Hello,
     KvLeaseUpdate,
+    KvMore,
+    KvPart,
     KvPullFailed,
     KvPullVerdict,
     KvReady,
@@ -380,16 +383,21 @@ def test_a_hand_off_the_router_never_held_is_adopted_once_decode_workers_could_r
 
 def test_an_adopted_hand_off_that_a_rejoined_decode_worker_holds_stays_there():
     """The old router had handed the request off: the decode worker rejoins with it
-    running, and its pull keeps the lease (nothing is sent, nothing released)."""
+    running, and its pull keeps the lease (nothing released, the request not placed
+    again). The lease goes to it as KvMore, which it needs if it was importing the
+    prompt's parts and ignores if it had the lease already."""
     d = Desk()
     prefill = d.join("p0", "prefill")
-    d.join("d0", "decode")
+    decode = d.join("d0", "decode")
     d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 1.0, PROMPT)
     d.decode_pool.resume("r-1", "d0", len(PROMPT), 16, 1.1)  # as the router does for a rejoin's running requests
     d.desk.retry_parked(10.0)
-    assert not d.desk.parked and d.sent == []
+    assert not d.desk.parked
     d.desk.kv_ready(prefill, d.members["p0"].hello, carried("r-1"), 11.0, PROMPT)  # sent again: still left there
-    assert not d.desk.parked and d.sent == []
+    assert not d.desk.parked and len(d.sent) == 2
+    for identity, message, _ in d.sent:
+        assert identity == decode and isinstance(message, KvMore) and message.kv_handle.lease_id == "ab" * 16
+        assert not message.kv_handle.part and message.kv_handle.first_token_id == 7
 
 
 def test_a_carried_request_that_does_not_match_its_kv_ready_is_refused_and_its_lease_released():
@@ -403,3 +411,85 @@ def test_a_carried_request_that_does_not_match_its_kv_ready_is_refused_and_its_l
     d.desk.kv_ready(prefill, d.members["p0"].hello, bad_stream, 1.0, PROMPT)
     assert [message.request_id for _, message in releases(d.sent)] == ["r-1", "r-3", "r-4"]
     assert not d.desk.parked and not d.origins
+
+
+# ---- a prompt still being prefilled: its parts (docs/disaggregation.md §2.1) ----------------
+
+def part(request_id: str, first_block: int, count: int, lease: str) -> KvPart:
+    return KvPart(request_id=request_id, lease_id=lease * 32, first_block=first_block,
+                  block_ids=list(range(first_block, first_block + count)),
+                  block_hashes=list(range(100 + first_block, 100 + first_block + count)), num_tokens=len(PROMPT))
+
+
+def test_a_first_part_places_the_request_on_a_decode_worker_and_the_rest_follows_it_there():
+    """The first part sends the request, with the part's handle, to the decode worker
+    pairing picks; later parts and the whole prompt's lease go to that worker as KvMore,
+    even with another decode worker free, and the prefill placement ends with the last."""
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    decode = d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-1", 0, 32, "a"), 0.5)
+    [(identity, request, payloads)] = d.sent
+    assert identity == decode and isinstance(request, Generate) and payloads is not None and payloads[0] is PROMPT
+    handle = request.kv_handle
+    assert handle is not None and handle.part and (handle.first_block, handle.lease_id) == (0, "a" * 32)
+    assert handle.block_ids == list(range(32)) and handle.kv_address == "tcp://127.0.0.1:7040"
+    assert "r-1" in d.cluster.placements and d.decode_pool.placements["r-1"].worker_id == "d0"
+    d.join("d1", "decode")  # emptier than d0 now: the rest must still go to d0
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-1", 32, 32, "b"), 0.6)
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 0.7)
+    assert [identity for identity, _, _ in d.sent[1:]] == [decode, decode]
+    more = [message for _, message, _ in d.sent[1:]]
+    assert all(isinstance(message, KvMore) for message in more)
+    assert more[0].kv_handle.part and more[0].kv_handle.first_block == 32
+    assert not more[1].kv_handle.part and more[1].kv_handle.first_token_id == 7
+    assert "r-1" not in d.cluster.placements and d.decode_pool.placements["r-1"].worker_id == "d0"
+    assert not d.desk.pending and not d.desk.parked and not releases(d.sent)
+
+
+def test_a_prefill_that_ends_without_a_hand_off_stops_the_import_of_its_parts():
+    """The first token ended the request (or its prefill worker was lost): the decode
+    worker importing its parts is told to abort, and its placement ends."""
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    decode = d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-1", 0, 32, "a"), 0.5)
+    assert d.desk.importing_on("r-1") == "d0"
+    d.desk.forget("r-1")
+    identity, abort, _ = d.sent[-1]
+    assert identity == decode and isinstance(abort, Abort) and abort.request_id == "r-1"
+    assert "r-1" not in d.decode_pool.placements and d.desk.importing_on("r-1") is None
+
+
+def test_an_import_its_decode_worker_ended_leaves_the_whole_lease_to_pairing():
+    """The importing decode worker dropped the request (or was lost) while the prefill
+    ran: the whole prompt's lease is placed as if no part had been sent."""
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    d.join("d0", "decode")
+    d.prefill("r-1", "p0")
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-1", 0, 32, "a"), 0.5)
+    assert not d.desk.import_ended("r-1", "d1")  # not the importing worker
+    assert d.desk.import_ended("r-1", "d0") and "r-1" not in d.decode_pool.placements
+    d.sent.clear()
+    d.desk.kv_ready(prefill, d.members["p0"].hello, ready("r-1"), 1.0)
+    [(_, request, _)] = d.sent
+    assert isinstance(request, Generate) and request.kv_handle is not None and not request.kv_handle.part
+
+
+def test_a_part_nobody_takes_is_released():
+    """A part for a hand-off this router does not hold, from another prefill worker, or
+    with no decode worker to send it to, is released at once (the whole lease brings its
+    blocks later)."""
+    d = Desk()
+    prefill = d.join("p0", "prefill")
+    other = d.join("p1", "prefill")
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-unknown", 0, 4, "a"), 0.1)
+    d.prefill("r-1", "p0")
+    d.desk.kv_part(other, d.members["p1"].hello, part("r-1", 0, 4, "b"), 0.2)
+    d.desk.kv_part(prefill, d.members["p0"].hello, part("r-1", 0, 4, "c"), 0.3)  # no decode worker yet
+    assert [(identity, update.lease_id) for identity, update in releases(d.sent)] == \
+        [(prefill, "a" * 32), (other, "b" * 32), (prefill, "c" * 32)]
+    assert len(d.sent) == 3 and d.desk.importing_on("r-1") is None
