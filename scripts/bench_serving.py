@@ -30,7 +30,11 @@ TTFT and TPOT (p50, p90) are medians over the rounds, and the disaggregated requ
 TTFT split (services.eval.report.ttft_split, over every round's requests) says how long
 the workers queued, prefilled, waited and moved the KV, and the transfer's share of the
 time to the second token: the prefill worker streams the first token before the KV
-moves, so the transfer delays the second token, not the first.
+moves, so the transfer delays the second token, not the first. With --pd-whole a third
+cluster, disaggregated with `--kv-part-blocks 0`, runs the same rounds: its prompts move
+whole after their prefill, where the first one's move in parts while a prompt longer than
+a chunk (--chunk-tokens) is prefilled (docs/disaggregation.md §2.1). Its transfer counts
+from the whole lease's arrival, so the two splits show what parts take off the transfer.
 """
 from __future__ import annotations
 
@@ -60,8 +64,10 @@ def summarise(name: str, wall_s: float, records: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in records)
     ttfts = [r["ttft_s"] for r in records]
     tpots = [r["tpot_s"] for r in records if r["tokens"] > 1]
+    seconds = [r["second_token_s"] for r in records if r.get("second_token_s") is not None]
     return {"name": name, "requests": len(records), "tokens": tokens, "wall_s": wall_s,
             "tok_s": tokens / wall_s, "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
+            "second_token_p50_ms": percentile(seconds, 0.5) * 1000 if seconds else float("nan"),
             "ttft_p90_ms": percentile(ttfts, 0.9) * 1000, "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
             "tpot_p50_ms": percentile(tpots, 0.5) * 1000, "tpot_p90_ms": percentile(tpots, 0.9) * 1000,
             "tpot_p99_ms": percentile(tpots, 0.99) * 1000}
@@ -213,7 +219,7 @@ def median_run(runs: list[dict]) -> dict:
     """Each figure's median over the rounds (the name and counts of the first)."""
     merged = dict(runs[0])
     for key in ("wall_s", "tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
-                "tpot_p99_ms", "decode_tok_s"):
+                "tpot_p99_ms", "decode_tok_s", "second_token_p50_ms"):
         if key in merged:
             merged[key] = statistics.median(run[key] for run in runs)
     return merged
@@ -236,47 +242,62 @@ def run_pd(args: argparse.Namespace, model_dir: Path) -> dict:
     from services.local_cluster import start_cluster
 
     flags = ["--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.chunk_tokens:
+        flags += ["--max-num-batched-tokens", str(args.chunk_tokens)]
     clusters = {}
     try:
         clusters["pd"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
                                        extra=[*flags, "--max-local-prefill-tokens", "0"])
+        if args.pd_whole:
+            clusters["pd_whole"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
+                                                 extra=[*flags, "--max-local-prefill-tokens", "0",
+                                                        "--kv-part-blocks", "0"])
         clusters["colocated"] = start_cluster(model_dir, workers=2, extra=flags)
         rng = random.Random(args.seed)
         for cluster in clusters.values():  # warm-up, on prompts of its own
             asyncio.run(run_sdk(cluster.sdk, draw_prompts(rng, 4, args.prompt_len), 4, 4))
         rounds: dict[str, list[dict]] = {name: [] for name in clusters}
-        pd_records: list[dict] = []
+        pd_records: dict[str, list[dict]] = {name: [] for name in clusters if name.startswith("pd")}
         for _ in tqdm(range(args.repeats), desc="bench_serving --pd", unit="round", disable=None):
             prompts = draw_prompts(rng, args.requests, args.prompt_len)
             for name, cluster in clusters.items():
                 wall, records = asyncio.run(run_sdk(cluster.sdk, prompts, args.max_tokens, args.concurrency))
                 rounds[name].append(summarise(name, wall, records))
-                if name == "pd":
-                    pd_records += records
+                if name in pd_records:
+                    pd_records[name] += records
     finally:
         for cluster in clusters.values():
             cluster.stop()
     pd, colocated = median_run(rounds["pd"]), median_run(rounds["colocated"])
-    return {"pd": pd, "colocated": colocated, "ttft_split": split_of(pd_records),
+    whole = {"pd_whole": median_run(rounds["pd_whole"]), "ttft_split_whole": split_of(pd_records["pd_whole"])} \
+        if "pd_whole" in rounds else {}
+    return {"pd": pd, "colocated": colocated, "ttft_split": split_of(pd_records["pd"]), **whole,
             "ttft_p50_delta_ms": pd["ttft_p50_ms"] - colocated["ttft_p50_ms"],
             "tpot_p50_delta_ms": pd["tpot_p50_ms"] - colocated["tpot_p50_ms"],
             "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "concurrency": args.concurrency, "threads": args.threads, "repeats": args.repeats}
+            "concurrency": args.concurrency, "threads": args.threads, "repeats": args.repeats,
+            "chunk_tokens": args.chunk_tokens}
 
 
 def print_pd(report: dict) -> None:
-    print(f"{'run':<11}{'tok/s':>8}{'ttft p50':>11}{'ttft p90':>11}{'tpot p50':>11}{'tpot p90':>11}")
-    for row in (report["pd"], report["colocated"]):
+    print(f"{'run':<11}{'tok/s':>8}{'ttft p50':>11}{'ttft p90':>11}{'2nd p50':>11}{'tpot p50':>11}{'tpot p90':>11}")
+    rows = [report["pd"], *([report["pd_whole"]] if "pd_whole" in report else []), report["colocated"]]
+    for row in rows:
         print(f"{row['name']:<11}{row['tok_s']:>8.0f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p90_ms']:>9.1f}ms"
-              f"{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p90_ms']:>9.2f}ms")
-    split = report["ttft_split"]
+              f"{row['second_token_p50_ms']:>9.1f}ms{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p90_ms']:>9.2f}ms")
+    for name, key in (("pd", "ttft_split"), ("pd_whole", "ttft_split_whole")):
+        if key in report:
+            print_split(name, report[key])
+
+
+def print_split(name: str, split: dict | None) -> None:
     if split is None:
-        print("pd: no request carried timings (none was disaggregated)")
+        print(f"{name}: no request carried timings (none was disaggregated)")
         return
-    print(f"pd split over {split['requests']} requests, ms p50/p90: "
-          + "  ".join(f"{name} {split[name + '_p50_s'] * 1000:.1f}/{split[name + '_p90_s'] * 1000:.1f}"
-                      for name in ("queue", "prefill", "decode_wait", "transfer")))
-    print(f"transfer_share_of_first_decode p50 {split['transfer_share_of_first_decode_p50']:.3f} "
+    print(f"{name} split over {split['requests']} requests, ms p50/p90: "
+          + "  ".join(f"{part} {split[part + '_p50_s'] * 1000:.1f}/{split[part + '_p90_s'] * 1000:.1f}"
+                      for part in ("queue", "prefill", "decode_wait", "transfer")))
+    print(f"{name} transfer_share_of_first_decode p50 {split['transfer_share_of_first_decode_p50']:.3f} "
           f"p90 {split['transfer_share_of_first_decode_p90']:.3f} (transfer_s / time to the 2nd token, which "
           "the transfer delays; the 1st token is streamed before it)")
 
@@ -306,6 +327,10 @@ def main() -> None:
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
     parser.add_argument("--worker-metrics", help="with --address: the worker's /metrics URL, for the served "
                         "decode rate (a cluster started here: its worker's)")
+    parser.add_argument("--pd-whole", action="store_true", help="with --pd: also a disaggregated cluster whose "
+                        "prompts move whole after their prefill (--kv-part-blocks 0), in the same rounds")
+    parser.add_argument("--chunk-tokens", type=int, default=0, help="with --pd: the clusters' prefill chunk "
+                        "(--max-num-batched-tokens; default the engine's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.repeats < 1:
