@@ -224,8 +224,8 @@ def test_greedy_outputs_equal_colocated_serving_and_a_shared_prefix_is_not_pulle
 
 
 def test_a_long_prompt_moves_in_parts_while_it_is_prefilled_each_block_once(parted, engine, random_prompts):
-    """A prompt longer than a prefill chunk is handed off in parts (docs/disaggregation.md
-    §5): the decode worker gets the request at the first part and pulls parts while the
+    """A prompt longer than a prefill chunk is handed off in parts (docs/disaggregation.md §2.1):
+    the decode worker gets the request at the first part and pulls parts while the
     prefill goes on, then only what the parts did not bring from the whole lease. Greedy
     tokens equal the in-process engine's; every block moves exactly once; every part's
     lease ends on the prefill worker."""
