@@ -246,6 +246,20 @@ def test_a_long_prompt_moves_in_parts_while_it_is_prefilled_each_block_once(part
     wait_idle(parted)
 
 
+def test_a_prompt_whose_first_token_ends_it_stops_the_import_of_its_parts(parted, engine, random_prompts):
+    """max_tokens = 1 on a prompt longer than a chunk: its parts went to a decode worker
+    while it was prefilled, then its first token ended it on the prefill worker. The router
+    aborts the import; the client has the one token, and both engines let every block go."""
+    [prompt] = random_prompts([900], seed=132)
+    requests = metric(parted, DECODE, "baton_worker_requests_total", outcome="aborted")
+    with Client(parted.sdk, timeout_s=60) as client:
+        result = client.generate(token_ids=prompt, max_tokens=1, **GREEDY)
+    assert result.token_ids == expected(engine, prompt, 1) and result.finish_reason == "length"
+    parted.wait_for(lambda: metric(parted, DECODE, "baton_worker_requests_total", outcome="aborted") == requests + 1,
+                    10, "the decode worker to abort the import")
+    wait_idle(parted)
+
+
 def test_prompt_logprobs_come_from_the_prefill_worker_once_each(pd, engine, random_prompts):
     """The prefill worker computes the prompt logprobs (in chunks of its token budget) and
     streams them before the first token; the decode worker computes none."""
