@@ -86,6 +86,12 @@ class KvLoads:
     def __len__(self) -> int:
         return len(self.loads)
 
+    @property
+    def parts_out(self) -> bool:
+        """Whether a source has a part out (its landing comes on no socket: the loop
+        polls for it); a load that waits for more (`resume`) needs no polling."""
+        return any(flight.asking is not None for flight in self.loads.values())
+
     def plan(self, sources: Sequence[KvSource], recompute: Recompute) -> Callable[[KvLoad], int]:
         """For `Engine.begin_load`: how many of a load's leading blocks to allocate (0: no
         source is worth asking, and each source's choice is counted now). A source sure of

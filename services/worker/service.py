@@ -343,7 +343,7 @@ class WorkerService:
         wait_ms = 0 if self.engine.has_unfinished() else int(self.config.heartbeat_interval_s * 500)
         if self.unsent:  # never negative: poll(-1) would wait for a message, however long
             wait_ms = min(wait_ms, max(0, math.ceil(self._flush_wait_s() * 1000)))
-        return min(wait_ms, LOAD_POLL_MS) if len(self.kv_loads) else wait_ms
+        return min(wait_ms, LOAD_POLL_MS) if self.kv_loads.parts_out else wait_ms
 
     def _receive(self):
         frames = self.router.recv_multipart(copy=True)
