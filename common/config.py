@@ -142,11 +142,11 @@ class ClusterConfig(EngineSettings):
     max_local_prefill_tokens: int = setting(1000, "a prompt whose missing prefill is at most this many tokens is "
                                             "computed by its decode worker itself: no KV moves",
                                             check=NOT_NEGATIVE)
-    kv_part_blocks: int = setting(32, "a prefill worker hands off a prompt still being prefilled in parts: at each "
+    kv_part_blocks: int = setting(0, "a prefill worker hands off a prompt still being prefilled in parts: at each "
                                   "prefill chunk's end, once at least this many full blocks were computed since "
                                   "the last part, they are leased and the decode worker pulls them while the rest "
-                                  "is computed (0: off; parts come only for prompts longer than a chunk, "
-                                  "max_num_batched_tokens)", check=NOT_NEGATIVE)
+                                  "is computed (0: off, the prompt moves whole after its prefill; parts come only "
+                                  "for prompts longer than a chunk, max_num_batched_tokens)", check=NOT_NEGATIVE)
     kv_load_failure_policy: str = setting("recompute", "a decode worker whose KV pull failed recomputes the "
                                           "prompt, or fails the request (kv_transfer_failed)",
                                           choices=KV_LOAD_FAILURE_POLICIES)

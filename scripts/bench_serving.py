@@ -30,11 +30,12 @@ TTFT and TPOT (p50, p90) are medians over the rounds, and the disaggregated requ
 TTFT split (services.eval.report.ttft_split, over every round's requests) says how long
 the workers queued, prefilled, waited and moved the KV, and the transfer's share of the
 time to the second token: the prefill worker streams the first token before the KV
-moves, so the transfer delays the second token, not the first. With --pd-whole a third
-cluster, disaggregated with `--kv-part-blocks 0`, runs the same rounds: its prompts move
-whole after their prefill, where the first one's move in parts while a prompt longer than
-a chunk (--chunk-tokens) is prefilled (docs/disaggregation.md §2.1). Its transfer counts
-from the whole lease's arrival, so the two splits show what parts take off the transfer.
+moves, so the transfer delays the second token, not the first. With --pd-parts N a third
+cluster, disaggregated with `--kv-part-blocks N`, runs the same rounds: a prompt longer
+than a chunk (--chunk-tokens) moves in parts while it is prefilled
+(docs/disaggregation.md §2.1), where the first one's prompts move whole after their
+prefill. Its transfer counts from the whole lease's arrival, so the two splits show what
+parts take off the transfer.
 """
 from __future__ import annotations
 
@@ -248,10 +249,10 @@ def run_pd(args: argparse.Namespace, model_dir: Path) -> dict:
     try:
         clusters["pd"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
                                        extra=[*flags, "--max-local-prefill-tokens", "0"])
-        if args.pd_whole:
-            clusters["pd_whole"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
+        if args.pd_parts:
+            clusters["pd_parts"] = start_cluster(model_dir, workers=0, prefill=1, decode=1,
                                                  extra=[*flags, "--max-local-prefill-tokens", "0",
-                                                        "--kv-part-blocks", "0"])
+                                                        "--kv-part-blocks", str(args.pd_parts)])
         clusters["colocated"] = start_cluster(model_dir, workers=2, extra=flags)
         rng = random.Random(args.seed)
         for cluster in clusters.values():  # warm-up, on prompts of its own
@@ -269,9 +270,9 @@ def run_pd(args: argparse.Namespace, model_dir: Path) -> dict:
         for cluster in clusters.values():
             cluster.stop()
     pd, colocated = median_run(rounds["pd"]), median_run(rounds["colocated"])
-    whole = {"pd_whole": median_run(rounds["pd_whole"]), "ttft_split_whole": split_of(pd_records["pd_whole"])} \
-        if "pd_whole" in rounds else {}
-    return {"pd": pd, "colocated": colocated, "ttft_split": split_of(pd_records["pd"]), **whole,
+    parts = {"pd_parts": median_run(rounds["pd_parts"]), "ttft_split_parts": split_of(pd_records["pd_parts"])} \
+        if "pd_parts" in rounds else {}
+    return {"pd": pd, "colocated": colocated, "ttft_split": split_of(pd_records["pd"]), **parts,
             "ttft_p50_delta_ms": pd["ttft_p50_ms"] - colocated["ttft_p50_ms"],
             "tpot_p50_delta_ms": pd["tpot_p50_ms"] - colocated["tpot_p50_ms"],
             "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -281,11 +282,11 @@ def run_pd(args: argparse.Namespace, model_dir: Path) -> dict:
 
 def print_pd(report: dict) -> None:
     print(f"{'run':<11}{'tok/s':>8}{'ttft p50':>11}{'ttft p90':>11}{'2nd p50':>11}{'tpot p50':>11}{'tpot p90':>11}")
-    rows = [report["pd"], *([report["pd_whole"]] if "pd_whole" in report else []), report["colocated"]]
+    rows = [report["pd"], *([report["pd_parts"]] if "pd_parts" in report else []), report["colocated"]]
     for row in rows:
         print(f"{row['name']:<11}{row['tok_s']:>8.0f}{row['ttft_p50_ms']:>9.1f}ms{row['ttft_p90_ms']:>9.1f}ms"
               f"{row['second_token_p50_ms']:>9.1f}ms{row['tpot_p50_ms']:>9.2f}ms{row['tpot_p90_ms']:>9.2f}ms")
-    for name, key in (("pd", "ttft_split"), ("pd_whole", "ttft_split_whole")):
+    for name, key in (("pd", "ttft_split"), ("pd_parts", "ttft_split_parts")):
         if key in report:
             print_split(name, report[key])
 
@@ -327,8 +328,9 @@ def main() -> None:
     parser.add_argument("--vllm-url", help="a vLLM OpenAI server on the same checkpoint")
     parser.add_argument("--worker-metrics", help="with --address: the worker's /metrics URL, for the served "
                         "decode rate (a cluster started here: its worker's)")
-    parser.add_argument("--pd-whole", action="store_true", help="with --pd: also a disaggregated cluster whose "
-                        "prompts move whole after their prefill (--kv-part-blocks 0), in the same rounds")
+    parser.add_argument("--pd-parts", type=int, default=0, metavar="BLOCKS", help="with --pd: also a "
+                        "disaggregated cluster with --kv-part-blocks BLOCKS (prompts longer than a chunk move in "
+                        "parts while they are prefilled), in the same rounds")
     parser.add_argument("--chunk-tokens", type=int, default=0, help="with --pd: the clusters' prefill chunk "
                         "(--max-num-batched-tokens; default the engine's)")
     parser.add_argument("--json", action="store_true")
