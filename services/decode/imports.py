@@ -405,7 +405,7 @@ class Imports:
         item = self.pending.get(request_id)
         if item is None or not item.handle.part:  # not importing (any more), or not from parts
             log.info("kv_more_unexpected", request_id=request_id, part=handle.part)
-            if not handle.part and item is None:  # nobody here will pull it
+            if not handle.part and item is None and request_id not in self.handed_back:  # nobody here will pull it
                 self.send_to_router(KvLeaseUpdate(request_id=request_id, lease_id=handle.lease_id,
                                                   prefill_worker_id=handle.prefill_worker_id, action="release"), [])
             return
