@@ -415,7 +415,7 @@ class Imports:
             self.abort(request_id)
             self.fail(request_id, ErrorCode.INVALID_REQUEST, str(error))
             return
-        if item.load is not None and handle.part and not self._names_fit(request_id, handle):
+        if item.load is not None and not self._names_fit(request_id, handle):
             self.abort(request_id)
             self.fail(request_id, ErrorCode.INVALID_REQUEST, MISNAMED)
             return
@@ -431,22 +431,20 @@ class Imports:
             item.whole_came = item.last_part
         if item.load is None:
             return
-        if not handle.part and list(handle.block_hashes) != list(self.engine.block_names(request_id)):
-            self.abort(request_id)
-            self.fail(request_id, ErrorCode.INVALID_REQUEST, MISNAMED)
-            return
         if item.landed is not None:  # every block is here: only the first token was missing
             if not handle.part:
                 self._update_lease(item, "release")
                 self._landed(item)
             return
-        self.lease_source.expect(request_id, item.handle if not handle.part else handle)
+        self.lease_source.expect(request_id, handle)
         self.kv_loads.resume(request_id)
 
-    def _names_fit(self, request_id: str, part: KvHandle) -> bool:
-        """Whether a part names its blocks as this engine does."""
+    def _names_fit(self, request_id: str, handle: KvHandle) -> bool:
+        """Whether a handle (a part, or the whole prompt's) names its full blocks as this
+        engine does."""
         names = self.engine.block_names(request_id)
-        return list(part.block_hashes) == list(names[part.first_block:part.first_block + len(part.block_ids)])
+        first = handle.first_block
+        return list(handle.block_hashes) == list(names[first:first + len(handle.block_hashes)])
 
     def abort(self, request_id: str) -> bool:
         """Stop a handed-off request still importing or handed back; False for any other
