@@ -1,3 +1,5 @@
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -174,3 +176,152 @@ def test_named_blocks_record_their_chain_and_reuse_and_evictions_are_reported_in
         (blocks[1], hashes[1], hashes[0], 7, 0), (blocks[0], hashes[0], 7, 7, 1)]]
     assert manager.block_parent[blocks[0]] is None and manager.block_hits[blocks[0]] == 0
     manager.check_integrity([[0], [1], [2], [3]])
+
+
+class ReferenceManager:
+    """The bookkeeping's contract kept block by block, the plainest way: a dict per block
+    field and an OrderedDict LRU. The manager must make every decision this model makes,
+    however it keeps its state (a manager that keeps it per run of blocks too)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks, self.touched = num_blocks, 0
+        self.refs: dict[int, int] = {}
+        self.chain: dict[int, tuple[int, int | None, int | None, list[int]]] = {}  # name, parent, root, tokens
+        self.hits: dict[int, int] = {}
+        self.by_name: dict[int, int] = {}
+        self.free: list[int] = []
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.stored: list[int] = []
+        self.removed: list[int] = []
+        self.evicted: list[tuple] = []
+
+    def available(self) -> int:
+        return self.num_blocks - self.touched + len(self.free) + len(self.lru)
+
+    def match(self, hashes, tokens, max_blocks):
+        found = []
+        for index, name in enumerate(hashes[:max_blocks]):
+            block = self.by_name.get(name)
+            if block is None or self.chain[block][3] != list(tokens[index * SIZE:(index + 1) * SIZE]):
+                break
+            found.append(block)
+        return found
+
+    def take(self, blocks):
+        for block in blocks:
+            self.hits[block] = self.hits.get(block, 0) + 1
+            if self.refs.get(block, 0) == 0:
+                del self.lru[block]
+            self.refs[block] = self.refs.get(block, 0) + 1
+
+    def allocate(self, count):
+        fresh = list(range(self.touched, self.touched + min(count, self.num_blocks - self.touched)))
+        self.touched += len(fresh)
+        while len(fresh) < count and self.free:
+            fresh.append(self.free.pop(0))
+        evicted = []
+        while len(fresh) < count:
+            block = self.lru.popitem(last=False)[0]
+            name, parent, root, _ = self.chain.pop(block)
+            evicted.append((block, name, parent, root, self.hits.pop(block, 0)))
+            del self.by_name[name]
+            fresh.append(block)
+        if evicted:
+            self.evicted.append(evicted)
+            self.removed += [entry[1] for entry in evicted]
+        for block in fresh:
+            self.refs[block] = 1
+        return fresh
+
+    def release(self, blocks):
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.chain:
+                    self.lru[block] = None
+                else:
+                    self.free.append(block)
+
+    def commit(self, blocks, hashes, tokens, first, last, root):
+        for index in range(first, last):
+            block, name = blocks[index], hashes[index]
+            if block in self.chain or name in self.by_name:
+                continue
+            parent = root if index == 0 else hashes[index - 1]
+            self.chain[block] = (name, parent, root, list(tokens[index * SIZE:(index + 1) * SIZE]))
+            self.hits[block] = 0
+            self.by_name[name] = block
+            self.stored.append(name)
+
+
+# Prompts share prefixes (four families) and two families collide: the same hashes over
+# other tokens, as a forged or colliding prompt would.
+lifecycle = st.one_of(
+    st.tuples(st.just("new"), st.integers(0, 4), st.integers(1, 24), st.integers(1, 3)),  # family, length, chunk blocks
+    st.tuples(st.just("release"), st.integers(0, 30), st.just(0), st.just(0)),
+    st.tuples(st.just("reset"), st.just(0), st.just(0), st.just(0)),
+    st.tuples(st.just("squeeze"), st.integers(1, 40), st.just(0), st.just(0)),  # evicts up to that many
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(lifecycle, max_size=60), st.integers(6, 40))
+def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
+    sink = RecordingSink()
+    manager = BlockManager(num_blocks, SIZE, sink)
+    evicted: list = []
+    manager.on_evict = lambda blocks: evicted.append([tuple(block) for block in blocks])
+    model = ReferenceManager(num_blocks)
+    families = [[f * 1000 + i for i in range(24)] for f in range(4)]
+    families.append([9999 - i for i in range(24)])
+    live: list[list[int]] = []
+    for kind, a, b, chunk in ops:
+        if kind == "new":
+            tokens = families[a][:b]
+            hashes = chain_hashes(7, families[min(a, 3)][:b], SIZE)  # family 4 forges family 3's names
+            root = 7 if a % 2 else None
+            max_hit = (len(tokens) - 1) // SIZE
+            hits = manager.match_prefix(hashes, tokens, max_hit)
+            assert hits == model.match(hashes, tokens, max_hit)
+            fresh = -(-len(tokens) // SIZE) - len(hits)
+            if manager.blocks_to_take(hits, fresh) > manager.num_available:
+                assert fresh + sum(model.refs.get(h, 0) == 0 for h in hits) > model.available()
+                continue
+            manager.take(hits)
+            model.take(hits)
+            new = manager.allocate(fresh)
+            assert new == model.allocate(fresh)
+            blocks = hits + new
+            for first in range(len(hits), len(tokens) // SIZE, chunk):  # a chunk at a time
+                last = min(first + chunk, len(tokens) // SIZE)
+                manager.commit(blocks, hashes, tokens, first, last, root)
+                model.commit(blocks, hashes, tokens, first, last, root)
+            live.append(blocks)
+        elif kind == "release" and live:
+            table = live.pop(a % len(live))
+            manager.release(table)
+            model.release(table)
+        elif kind == "squeeze":  # a burst of unnamed blocks, given back at once
+            count = min(a, manager.num_available)
+            burst = manager.allocate(count)
+            assert burst == model.allocate(count)
+            manager.release(burst)
+            model.release(burst)
+        elif kind == "reset":
+            removed = manager.reset_prefix_cache()
+            cached = list(model.lru)
+            for block in cached:
+                name = model.chain.pop(block)[0]
+                del model.by_name[name]
+                model.hits.pop(block, None)
+                model.removed.append(name)
+            model.free += cached
+            model.lru.clear()
+            assert removed == len(cached)
+        manager.check_integrity(live)
+        assert list(manager.cached_blocks) == list(model.lru)
+        assert list(manager.free_blocks) == model.free
+        assert manager.num_available == model.available()
+        assert sink.stored_names == model.stored and sink.removed_names == model.removed
+        assert evicted == model.evicted
+        assert manager.hash_to_block == model.by_name
