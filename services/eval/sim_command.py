@@ -98,8 +98,9 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
     and with --sweep VAR=a,b,c
       {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ..., "simulation": ...}}}}
     with each VALUE as written in --sweep. "simulation" is the simulator's own speed:
-    requests, wall_s, requests_per_wall_s. A swept load or rate replaces --load and
-    --rate; workers, zipf and scale replace --workers, --zipf and --scale.
+    requests, wall_s, requests_per_wall_s, and the router's index_blocks at the end. A
+    swept load or rate replaces --load and --rate; workers, zipf and scale replace
+    --workers, --zipf and --scale.
     """
     from tqdm import tqdm
 

@@ -496,7 +496,8 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] 
                     store: bool = False) -> dict:
     """One simulation of the point's requests under `policy` (with the spec's store when
     `store`), summarised, with the simulator's own speed under "simulation": requests,
-    wall_s, requests_per_wall_s, and with the store its report under overall["store"]
+    wall_s, requests_per_wall_s, and the blocks the router's prefix index names at the
+    end (index_blocks, its pools' indexes together), and with the store its report under overall["store"]
     (Simulator.store_report: prompt tokens served from the engine cache, DRAM, SSD or
     computed, their rates, the fetches and the store's counters)."""
     return _simulate(point, policy, advance, store)
@@ -537,8 +538,10 @@ def _simulate(point: Point, policy: str, advance: Callable[[int], object] | None
     if result.store is not None:
         summary["overall"]["store"] = result.store
     wall_s = time.perf_counter() - started
+    index_blocks = sum(len(cluster.index) for cluster in (simulator.cluster, simulator.decode_cluster)
+                       if cluster is not None)
     summary["simulation"] = {"requests": len(point.requests), "wall_s": wall_s,
-                             "requests_per_wall_s": len(point.requests) / wall_s}
+                             "requests_per_wall_s": len(point.requests) / wall_s, "index_blocks": index_blocks}
     return summary
 
 

@@ -20,32 +20,45 @@ TRACE_BLOCK_TOKENS = 512
 
 
 def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale: float = 1.0,
-             trace: str | Path | None = None) -> list[WorkloadRequest]:
+             trace: str | Path | None = None, copies: int = 1) -> list[WorkloadRequest]:
     """The first `num_requests` records of `trace` (all of them if it has fewer), in
     arrival order, arriving at their timestamps in seconds.
 
     With scale != 1 a block is max(1, round(512·scale)) tokens and each prompt keeps its
     number of full blocks (its partial last block scaled the same way), so prompts that
     share k blocks still share exactly k blocks; output lengths are scaled, at least 1.
+
+    With copies = N > 1 the trace is replayed N times at once, a fleet's worth of the
+    same sessions: copy c reads each hash id h as h + c·(the largest id + 1), so its
+    prompts share prefixes among themselves as the trace's do and none with another
+    copy's, and every copy arrives at the trace's times (N times its rate; a time scale
+    spreads them). Copy 0 is the trace as it is; request i of copy c is
+    mooncake-{c·records + i}.
     """
     if trace is None:
         raise ValueError("the mooncake workload replays a trace: pass trace=<path to a Mooncake-format .jsonl>")
+    if not _is_int(copies) or copies < 1:
+        raise ValueError(f"copies must be an integer >= 1, got {copies!r}")
     records = read_trace(trace, num_requests)
     block_tokens = max(1, round(TRACE_BLOCK_TOKENS * scale))
     row_of = {block: row for row, block in enumerate(dict.fromkeys(
         block for record in records for block in record["hash_ids"]))}
-    table = np.empty((len(row_of), block_tokens), dtype=np.uint32)
-    for block, row in row_of.items():
-        table[row] = np.random.default_rng([seed, block]).integers(
-            FIRST_TOKEN_ID, vocab_size, block_tokens, dtype=np.uint32)
+    stride = max(row_of, default=-1) + 1  # copy c's id for trace id h: h + c * stride
+    table = np.empty((copies * len(row_of), block_tokens), dtype=np.uint32)
+    for copy in range(copies):
+        for block, row in row_of.items():
+            table[copy * len(row_of) + row] = np.random.default_rng([seed, block + copy * stride]).integers(
+                FIRST_TOKEN_ID, vocab_size, block_tokens, dtype=np.uint32)
     requests = []
-    for index, record in enumerate(records):
-        rows = np.fromiter((row_of[block] for block in record["hash_ids"]), dtype=np.int64)
-        length = _scaled_input(record["input_length"], block_tokens)
-        requests.append(WorkloadRequest(
-            f"mooncake-{index}", record["timestamp"] / 1000.0, table[rows].reshape(-1)[:length],
-            max(1, round(record["output_length"] * scale)), "mooncake",
-            span_ids=tuple(record["hash_ids"]), span_tokens=block_tokens))
+    for copy in range(copies):
+        first_row, first_id = copy * len(row_of), copy * stride
+        for index, record in enumerate(records, start=copy * len(records)):
+            rows = np.fromiter((first_row + row_of[block] for block in record["hash_ids"]), dtype=np.int64)
+            length = _scaled_input(record["input_length"], block_tokens)
+            requests.append(WorkloadRequest(
+                f"mooncake-{index}", record["timestamp"] / 1000.0, table[rows].reshape(-1)[:length],
+                max(1, round(record["output_length"] * scale)), "mooncake",
+                span_ids=tuple(first_id + block for block in record["hash_ids"]), span_tokens=block_tokens))
     return sorted(requests, key=lambda request: request.arrival_s)
 
 

@@ -134,6 +134,28 @@ def test_mooncake_replay_gives_equal_blocks_for_equal_hash_ids(tmp_path):
     assert len(make_workload("mooncake", 2, trace=str(path))) == 2
 
 
+def test_mooncake_copies_replay_the_trace_as_sessions_that_share_nothing_across_copies(tmp_path):
+    path = write_trace(tmp_path / "trace.jsonl", [
+        {"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+        {"timestamp": 250, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]},
+    ])
+    alone = make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path))
+    both = make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path), copies=2)
+    assert [r.request_id for r in both] == ["mooncake-1", "mooncake-4", "mooncake-0", "mooncake-3",
+                                            "mooncake-2", "mooncake-5"]  # by arrival, copy 0 first
+    assert [r.arrival_s for r in both] == [0.25, 0.25, 1.5, 1.5, 3.0, 3.0]
+    first, second = both[0::2], both[1::2]
+    assert same(first, alone)  # copy 0 is the trace as it is
+    assert [r.span_ids for r in second] == [(7, 8), (7, 8, 9), (12, 13)]  # ids + (largest + 1)
+    assert [len(r.token_ids) for r in second] == [len(r.token_ids) for r in alone]
+    shorter, longer, _ = (r.token_ids for r in second)
+    assert np.array_equal(longer[:1024], shorter)  # a copy shares what the trace shares...
+    assert all(not np.array_equal(a.token_ids[:512], b.token_ids[:512]) for a in first for b in second)  # ...only
+    with pytest.raises(ValueError, match="copies must be an integer >= 1"):
+        make_workload("mooncake", 10, trace=str(path), copies=0)
+
+
 def test_mooncake_scale_keeps_shared_blocks_whole(tmp_path):
     path = write_trace(tmp_path / "trace.jsonl", [
         {"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
