@@ -496,10 +496,10 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] 
                     store: bool = False) -> dict:
     """One simulation of the point's requests under `policy` (with the spec's store when
     `store`), summarised, with the simulator's own speed under "simulation": requests,
-    wall_s, requests_per_wall_s, and the blocks the router's prefix index names at the
-    end (index_blocks, its pools' indexes together), and with the store its report under overall["store"]
-    (Simulator.store_report: prompt tokens served from the engine cache, DRAM, SSD or
-    computed, their rates, the fetches and the store's counters)."""
+    wall_s, requests_per_wall_s and index_blocks (the blocks the router's prefix indexes
+    name at the end, its pools' together), and with the store its report under
+    overall["store"] (Simulator.store_report: prompt tokens served from the engine cache,
+    DRAM, SSD or computed, their rates, the fetches and the store's counters)."""
     return _simulate(point, policy, advance, store)
 
 
