@@ -586,14 +586,26 @@ def restarting(make_cluster):
 
 
 def test_a_prefill_that_ends_while_its_decode_worker_restarts_waits_for_it(restarting, engine, random_prompts):
-    """SIGKILL the only decode worker, then send a request at once: the prefill worker
-    computes it and streams its first token while the decode worker is dead; the router
-    holds the hand-off (within the lease) until the restarted decode worker joins, which
-    pulls the KV and finishes it: the engine's tokens, no ServerUnavailable."""
+    """Stop the prefill worker (SIGSTOP), SIGKILL the only decode worker and send a
+    request: the router, which still lists the decode worker, places it on the prefill
+    worker. Once the router has seen the decode worker's connection close, the prefill
+    worker goes on: it computes the prompt and streams its first token while the decode
+    worker is dead, and the router holds the hand-off (within the lease) until the
+    restarted decode worker joins, which pulls the KV and finishes it: the engine's
+    tokens, no ServerUnavailable. (Were the prefill quicker than the close reaching the
+    router, the hand-off would go to the dead worker's connection: that request is the
+    lost worker's, failed with worker_lost, docs/disaggregation.md §3.)"""
     [prompt] = random_prompts([40], seed=909)
-    pid = kill(restarting, DECODE)
-    with Client(restarting.sdk, timeout_s=RESTART_S + 30) as client:
-        result = client.generate(token_ids=prompt, max_tokens=8, **GREEDY)
+    prefill_pid = restarting.worker_health(PREFILL)["pid"]
+    with ThreadPoolExecutor(1) as pool, Client(restarting.sdk, timeout_s=RESTART_S + 30) as client:
+        os.kill(prefill_pid, signal.SIGSTOP)
+        try:
+            pid = kill(restarting, DECODE)
+            answer = pool.submit(client.generate, token_ids=prompt, max_tokens=8, **GREEDY)
+            time.sleep(0.4)  # placed; the close seen; well within worker_timeout_s for both
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        result = answer.result(RESTART_S + 30)
     assert result.token_ids == expected(engine, prompt, 8)
     assert metric(restarting, None, "baton_router_handoffs_parked_total", outcome="placed") == 1
     assert metric(restarting, DECODE, "baton_kv_transfer_bytes_total") > 0  # pulled, not recomputed
