@@ -113,12 +113,16 @@ def test_chat_shares_one_system_prompt():
     assert len({r.token_ids[:400].tobytes() for r in requests}) == 1
 
 
+# Two prompts that share their first two 512-token blocks, and one that shares nothing.
+SHARED_PREFIX_TRACE = [
+    {"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+    {"timestamp": 250, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+    {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]},
+]
+
+
 def test_mooncake_replay_gives_equal_blocks_for_equal_hash_ids(tmp_path):
-    path = write_trace(tmp_path / "trace.jsonl", [
-        {"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
-        {"timestamp": 250, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
-        {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]},
-    ])
+    path = write_trace(tmp_path / "trace.jsonl", SHARED_PREFIX_TRACE)
     requests = make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path))
     assert [r.request_id for r in requests] == ["mooncake-1", "mooncake-0", "mooncake-2"]  # by arrival
     assert [r.arrival_s for r in requests] == [0.25, 1.5, 3.0]
@@ -135,11 +139,7 @@ def test_mooncake_replay_gives_equal_blocks_for_equal_hash_ids(tmp_path):
 
 
 def test_mooncake_copies_replay_the_trace_as_sessions_that_share_nothing_across_copies(tmp_path):
-    path = write_trace(tmp_path / "trace.jsonl", [
-        {"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
-        {"timestamp": 250, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
-        {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [5, 6]},
-    ])
+    path = write_trace(tmp_path / "trace.jsonl", SHARED_PREFIX_TRACE)
     alone = make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path))
     both = make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path), copies=2)
     assert [r.request_id for r in both] == ["mooncake-1", "mooncake-4", "mooncake-0", "mooncake-3",
