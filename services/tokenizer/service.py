@@ -416,9 +416,12 @@ class TokenizerService:
         state.tokens_sent += len(message.token_ids)
         detokenizer = state.detokenizer
         stopped = False
-        for token_id in message.token_ids:
+        for index, token_id in enumerate(message.token_ids):
             if detokenizer.find_stop(detokenizer.push(token_id)) is not None:
                 stopped = True
+                if index + 1 < len(message.token_ids):  # a message of several steps: what came after is not output
+                    message = replace(message, token_ids=message.token_ids[:index + 1],
+                                      logprobs=message.logprobs[:index + 1])
                 break
         finished = message.finished or stopped
         text = self._releasable_text(state, finished)

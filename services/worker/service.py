@@ -79,6 +79,17 @@ CACHE_REPORT_BLOCKS = 50_000  # block hashes per KvEvents message of a rejoin's 
 LOAD_POLL_MS = 2  # a turn's wait for messages while KV loads are out: their parts come on no socket
 
 
+def joinable(held: Tokens, tokens: Tokens) -> bool:
+    """Whether `tokens` may be appended to `held`, the same request's tokens sent
+    before them and not yet sent: plain tokens both (appended at the stream's end, no
+    prompt logprobs, no timings), `held` not finished, and logprobs for all or none."""
+    return (held.position < 0 and tokens.position < 0 and not held.finished
+            and not (held.prompt_logprobs or tokens.prompt_logprobs or held.timings or tokens.timings)
+            and held.worker_id == tokens.worker_id
+            and len(held.logprobs) == (len(held.token_ids) if tokens.logprobs else 0)
+            and len(tokens.logprobs) == (len(tokens.token_ids) if held.logprobs else 0))
+
+
 class WorkerRefused(RuntimeError):
     """The router refused this worker (protocol or model mismatch)."""
 
@@ -160,6 +171,8 @@ class WorkerService:
         self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
         self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self.unsent: dict[str, list[Tokens]] = {}  # tokenizer stream address -> tokens the interval holds
+        # Request id -> its last item in `unsent` while later tokens may join it (hold_tokens).
+        self.unsent_tails: dict[str, Tokens] = {}
         self.last_flush = 0.0
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
                                             self.registry, self.health)
@@ -477,7 +490,7 @@ class WorkerService:
             if self.exposure is not None and output.kv_lease is not None:
                 tokens, handed_off = self.exposure.hand_off(output, tokens, progress.received if progress else None)
             if address is not None:
-                self.unsent.setdefault(address, []).append(tokens)
+                self._hold_tokens(address, tokens)
                 urgent = urgent or first or tokens.finished or tokens.position >= 0 or bool(tokens.prompt_logprobs)
             if output.queue_s is not None:
                 self.metrics.queue_time.observe(output.queue_s)
@@ -491,6 +504,21 @@ class WorkerService:
         if urgent:
             self._flush()
 
+    def _hold_tokens(self, address: str, tokens: Tokens) -> None:
+        """Hold `tokens` for the tokenizer at `address`: appended to the request's held
+        item where both are plain tokens (one message, and one stream event, for every
+        step the interval held), else an item of their own."""
+        tail = self.unsent_tails.get(tokens.request_id)
+        if tail is not None and joinable(tail, tokens):
+            tail.token_ids = tail.token_ids + tokens.token_ids
+            if tokens.logprobs:
+                tail.logprobs = tail.logprobs + tokens.logprobs
+            tail.finished, tail.finish_reason = tokens.finished, tokens.finish_reason
+            tail.num_prompt_tokens, tail.num_cached_tokens = tokens.num_prompt_tokens, tokens.num_cached_tokens
+            return
+        self.unsent.setdefault(address, []).append(tokens)
+        self.unsent_tails[tokens.request_id] = tokens
+
     def _flush_wait_s(self) -> float:
         """How long until the held tokens are due (<= 0: now)."""
         return self.last_flush + self.config.stream_interval_ms / 1000 - time.monotonic()
@@ -503,6 +531,8 @@ class WorkerService:
             items = self.unsent.pop(address, None)
             if not items:
                 continue
+            for item in items:
+                self.unsent_tails.pop(item.request_id, None)
             if not any(item.prompt_logprobs for item in items):
                 self._send_to(address, TokensBatch(items=items))
                 continue

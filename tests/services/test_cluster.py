@@ -44,7 +44,8 @@ def test_stream_chunks_add_up_to_the_result(cluster):
     with Client(cluster.sdk, timeout_s=60) as client:
         chunks = list(client.stream("Streaming works", max_tokens=16, temperature=0, ignore_eos=True))
         whole = client.generate("Streaming works", max_tokens=16, temperature=0, ignore_eos=True)
-    assert len(chunks) == 16 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    # A chunk carries the tokens of the steps its worker held (the stream interval) together.
+    assert 1 < len(chunks) <= 16 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert "".join(c.text for c in chunks) == whole.text
 

@@ -232,6 +232,19 @@ def test_the_final_chunk_carries_the_valid_timings_merged_over_the_stream(tiny_m
                                                           "decode_wait_s": 0.003, "transfer_s": 4.0}
 
 
+def test_a_stop_string_inside_a_message_of_several_steps_ends_the_output_at_its_token(tiny_model_dir):
+    """A worker that held several steps sends their tokens as one item: where a stop
+    string ends at one of them, the tokens after it are not output (nor counted)."""
+    config = ClusterConfig(port_base=free_port_base())
+    stream = [Tokens(request_id="", token_ids=[300, 301, 302, 400], worker_id="w",
+                     logprobs=[record(300), record(301), record(302), record(400)])]
+    # The tiny tokenizer reads 300, 301, 302, 400 as "9wg", "{}z", "KT", "zM".
+    chunks = asyncio.run(_streamed_through(config, tiny_model_dir, stream, max_tokens=8, stop=["}z"]))
+    assert [token for chunk in chunks for token in chunk.token_ids] == [300, 301]
+    assert "".join(chunk.text for chunk in chunks) == "9wg{"
+    assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("prefill_first", [True, False])
 def test_a_token_sent_by_both_workers_of_a_handoff_is_delivered_once(tiny_model_dir, prefill_first):
     """The first token comes from the prefill worker and again, at position 0, from the
