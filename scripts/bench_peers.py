@@ -239,18 +239,20 @@ def launch_llama_server(argv: list[str], log_path: Path, stops: Stops, timeout_s
 
 def start_llama_server(binary: Path, gguf: Path, args: argparse.Namespace, log_dir: Path, stops: Stops,
                        amx: bool) -> Server:
-    """llama-server with --llama-args added. On an AMX CPU one that dies of SIGSEGV before it
-    serves is started again with --no-repack, which keeps the weights out of ggml's AMX
-    buffer: its AMX matmul segfaults on some AMX machines (ggml-org/llama.cpp#20824, closed
-    unfixed), this one included, at the warm-up run."""
+    """llama-server with --llama-args added. On an AMX CPU one that dies of SIGSEGV or SIGILL
+    before it serves is started again with --no-repack, which keeps the weights out of
+    ggml's AMX buffer: its AMX matmul segfaults on some AMX machines (ggml-org/llama.cpp#20824,
+    closed unfixed) at the warm-up run, and on others (this project's VM on 2026-12-06)
+    the same path dies of an illegal instruction."""
     extra = shlex.split(args.llama_args)
     try:
         return launch_llama_server(llama_argv(binary, gguf, args, extra), log_dir / "llama-server.log", stops,
                                    args.start_timeout_s)
     except LlamaServerDied as died:
-        if died.returncode != -signal.SIGSEGV or not amx or {"-nr", "--no-repack"} & set(extra):
+        if died.returncode not in (-signal.SIGSEGV, -signal.SIGILL) or not amx or {"-nr", "--no-repack"} & set(extra):
             raise
-    print("bench_peers: llama-server died of SIGSEGV on this AMX CPU (ggml's AMX matmul, ggml-org/llama.cpp#20824); "
+        cause = signal.Signals(-died.returncode).name
+    print(f"bench_peers: llama-server died of {cause} on this AMX CPU (ggml's AMX matmul, ggml-org/llama.cpp#20824); "
           "starting it again with --no-repack (no AMX weight buffer)", file=sys.stderr)
     return launch_llama_server(llama_argv(binary, gguf, args, [*extra, "--no-repack"]),
                                log_dir / "llama-server-no-repack.log", stops, args.start_timeout_s)
