@@ -82,12 +82,10 @@ LOAD_POLL_MS = 2  # a turn's wait for messages while KV loads are out: their par
 def joinable(held: Tokens, tokens: Tokens) -> bool:
     """Whether `tokens` may be appended to `held`, the same request's tokens sent
     before them and not yet sent: plain tokens both (appended at the stream's end, no
-    prompt logprobs, no timings), `held` not finished, and logprobs for all or none."""
+    prompt logprobs, no timings), `held` not finished, and logprobs on both or neither."""
     return (held.position < 0 and tokens.position < 0 and not held.finished
             and not (held.prompt_logprobs or tokens.prompt_logprobs or held.timings or tokens.timings)
-            and held.worker_id == tokens.worker_id
-            and len(held.logprobs) == (len(held.token_ids) if tokens.logprobs else 0)
-            and len(tokens.logprobs) == (len(tokens.token_ids) if held.logprobs else 0))
+            and bool(held.logprobs) == bool(tokens.logprobs))
 
 
 class WorkerRefused(RuntimeError):
@@ -171,7 +169,7 @@ class WorkerService:
         self.publisher = self.security.server(zmq.PUB, config.worker_events_address(index), accept=("router",))
         self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self.unsent: dict[str, list[Tokens]] = {}  # tokenizer stream address -> tokens the interval holds
-        # Request id -> its last item in `unsent` while later tokens may join it (hold_tokens).
+        # Request id -> its last item in `unsent` while later tokens may join it (_hold_tokens).
         self.unsent_tails: dict[str, Tokens] = {}
         self.last_flush = 0.0
         self.metrics_server = MetricsServer(config.host, config.worker_metrics_port(index),
