@@ -49,7 +49,7 @@ CASES = (
 def plan_case(case: Case, gpus: int, num_requests: int, seed: int) -> tuple[PoolPlan, dict]:
     """The case's plan, and the shape of its sample (mean prompt and reply tokens)."""
     requests = make_workload(case.workload, num_requests * 10, seed, scale=case.scale, **dict(case.options))
-    shape = {"prompt_tokens": sum(len(r.token_ids) for r in requests) / len(requests),
+    shape = {"prompt_tokens": sum(r.num_tokens for r in requests) / len(requests),
              "output_tokens": sum(r.output_tokens for r in requests) / len(requests)}
     base = base_config(load_cost_model(PROFILE), case.link)
     return search_layouts(base, 1, gpus, requests, case.slo, 0.9, num_requests, seed), shape

@@ -191,7 +191,7 @@ async def _drain(tasks: list[asyncio.Task], run: LiveRun, timeout_s: float) -> N
 
 
 def _pending_record(request: WorkloadRequest) -> RequestRecord:
-    return RequestRecord(request.request_id, request.slo_class, request.arrival_s, len(request.token_ids))
+    return RequestRecord(request.request_id, request.slo_class, request.arrival_s, request.num_tokens)
 
 
 def _complete(record: RequestRecord, outcome: Outcome) -> None:

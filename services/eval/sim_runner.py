@@ -402,7 +402,7 @@ def _time_scale(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> float:
 
 def _check_fits(spec: SimSpec, requests: Sequence[WorkloadRequest]) -> None:
     """A request larger than a worker's whole KV pool could never run."""
-    longest = max(len(r.token_ids) + r.output_tokens for r in requests)
+    longest = max(r.num_tokens + r.output_tokens for r in requests)
     assert spec.kv_blocks is not None  # a resolve()d spec
     capacity = spec.kv_blocks * SimConfig.block_size
     if longest > capacity:

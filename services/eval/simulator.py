@@ -371,24 +371,24 @@ class Simulator:
 
     def _arrive(self, request: WorkloadRequest) -> None:
         record = RequestRecord(request.request_id, request.slo_class, request.arrival_s,
-                               len(request.token_ids))
+                               request.num_tokens)
         self.records[request.request_id] = record
         record.ideal_s = self._ideal_s(request)
         root = self._root_hash(request.tenant)
-        seq = Sequence(request_id=request.request_id, prompt_len=len(request.token_ids),
-                       token_ids=_token_list(request.token_ids),
+        tokens = request.token_ids  # its parts joined: read once
+        seq = Sequence(request_id=request.request_id, prompt_len=len(tokens), token_ids=_token_list(tokens),
                        params=SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
                        arrival_index=0, root_hash=root, block_size=self.config.block_size,
                        eos_token_ids=frozenset(), max_model_len=self.config.max_model_len,
-                       arrival_time=self.now, block_hashes=self.prompt_hashes(root, request))
+                       arrival_time=self.now, block_hashes=self.prompt_hashes(root, request, tokens))
         self.sequences[request.request_id] = (seq, request)
         decode = self._pair_decode(request, root) if self.decode_cluster is not None else None
         if decode is not None and self._prefills_locally(self.workers[decode[1]], seq):
             assert self.decode_cluster is not None  # a decode worker is paired only with a decode pool
             self._start(seq, decode[0], decode[1], self.decode_cluster, record)
             return
-        candidate = self.cluster.prepare(request.request_id, root, request.token_ids, request.output_tokens,
-                                         self.now, request.slo_class)
+        candidate = self.cluster.prepare(request.request_id, root, tokens, request.output_tokens, self.now,
+                                         request.slo_class)
         preference = self.policy.choose(candidate, self.cluster, self.now)
         verdict = self.admission.decide(candidate, preference, self.cluster, self.now)
         if verdict.worker_id is None:
@@ -583,7 +583,7 @@ class Simulator:
 
     def _ideal_s(self, request: WorkloadRequest) -> float:
         """The request alone on an idle worker: its prefill, then its decode steps."""
-        return self.config.cost.prefill_s(len(request.token_ids)) + decode_alone_s(request, self.config.cost)
+        return self.config.cost.prefill_s(request.num_tokens) + decode_alone_s(request, self.config.cost)
 
     # ---- the workers ---------------------------------------------------------------------
 
@@ -730,8 +730,12 @@ class _PromptHashes:
         self.block_size = block_size
         self.spans: dict[tuple[int, int], list[int]] = {}  # (parent hash, span id) -> its blocks' hashes
 
-    def __call__(self, root: int, request: WorkloadRequest) -> list[int]:
-        size, span, tokens = self.block_size, request.span_tokens, request.token_ids
+    def __call__(self, root: int, request: WorkloadRequest, tokens: np.ndarray | None = None) -> list[int]:
+        """The hashes of the request's full blocks (`tokens`: its token ids where the caller
+        has them joined already)."""
+        size, span = self.block_size, request.span_tokens
+        if tokens is None:
+            tokens = request.token_ids
         if not request.span_ids or span < size:
             return chain_hashes(root, tokens, size)
         hashes: list[int] = []
@@ -831,4 +835,4 @@ def decode_alone_s(request: WorkloadRequest, cost: CostModel) -> float:
     """The request's decode steps after its first token, in a batch of one at its
     prompt's context: no batch or context makes a step cheaper, so its decode takes at
     least this long."""
-    return max(request.output_tokens - 1, 0) * cost.decode_step_s(1, len(request.token_ids))
+    return max(request.output_tokens - 1, 0) * cost.decode_step_s(1, request.num_tokens)

@@ -31,6 +31,6 @@ def _episodes(synth: Synth, few_shots: list[np.ndarray]) -> Iterator[list[Prompt
         for _ in range(int(synth.rng.integers(10, 41))):
             context.append(synth.tokens(synth.length(60, 25, 10, 200)))  # the observation
             action = synth.length(16, 8, 2, 64)
-            turns.append(Prompt(np.concatenate(context), action))
+            turns.append(Prompt(tuple(context), action))
             context.append(synth.tokens(action))  # the action, as the agent would have said it
         yield turns

@@ -62,7 +62,7 @@ def rate_for_load(requests: Sequence[WorkloadRequest], load: float, workers: int
     prices: dict[int, tuple[float, float]] = {}
     service_s = []
     for request in requests:
-        length = len(request.token_ids)
+        length = request.num_tokens
         price = prices.get(length)
         if price is None:
             price = prices[length] = (cost_model.prefill_s(length, 0), cost_model.decode_step_s(batch_size, length))

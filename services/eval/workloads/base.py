@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -24,7 +24,11 @@ Item = TypeVar("Item")
 class WorkloadRequest:
     request_id: str
     arrival_s: float          # seconds from the start of the run
-    token_ids: np.ndarray     # uint32 prompt token ids
+    # The uint32 prompt token ids: an array, or its parts in order as a generator shares
+    # them (a tool's prompt, a conversation's earlier turns, a trace's blocks), read-only:
+    # one copy of a shared part serves every request that holds it, so a run of a million
+    # requests does not keep a million copies of its shared prompts. `token_ids` joins them.
+    prompt: np.ndarray | tuple[np.ndarray, ...]
     output_tokens: int        # how many tokens to generate (max_tokens, ignore_eos)
     slo_class: str            # the class label (e.g. the shape name, or "interactive"/"batch")
     tenant: str = ""
@@ -34,14 +38,30 @@ class WorkloadRequest:
     # per-span work such as block hashes (services/eval/simulator.py _PromptHashes).
     span_ids: tuple[int, ...] = ()
     span_tokens: int = 0
+    num_tokens: int = field(init=False, repr=False, compare=False)  # the prompt's length, made once
+
+    def __post_init__(self) -> None:
+        prompt = self.prompt
+        length = len(prompt) if isinstance(prompt, np.ndarray) else sum(len(part) for part in prompt)
+        object.__setattr__(self, "num_tokens", length)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The prompt's token ids as one array: where it has several parts, joined anew on
+        each read (so a caller that needs them twice keeps the array it read)."""
+        prompt = self.prompt
+        if isinstance(prompt, np.ndarray):
+            return prompt
+        return prompt[0] if len(prompt) == 1 else np.concatenate(prompt)
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One generated request before it gets its id: prompt tokens and output length, and
-    the name of its shared leading part where it has one (WorkloadRequest.span_ids)."""
+    """One generated request before it gets its id: its prompt (WorkloadRequest.prompt:
+    an array or its shared parts), output length, and the name of its shared leading part
+    where it has one (WorkloadRequest.span_ids)."""
 
-    token_ids: np.ndarray
+    parts: np.ndarray | tuple[np.ndarray, ...]
     output_tokens: int
     span_ids: tuple[int, ...] = ()
     span_tokens: int = 0
@@ -84,7 +104,10 @@ class Synth:
         return low + int(self.rng.poisson(max(mean - low, 0.0)))
 
     def tokens(self, length: int) -> np.ndarray:
-        return self._content.integers(FIRST_TOKEN_ID, self.vocab_size, length, dtype=np.uint32)
+        """`length` random token ids, read-only: prompts share them (WorkloadRequest.prompt)."""
+        tokens = self._content.integers(FIRST_TOKEN_ID, self.vocab_size, length, dtype=np.uint32)
+        tokens.flags.writeable = False
+        return tokens
 
     def token_runs(self, lengths: np.ndarray) -> list[np.ndarray]:
         """tokens(length) for each length in turn, in one draw: the generator draws 32-bit
@@ -102,8 +125,7 @@ def shared_context_questions(synth: Synth, questions: float, context: Draw, ques
     that context followed by a question of their own, each with its answer length."""
     for group in itertools.count():
         shared = synth.tokens(synth.length(*context))
-        yield [Prompt(np.concatenate([shared, synth.tokens(synth.length(*question))]), synth.length(*answer),
-                      (group,), len(shared))
+        yield [Prompt((shared, synth.tokens(synth.length(*question))), synth.length(*answer), (group,), len(shared))
                for _ in range(synth.count(questions, 2))]
 
 
@@ -134,6 +156,6 @@ def interleave(groups: Iterator[list[Item]], num_items: int, rng: np.random.Gene
 def to_requests(prompts: list[Prompt], shape: str) -> list[WorkloadRequest]:
     """Requests named `<shape>-<index>`, class `shape`, all arriving at 0.0 (arrivals are
     assigned separately; services/eval/workloads/arrivals.py)."""
-    return [WorkloadRequest(f"{shape}-{index}", 0.0, prompt.token_ids, prompt.output_tokens, shape,
+    return [WorkloadRequest(f"{shape}-{index}", 0.0, prompt.parts, prompt.output_tokens, shape,
                             span_ids=prompt.span_ids, span_tokens=prompt.span_tokens)
             for index, prompt in enumerate(prompts)]

@@ -27,6 +27,6 @@ def _conversations(synth: Synth, system_prompt: np.ndarray) -> Iterator[list[Pro
         for _ in range(int(synth.rng.integers(1, 11))):
             context.append(synth.tokens(synth.length(80, 50, 5, 400)))  # the user's message
             reply = synth.length(250, 120, 10, 1024)
-            turns.append(Prompt(np.concatenate(context), reply))
+            turns.append(Prompt(tuple(context), reply))
             context.append(synth.tokens(reply))  # the assistant's reply, as it would have been
         yield turns

@@ -49,14 +49,15 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
         for block, row in row_of.items():
             table[copy * len(row_of) + row] = np.random.default_rng([seed, block + copy * stride]).integers(
                 FIRST_TOKEN_ID, vocab_size, block_tokens, dtype=np.uint32)
+    table.flags.writeable = False  # the prompts are views of it (_table_parts)
     requests = []
     for copy in range(copies):
         first_row, first_id = copy * len(row_of), copy * stride
         for index, record in enumerate(records, start=copy * len(records)):
-            rows = np.fromiter((first_row + row_of[block] for block in record["hash_ids"]), dtype=np.int64)
+            rows = [first_row + row_of[block] for block in record["hash_ids"]]
             length = _scaled_input(record["input_length"], block_tokens)
             requests.append(WorkloadRequest(
-                f"mooncake-{index}", record["timestamp"] / 1000.0, table[rows].reshape(-1)[:length],
+                f"mooncake-{index}", record["timestamp"] / 1000.0, _table_parts(table, rows, length),
                 max(1, round(record["output_length"] * scale)), "mooncake",
                 span_ids=tuple(first_id + block for block in record["hash_ids"]), span_tokens=block_tokens))
     return sorted(requests, key=lambda request: request.arrival_s)
@@ -109,6 +110,14 @@ def _parse_record(line: str, where: str) -> dict:
         raise ValueError(f"{where}: hash_ids has {len(hash_ids)} ids but input_length "
                          f"{record['input_length']} needs {needed} (one per {TRACE_BLOCK_TOKENS} tokens)")
     return record
+
+
+def _table_parts(table: np.ndarray, rows: list[int], length: int) -> tuple[np.ndarray, ...]:
+    """The first `length` tokens of the table's rows in order, as views of the rows (the
+    last one cut where the prompt ends inside it), not a copy per request."""
+    full, rest = divmod(length, table.shape[1])
+    parts = tuple(table[row] for row in rows[:full])
+    return parts + (table[rows[full]][:rest],) if rest else parts
 
 
 def _scaled_input(input_length: int, block_tokens: int) -> int:

@@ -24,5 +24,5 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
 
 def _problems(synth: Synth, few_shot: np.ndarray, samples: int) -> Iterator[list[Prompt]]:
     while True:
-        prompt = np.concatenate([few_shot, synth.tokens(synth.length(700, 300, 100, 2000))])
+        prompt = (few_shot, synth.tokens(synth.length(700, 300, 100, 2000)))
         yield [Prompt(prompt, synth.length(80, 50, 10, 512), (0,), len(few_shot)) for _ in range(samples)]

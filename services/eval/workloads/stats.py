@@ -33,7 +33,7 @@ def workload_stats(requests: Sequence[WorkloadRequest], block_size: int = 16) ->
         hashes = chain_hashes(roots[request.tenant], request.token_ids, block_size)
         shared_tokens += block_size * sum(1 for block in hashes if block in users)
         users.update(hashes)
-    prompt_tokens = sum(len(request.token_ids) for request in requests)
+    prompt_tokens = sum(request.num_tokens for request in requests)
     output_tokens = sum(request.output_tokens for request in requests)
     reuses = [count for count in users.values() if count >= 2]
     return {

@@ -26,6 +26,6 @@ def generate(num_requests: int, seed: int = 0, *, vocab_size: int = 32000, scale
     # Per request, a query's length then an output's, drawn in one call (the same values).
     lengths = synth.lengths([(100, 50, 10, 400), (38, 15, 4, 160)], num_requests)
     queries = synth.token_runs(lengths[:, 0])
-    prompts = [Prompt(np.concatenate([tool_prompts[tool], query]), output, (tool,), len(tool_prompts[tool]))
+    prompts = [Prompt((tool_prompts[tool], query), output, (tool,), len(tool_prompts[tool]))
                for tool, query, output in zip(choices.tolist(), queries, lengths[:, 1].tolist())]
     return to_requests(prompts, "toolbench")

@@ -89,6 +89,22 @@ def test_synth_draws_in_one_call_what_it_draws_one_by_one(scale):
     assert np.array_equal(batched.tokens(33), single.tokens(33))
 
 
+@pytest.mark.parametrize("name", GENERATED)
+def test_a_shared_part_is_kept_once_for_every_prompt_that_holds_it(name):
+    """A generated prompt keeps its parts (a tool's prompt, a document, the few-shot prefix,
+    a conversation's earlier turns) as the arrays they were drawn as, so a part that many
+    prompts hold is stored once; its token ids are the parts joined."""
+    requests = make_workload(name, 200, seed=2, vocab_size=512, scale=0.2)
+    parts = [part for request in requests for part in request.prompt]
+    distinct = {id(part): part for part in parts}
+    assert len(distinct) < len(parts)
+    assert sum(len(part) for part in distinct.values()) < sum(request.num_tokens for request in requests)
+    for request in requests:
+        assert isinstance(request.prompt, tuple)
+        assert np.array_equal(request.token_ids, np.concatenate(request.prompt))
+        assert request.num_tokens == len(request.token_ids) and request.token_ids.dtype == np.uint32
+
+
 def test_toolbench_zipf_exponent_concentrates_popularity():
     def top_tool_share(zipf_a: float) -> float:
         requests = make_workload("toolbench", 300, seed=0, zipf_a=zipf_a, num_tools=20)
@@ -133,6 +149,10 @@ def test_mooncake_replay_gives_equal_blocks_for_equal_hash_ids(tmp_path):
     assert np.array_equal(longer[:1024], shorter)
     assert not np.array_equal(other[:512], shorter[:512])
     assert not np.array_equal(shorter[:512], shorter[512:])
+    # Each prompt holds its blocks as views of one table of the trace's blocks, not a copy.
+    assert [r.num_tokens for r in requests] == [1024, 1100, 600]
+    first_blocks = [r.prompt[0] for r in requests if isinstance(r.prompt, tuple)]
+    assert len(first_blocks) == 3 and np.shares_memory(first_blocks[0], first_blocks[1])
     assert same(requests, make_workload("mooncake", 10, seed=0, vocab_size=512, trace=str(path)))
     assert not same(requests, make_workload("mooncake", 10, seed=1, vocab_size=512, trace=str(path)))
     assert len(make_workload("mooncake", 2, trace=str(path))) == 2
