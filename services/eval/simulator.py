@@ -730,12 +730,10 @@ class _PromptHashes:
         self.block_size = block_size
         self.spans: dict[tuple[int, int], list[int]] = {}  # (parent hash, span id) -> its blocks' hashes
 
-    def __call__(self, root: int, request: WorkloadRequest, tokens: np.ndarray | None = None) -> list[int]:
-        """The hashes of the request's full blocks (`tokens`: its token ids where the caller
-        has them joined already)."""
+    def __call__(self, root: int, request: WorkloadRequest, tokens: np.ndarray) -> list[int]:
+        """The hashes of the request's full blocks; `tokens` is its `token_ids`, which the
+        caller has joined already."""
         size, span = self.block_size, request.span_tokens
-        if tokens is None:
-            tokens = request.token_ids
         if not request.span_ids or span < size:
             return chain_hashes(root, tokens, size)
         hashes: list[int] = []

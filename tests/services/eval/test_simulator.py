@@ -146,7 +146,7 @@ def test_named_spans_hash_a_prompt_as_chain_hashes_does_and_simulate_the_same(tm
         requests = make_workload("mooncake", 10, seed=3, vocab_size=512, scale=scale, trace=str(trace))
         hashes = _PromptHashes(16)
         for request in requests:
-            assert hashes(7, request) == chain_hashes(7, request.token_ids, 16)
+            assert hashes(7, request, request.token_ids) == chain_hashes(7, request.token_ids, 16)
         if scale == 0.3:
             assert set(hashes.spans) == {(7, 0), (7, 5)}  # the first spans of the two distinct first hash_ids
             assert {len(named) for named in hashes.spans.values()} == {154 // 16}
@@ -172,7 +172,7 @@ def test_generated_shapes_name_their_shared_part_and_simulate_as_if_unnamed(shap
         assert leading.setdefault(request.span_ids, part) == part
     hashes = _PromptHashes(16)
     for request in requests:
-        assert hashes(7, request) == chain_hashes(7, request.token_ids, 16)
+        assert hashes(7, request, request.token_ids) == chain_hashes(7, request.token_ids, 16)
     assert len(hashes.spans) == len(leading) < len(requests)
     unnamed = [dataclasses.replace(request, span_ids=()) for request in requests]
     config = SimConfig(workers=2, policy="e2", cost=load_cost_model("a6000/mistral-7b"), kv_blocks=400)
