@@ -9,6 +9,11 @@ The compiler is CXX's, or the system's `c++` where CXX links its own static copy
 C++ runtime (kernels/toolchain.py says why that cannot load beside torch). Where no
 compiler is found or the build fails, `load_native_ops` says why once and
 returns False: callers keep their torch path. BATON_NATIVE_KERNELS=0 turns the kernels off.
+
+They target the CPU they build on (-march=native), unless oneDNN's own instruction-set
+cap, ONEDNN_MAX_CPU_ISA, names a smaller set: then they build for that set too (an AVX2
+cap: x86-64-v3, no AVX-512 and no AMX), so that with ATEN_CPU_CAPABILITY set alike an
+AMX machine runs every kernel the way an AVX2-only CPU does (`isa_cap_flags`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -37,8 +43,35 @@ LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"
 # -fopenmp: at::parallel_for is inlined here and runs on OpenMP, as torch's CPU build does
 # (torch's own libgomp is already loaded when this library is); without it, one thread.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+ISA_CAP_ENV = "ONEDNN_MAX_CPU_ISA"
+NATIVE_TARGET = ("-march=native",)
+# oneDNN's cap names -> the target flags that allow no more than the cap does.
+_NO_AMX = NATIVE_TARGET + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+_CAPPED_TARGETS = {
+    "SSE41": ("-march=x86-64-v2",), "AVX": ("-march=x86-64-v2", "-mavx"),
+    **dict.fromkeys(("AVX2", "AVX2_VNNI", "AVX2_VNNI_2"), ("-march=x86-64-v3",)),
+    **dict.fromkeys(("AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"),
+                    _NO_AMX),
+    **dict.fromkeys(("AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
+                     "ALL", "DEFAULT", ""), NATIVE_TARGET),
+}
+
+
+def isa_cap_flags(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The target flags the kernels build with: -march=native, or no more than the set
+    ONEDNN_MAX_CPU_ISA caps oneDNN to. An unknown cap is refused by name (a native build
+    would run instructions the operator asked not to)."""
+    cap = environ.get(ISA_CAP_ENV, "").strip().upper()
+    if cap not in _CAPPED_TARGETS:
+        raise ValueError(f"{ISA_CAP_ENV}={environ[ISA_CAP_ENV]!r} is not an instruction set Baton's kernels "
+                         f"know ({', '.join(name for name in _CAPPED_TARGETS if name)})")
+    return _CAPPED_TARGETS[cap]
+
+
+def build_flags() -> tuple[str, ...]:
+    return CFLAGS + isa_cap_flags()
 
 
 def build_folder(cache_root: Path) -> Path:
@@ -46,7 +79,7 @@ def build_folder(cache_root: Path) -> Path:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(build_flags() + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return cache_root / "kernels" / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}"
@@ -118,7 +151,7 @@ def _build(folder: Path) -> None:
     os.environ["CXX"] = compiler  # torch's extension builder reads the compiler from CXX
     try:
         with heartbeat("building Baton's CPU kernels"):
-            cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+            cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(build_flags()),
                                extra_ldflags=list(LDFLAGS),
                                build_directory=str(folder), is_python_module=False, verbose=False)
     finally:

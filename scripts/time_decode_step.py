@@ -2,9 +2,10 @@
 """The in-process engine's decode step, timed alone: the figure kernel changes move.
 
     scripts/time_decode_step.py [--model DIR|FILE.gguf|tiny|small] [--batch 32] [--threads 2]
-                                [--prompt-len 32] [--steps 150] [--no-weight-blocks] [--profile]
+                                [--prompt-len 32] [--steps 150] [--dtype bfloat16]
+                                [--no-weight-blocks] [--profile]
 
-Starts --batch greedy requests of --prompt-len random token ids on a bf16 engine with
+Starts --batch greedy requests of --prompt-len random token ids on a --dtype engine with
 --threads torch threads, prefills them in one step, then times --steps decode steps
 (`Engine.step()`, each at one token per sequence, contexts growing from --prompt-len)
 and prints the median and the 10th percentile of all but the first 20. --profile adds
@@ -51,13 +52,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (auto, float32, ...)")
     parser.add_argument("--no-weight-blocks", action="store_true")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if min(args.batch, args.threads, args.prompt_len) < 1 or args.steps <= WARM_STEPS:
         parser.error(f"--batch, --threads, --prompt-len must be >= 1 and --steps > {WARM_STEPS}")
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model_dir=model_dir(args.model), dtype="bfloat16",
+    engine = Engine(EngineConfig(model_dir=model_dir(args.model), dtype=args.dtype,
                                  weight_blocks=not args.no_weight_blocks))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -71,7 +73,8 @@ def main() -> None:
         engine.step()
         seconds.append(time.perf_counter() - start)
     timed = sorted(seconds[WARM_STEPS:])
-    print(f"model {engine.config.model_dir.name}, linears {engine.model.linear_kernels()}, batch {args.batch}, "
+    print(f"model {engine.config.model_dir.name}, {engine.model.dtype}, linears {engine.model.linear_kernels()}, "
+          f"batch {args.batch}, "
           f"{args.threads} threads: decode step median {statistics.median(timed) * 1e3:.2f} ms, "
           f"p10 {timed[len(timed) // 10] * 1e3:.2f} ms")
     if args.profile:

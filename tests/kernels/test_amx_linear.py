@@ -12,7 +12,7 @@ from common.engine.engine import Engine
 from common.engine.gguf import convert_gguf
 from common.sampling_params import SamplingParams
 from kernels.linear import FEW_ROWS, Linear, QuantizedBlocks, pack_weight_blocks
-from kernels.native import amx_available
+from kernels.native import amx_available, isa_cap_flags
 from tests.common.engine.gguf_files import TinyGguf
 
 # (out, in): the tiny and small models' layer widths, Qwen2-0.5B's qkv, a vocab-wide head.
@@ -20,15 +20,16 @@ SHAPES = [(512, 256), (256, 768), (1152, 896), (256, 2048), (32000, 768)]
 
 
 def cpu_has_amx() -> bool:
+    """AMX on this CPU, and no instruction-set cap below it (kernels/native.py)."""
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split()) and isa_cap_flags() == ("-march=native",)
 
 
 @pytest.fixture(scope="module")
 def amx(native_kernels):
     if not torch.ops.baton.amx_supported():
         if not cpu_has_amx():
-            pytest.skip("no AMX on this CPU: linears stay with oneDNN")
+            pytest.skip("no AMX here (or a cap below it): linears stay with oneDNN")
         # Packing needs no tile state: it fails only where the build left AMX out.
         torch.ops.baton.amx_pack_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
         pytest.skip("this CPU has AMX but the OS refuses tile state to the process (Linux < 5.16?)")
