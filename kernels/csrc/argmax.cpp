@@ -29,7 +29,7 @@ constexpr int64_t kElementsPerTask = 65536;  // a thread takes at least this man
 template <typename T>
 int64_t argmax_row(const T* row, int64_t width) {
   Lanes best = splat(-kInfinity);
-  IntLanes best_at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // a lane of -inf keeps its first
+  IntLanes best_at = lane_numbers();  // a lane of -inf keeps its first
   IntLanes at = best_at;
   IntLanes nan = {};
   int64_t i = 0;

@@ -73,7 +73,8 @@ void rotate_head(T* x, const T* cos, const T* signed_sin, int64_t dim) {
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous(), name, ": expected a contiguous CPU [rows, width]");
-  TORCH_CHECK(t.size(1) % kLanes == 0, name, ": width must be a multiple of ", kLanes, ", got ", t.size(1));
+  TORCH_CHECK(t.size(1) % kWidthMultiple == 0, name, ": width must be a multiple of ", kWidthMultiple, ", got ",
+              t.size(1));
 }
 
 void check_weight(const at::Tensor& weight, const at::Tensor& x) {
@@ -138,7 +139,7 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
 // gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width].
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up: width must be a multiple of ", 2 * kLanes);
+  TORCH_CHECK(gate_up.size(1) % (2 * kWidthMultiple) == 0, "gate_up: width must be a multiple of ", 2 * kWidthMultiple);
   const int64_t width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
   for_each_dtype(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
@@ -157,7 +158,7 @@ void check_rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x: expected [tokens, heads, dim] with heads packed and dim contiguous");
   const int64_t dim = x.size(2);
-  TORCH_CHECK(dim % (2 * kLanes) == 0 && dim <= 512, "x: head dim must be a multiple of ", 2 * kLanes,
+  TORCH_CHECK(dim % (2 * kWidthMultiple) == 0 && dim <= 512, "x: head dim must be a multiple of ", 2 * kWidthMultiple,
               " up to 512, got ", dim);
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && cos.size(1) == dim && signed_sin.sizes() == cos.sizes() &&
                   signed_sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&

@@ -1,6 +1,10 @@
-// Sixteen fp32 lanes as one value (GCC/Clang vector extensions), and the loads, stores and
-// maths Baton's CPU kernels share. The compiler lowers a Lanes to what -march=native offers:
-// one AVX-512 register, two AVX2 ones, four SSE ones.
+// fp32 lanes as one value (GCC/Clang vector extensions), and the loads, stores and maths
+// Baton's CPU kernels share. A Lanes is one register of what the build targets
+// (kernels/native.py): sixteen lanes with AVX-512, eight without. GCC keeps a vector wider
+// than the target's registers in memory and compares, selects, shuffles and broadcasts it
+// lane by lane: sixteen lanes on an AVX2 build made its attention 4.8x slower than the
+// AVX-512 build's. Kernels take kLanes as it is (sums over lanes then group their terms
+// differently on the two builds, in the last bits).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -14,7 +18,15 @@
 
 namespace baton {
 
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+// Widths and head dims the kernels take are multiples of this on every build, whatever
+// kLanes is: a checkpoint that runs on one CPU runs on all.
+constexpr int64_t kWidthMultiple = 16;
+static_assert(kWidthMultiple % kLanes == 0, "a width the kernels take must be whole Lanes");
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t UintLanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -23,6 +35,13 @@ typedef uint16_t HalfwordLanes __attribute__((vector_size(kLanes * sizeof(uint16
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
 
 inline Lanes splat(float value) { return Lanes{} + value; }
+
+// 0, 1, ..., kLanes - 1.
+inline IntLanes lane_numbers() {
+  IntLanes numbers;
+  for (int32_t i = 0; i < kLanes; ++i) numbers[i] = i;
+  return numbers;
+}
 
 inline Lanes load_lanes(const float* src) {
   Lanes out;
@@ -108,19 +127,33 @@ inline Lanes exp_lanes(Lanes x) {
 
 inline Lanes lanes_max(Lanes a, Lanes b) { return a > b ? a : b; }
 
+// The largest and the sum of the lanes, folded in halves: lane i with lane i + 8 (with
+// sixteen lanes), then i + 4, i + 2, i + 1.
 inline float lane_max(Lanes x) {
+#if defined(__AVX512F__)
   x = lanes_max(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   x = lanes_max(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   x = lanes_max(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
   x = lanes_max(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  x = lanes_max(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+  x = lanes_max(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+  x = lanes_max(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
   return x[0];
 }
 
 inline float lane_sum(Lanes x) {
+#if defined(__AVX512F__)
   x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
   return x[0];
 }
 

@@ -3,7 +3,7 @@
 // torch's CPU SDPA pays a fixed cost per (sequence, head) that dwarfs the arithmetic of a
 // decode step (~240 us a layer for 32 sequences of ~100 tokens here), and needs each
 // sequence's context gathered out of the paged pool, or kept in a dense copy, first. This
-// kernel walks each sequence's block table directly, 16 keys at a time, with an online
+// kernel walks each sequence's block table directly, a Lanes of keys at a time, with an online
 // softmax in fp32. It takes any query length, but the SDPA backend sends it decode tokens
 // only: for a 32-token chunk over 2,048 cached tokens SDPA's matrix kernels were ~5x faster
 // (and on AMX CPUs amx_attention.cpp takes chunks).
@@ -33,11 +33,12 @@ constexpr int64_t kKeyTile = kLanes;  // keys scored together: one Lanes of scor
 constexpr int64_t kRowTile = 32;  // query rows per work item
 constexpr int64_t kMaxDim = 256;  // head dims: multiples of 16 up to this
 
-const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+const Lanes lane_index = __builtin_convertvector(lane_numbers(), Lanes);
 
-// Lane i of the result is the sum of p[i]'s lanes: sixteen horizontal sums at once. Each
+// Lane i of the result is the sum of p[i]'s lanes: kLanes horizontal sums at once. Each
 // level pairs vectors and adds each source's two halves, keeping sources in order.
 inline Lanes transpose_sum(const Lanes* p) {
+#if defined(__AVX512F__)
   Lanes halves[8], quarters[4], eighths[2];
   for (int j = 0; j < 8; ++j) {
     const Lanes a = p[2 * j], b = p[2 * j + 1];
@@ -57,6 +58,21 @@ inline Lanes transpose_sum(const Lanes* p) {
   const Lanes a = eighths[0], b = eighths[1];
   return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  Lanes quarters[4], eighths[2];
+  for (int j = 0; j < 4; ++j) {
+    const Lanes a = p[2 * j], b = p[2 * j + 1];
+    quarters[j] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int j = 0; j < 2; ++j) {
+    const Lanes a = quarters[2 * j], b = quarters[2 * j + 1];
+    eighths[j] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  const Lanes a = eighths[0], b = eighths[1];
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 template <typename T>
@@ -91,8 +107,8 @@ struct Scratch {
   explicit Scratch(int64_t dim)
       : query(kRowTile * dim / kKeyTile), acc(kRowTile * dim / kKeyTile), running_max(kRowTile),
         total(kRowTile), limit(kRowTile) {}
-  std::vector<Lanes> query;  // [rows][dim / 16], pre-scaled
-  std::vector<Lanes> acc;    // [rows][dim / 16]: each row's weighted sum of values
+  std::vector<Lanes> query;  // [rows][dim / kKeyTile], pre-scaled
+  std::vector<Lanes> acc;    // [rows][dim / kKeyTile]: each row's weighted sum of values
   std::vector<float> running_max, total;
   std::vector<int64_t> limit;  // keys row r may see: positions [0, limit)
 };
@@ -323,7 +339,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      double scale, at::Tensor& out) {
   check_paged_inputs(query, key_cache, value_cache, block_table, query_starts, query_lens, context_lens, block_size,
                      out);
-  TORCH_CHECK(query.size(2) % kKeyTile == 0 && query.size(2) <= kMaxDim, "head dim: a multiple of ", kKeyTile,
+  TORCH_CHECK(query.size(2) % kWidthMultiple == 0 && query.size(2) <= kMaxDim, "head dim: a multiple of ", kWidthMultiple,
               " up to ", kMaxDim, " expected, got ", query.size(2));
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
