@@ -20,6 +20,14 @@ vary without end) are therefore padded to one of 8 row counts per octave (`row_b
 at most 12.5 % more rows), so a serving engine soon holds every kernel it needs, and
 `Linear.warm_up` builds them all before it serves.
 
+Where oneDNN has no native bf16 (an AVX2-only CPU), a bf16 matmul would end in torch's
+scalar GEMM (2.5-3.5 GFLOP/s at 32 rows, a tenth of an fp32 one on the same core). An
+engine set to bfloat16 there keeps its bf16 activations, KV and results, but each CPU
+`Linear` holds its weight widened to fp32 and multiplies in fp32 (`widened`): every bf16
+value is exact in fp32 and oneDNN's bf16 kernels accumulate in fp32 too, so only the
+summation order differs, at twice the weight's memory. `dtype = "auto"` picks float32 on
+such a CPU and never needs it.
+
 A weight that came from a GGUF file's quantized blocks (common/engine/gguf.py
 WeightBlocks) can keep them for the AMX few-row calls instead of a bf16 copy
 (`pack_weight_blocks`, kernels/csrc/amx_linear.cpp amx_block_linear): a decode step reads
@@ -125,6 +133,11 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and onednn_bf16_native())
 
 
+def needs_widening(weight: torch.Tensor) -> bool:
+    """A bf16 CPU weight that oneDNN cannot multiply natively: kept and multiplied in fp32."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not onednn_bf16_native()
+
+
 def onednn_bf16_native() -> bool:
     """Whether oneDNN computes bf16 on this CPU natively (AVX-512 BF16, AMX, AVX-NE-CONVERT);
     where not, a bf16 matmul ends in torch's scalar GEMM (`dtype = "auto"` picks float32)."""
@@ -144,7 +157,7 @@ class Linear:
     the weight's shape fits the tiles: `blocks` (the quantized blocks `weight` was dequantized
     from, giving its very values) where given, else a bf16 copy."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features", "prepacked", "amx_weight", "amx_bits",
+    __slots__ = ("weight", "bias", "out_features", "in_features", "prepacked", "widened", "amx_weight", "amx_bits",
                  "_amx_linear")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
@@ -162,8 +175,15 @@ class Linear:
                 self.amx_weight = torch.ops.baton.amx_pack_linear_weight(weight)
                 self._amx_linear = torch.ops.baton.amx_linear.default
         self.prepacked = prepack and can_prepack(weight)
+        self.widened = needs_widening(weight)
         # Only one oneDNN-side copy is kept: the prepacked one replaces the plain weight.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
+        if self.prepacked:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        elif self.widened:
+            self.weight = weight.float()
+            self.bias = bias.float() if bias is not None else None
+        else:
+            self.weight = weight
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> int:
@@ -181,10 +201,10 @@ class Linear:
     @property
     def kernel(self) -> str:
         """What multiplies few-row calls: 'amx' (on bf16), 'amx-q4' or 'amx-q8' (on quantized
-        blocks), 'onednn' or 'torch'."""
+        blocks), 'onednn', 'widened' (bf16 in fp32, see the module's docstring) or 'torch'."""
         if self.amx_weight is not None:
             return "amx" if self.amx_bits == 16 else f"amx-q{self.amx_bits}"
-        return "onednn" if self.prepacked else "torch"
+        return "onednn" if self.prepacked else "widened" if self.widened else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx_linear is not None and x.shape[0] <= FEW_ROWS:
@@ -196,6 +216,8 @@ class Linear:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             x = F.pad(x, (0, 0, 0, padded - rows))
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+        if self.widened:
+            return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
