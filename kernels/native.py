@@ -12,8 +12,9 @@ returns False: callers keep their torch path. BATON_NATIVE_KERNELS=0 turns the k
 
 They target the CPU they build on (-march=native), unless oneDNN's own instruction-set
 cap, ONEDNN_MAX_CPU_ISA, names a smaller set: then they build for that set too (an AVX2
-cap: x86-64-v3, no AVX-512 and no AMX), so that with ATEN_CPU_CAPABILITY set alike an
-AMX machine runs every kernel the way an AVX2-only CPU does (`isa_cap_flags`).
+cap: x86-64-v3, no AVX-512 and no AMX), so that with ATEN_CPU_CAPABILITY and
+MKL_ENABLE_INSTRUCTIONS set alike an AMX machine runs every kernel the way an AVX2-only
+CPU does (`isa_cap_flags`; tests/kernels/test_isa_cap.py).
 """
 from __future__ import annotations
 
