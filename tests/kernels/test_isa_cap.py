@@ -41,6 +41,9 @@ def test_capped_to_avx2_the_kernels_build_for_it_and_pass_their_tests():
     AMX, bf16 linears widened to fp32 (oneDNN has no bf16 under the cap)."""
     if not can_build():
         pytest.skip("no C++ compiler or ninja: the engine runs its torch paths")
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    if not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= set(flags.split()):
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
     probe = subprocess.run(
         [sys.executable, "-c",
          "import torch; from common.cache_root import baton_cache_root; "
