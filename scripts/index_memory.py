@@ -16,6 +16,12 @@ live router would run it.
 With --shards it also says how evenly splitting the index by each chain's first block
 (one router process per shard) would spread these blocks.
 
+It also prints the floor of any index kept in Python objects that finds a block by its
+name, as KV events name blocks: a dict from each block's 64-bit name (an int of its own)
+to the run that holds it, traced at the same number of names (`name_table_floor`). State
+per run does not remove that table; only a table outside Python objects (a native hash
+table of fixed-size entries) does.
+
     PYTHONPATH=. .venv/bin/python scripts/index_memory.py [--blocks 1000000] [--workers 16]
         [--shards 4,8,16] [--json]
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import resource
 import sys
 import time
@@ -86,6 +93,21 @@ def shard_balance(index: PrefixIndex, shards: int) -> float:
     return max(per_shard) / (sum(per_shard) / shards)
 
 
+def name_table_floor(blocks: int, seed: int = 0) -> float:
+    """Bytes per block that tracemalloc counts for a dict from `blocks` random 64-bit
+    names (made under the trace, as an index makes them from events) to their runs (one
+    object per 64 blocks, made before the trace: what a run holds is counted apart)."""
+    rng = random.Random(seed)
+    runs = [object() for _ in range(blocks // 64 + 1)]
+    gc.collect()
+    tracemalloc.start()
+    table = {rng.getrandbits(64): runs[number // 64] for number in range(blocks)}
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del table
+    return held / blocks
+
+
 def measure(trace: Path, blocks: int, workers: int, shards: tuple[int, ...] = ()) -> dict:
     """Two builds: one untraced, for the resident growth and the time, then one under
     tracemalloc, for the bytes held."""
@@ -120,6 +142,7 @@ def measure(trace: Path, blocks: int, workers: int, shards: tuple[int, ...] = ()
         "resident_bytes_per_block": resident_growth / indexed,
         "build_s": build_s,
         "shard_max_over_mean": balance,
+        "name_table_floor_bytes_per_block": name_table_floor(indexed),
     }
 
 
@@ -152,6 +175,8 @@ def main() -> None:
     print(f"traced: {result['traced_bytes'] / 2**20:,.0f} MiB = {result['bytes_per_block']:.0f} bytes per block; "
           f"resident growth {result['resident_growth_bytes'] / 2**20:,.0f} MiB = "
           f"{result['resident_bytes_per_block']:.0f} bytes per block")
+    print(f"floor of a Python index that finds blocks by name: {result['name_table_floor_bytes_per_block']:.0f} "
+          f"bytes per block (a dict from each name to its run)")
     for count, ratio in result["shard_max_over_mean"].items():
         print(f"sharded by first block into {count}: the largest shard holds {ratio:.2f}x the mean")
 

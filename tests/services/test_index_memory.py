@@ -40,3 +40,8 @@ def test_the_measured_index_holds_each_prompt_on_its_worker_and_its_bytes_are_co
     assert result["indexed_blocks"] == len(index) and result["prompts"] == used
     assert result["block_holds"] == len(index) + 64
     assert 16 < result["bytes_per_block"] < 10_000  # at least a hash and a pointer; far from a page
+
+
+def test_the_name_table_floor_counts_each_name_and_its_dict_entry():
+    floor = load_script("index_memory").name_table_floor(20_000)
+    assert 8 + 28 < floor < 200  # more than the name's 8 bytes and its int object; a dict entry, not a page
