@@ -139,7 +139,8 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
 // gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width].
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % (2 * kWidthMultiple) == 0, "gate_up: width must be a multiple of ", 2 * kWidthMultiple);
+  TORCH_CHECK(gate_up.size(1) % (2 * kWidthMultiple) == 0, "gate_up: width must be a multiple of ",
+              2 * kWidthMultiple);
   const int64_t width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
   for_each_dtype(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
@@ -158,8 +159,8 @@ void check_rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x: expected [tokens, heads, dim] with heads packed and dim contiguous");
   const int64_t dim = x.size(2);
-  TORCH_CHECK(dim % (2 * kWidthMultiple) == 0 && dim <= 512, "x: head dim must be a multiple of ", 2 * kWidthMultiple,
-              " up to 512, got ", dim);
+  TORCH_CHECK(dim % (2 * kWidthMultiple) == 0 && dim <= 512, "x: head dim must be a multiple of ",
+              2 * kWidthMultiple, " up to 512, got ", dim);
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && cos.size(1) == dim && signed_sin.sizes() == cos.sizes() &&
                   signed_sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
                   signed_sin.scalar_type() == x.scalar_type(),

@@ -71,7 +71,8 @@ inline Lanes transpose_sum(const Lanes* p) {
                  __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
   }
   const Lanes a = eighths[0], b = eighths[1];
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
 }
 
@@ -339,8 +340,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      double scale, at::Tensor& out) {
   check_paged_inputs(query, key_cache, value_cache, block_table, query_starts, query_lens, context_lens, block_size,
                      out);
-  TORCH_CHECK(query.size(2) % kWidthMultiple == 0 && query.size(2) <= kMaxDim, "head dim: a multiple of ", kWidthMultiple,
-              " up to ", kMaxDim, " expected, got ", query.size(2));
+  TORCH_CHECK(query.size(2) % kWidthMultiple == 0 && query.size(2) <= kMaxDim, "head dim: a multiple of ",
+              kWidthMultiple, " up to ", kMaxDim, " expected, got ", query.size(2));
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
               "query, caches and out must share one dtype");
