@@ -38,7 +38,7 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp",
-           CSRC / "amx_attention.cpp", CSRC / "kv_copy.cpp", CSRC / "argmax.cpp")
+           CSRC / "amx_attention.cpp", CSRC / "kv_copy.cpp", CSRC / "argmax.cpp", CSRC / "decode_layer.cpp")
 HEADERS = (CSRC / "lanes.h", CSRC / "amx.h", CSRC / "paged_inputs.h")
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"

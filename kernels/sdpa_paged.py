@@ -376,6 +376,21 @@ def _native_decode_group(inputs: AttentionInputs) -> _Native:
                    inputs.block_size)
 
 
+NativeDecode = _Native  # what native_decode_group returns, named for callers outside this module
+
+
+def native_decode_group(backend: AttentionBackend, metadata: object) -> _Native | None:
+    """The step's decode group where every row of the step is a single-token decode query
+    attended by kernels/csrc/paged_attention.cpp (common/engine/model.py then runs each
+    layer as one C++ op); None for any other step or backend."""
+    if not isinstance(backend, SdpaPagedBackend) or not isinstance(metadata, SdpaMetadata):
+        return None
+    groups = metadata.groups
+    if len(groups) != 1 or not isinstance(groups[0], _Native) or groups[0].amx:
+        return None
+    return groups[0]
+
+
 def _native_chunk_group(inputs: AttentionInputs, seqs: list[int]) -> _Native:
     """Chunks over cached context (the given sequences) for the AMX kernel."""
     device = inputs.block_table.device

@@ -146,7 +146,8 @@ class Engine:
                  device=str(self.device), attention_backend=backend.name, native_attention=backend.native,
                  amx_chunk_attention=backend.amx_chunks,
                  layer_ops=self.model.ops.name, few_row_linears=self.model.linear_kernels(),
-                 kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len)
+                 fused_decode_layers=self.model.fused_decode and backend.native, kv_blocks=num_blocks,
+                 block_size=config.block_size, max_model_len=self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------
 

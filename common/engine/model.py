@@ -23,9 +23,10 @@ from common.engine.config import ModelConfig
 from common.engine.kv_cache import KVCache
 from common.engine.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend
-from kernels.layer_ops import TorchLayerOps, rms_norm, select_layer_ops
-from kernels.linear import Linear, QuantizedBlocks
+from kernels.layer_ops import NativeLayerOps, TorchLayerOps, rms_norm, select_layer_ops
+from kernels.linear import FEW_ROWS, Linear, QuantizedBlocks
 from kernels.native import amx_available
+from kernels.sdpa_paged import NativeDecode, native_decode_group
 
 
 class DecoderLayer(nn.Module):
@@ -77,6 +78,26 @@ class DecoderLayer(nn.Module):
                                           self.post_norm, config.rms_norm_eps)
         return hidden, self.down(ops.silu_and_mul(self.gate_up(normed)))
 
+    def fused_decode_fits(self) -> bool:
+        """Whether `forward_decode` can run this layer: every linear on AMX, no q/k norm."""
+        return self.q_norm is None and all(linear.amx_weight is not None
+                                           for linear in (self.qkv, self.o_proj, self.gate_up, self.down))
+
+    def forward_decode(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary_inputs: tuple,
+                       kv_layer: torch.Tensor, slot_mapping: torch.Tensor, group: NativeDecode) -> torch.Tensor:
+        """forward() for a step of single-token decode queries, as one C++ op
+        (kernels/csrc/decode_layer.cpp: the same kernels in the same order): adds to
+        `hidden` in place and returns this layer's MLP output."""
+        config = self.config
+        qkv, o_proj, gate_up, down = self.qkv, self.o_proj, self.gate_up, self.down
+        return torch.ops.baton.decode_layer.default(
+            hidden, pending, self.input_norm, self.post_norm, config.rms_norm_eps,
+            qkv.amx_weight, qkv.amx_bits, qkv.bias, o_proj.amx_weight, o_proj.amx_bits, o_proj.bias,
+            gate_up.amx_weight, gate_up.amx_bits, gate_up.bias, down.amx_weight, down.amx_bits, down.bias,
+            config.num_heads, config.num_kv_heads, config.head_dim, *rotary_inputs, kv_layer, slot_mapping,
+            group.block_table, group.query_starts, group.query_lens, group.context_lens, group.block_size,
+            config.head_dim ** -0.5)
+
 
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -93,6 +114,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions, device, dtype)
         self.ops = select_layer_ops(device, config.hidden_size, config.intermediate_size, config.head_dim)
         self.amx_linears = amx_available(device, dtype)
+        # Decode steps through one C++ op a layer (DecoderLayer.forward_decode); set once loaded.
+        self.fused_decode = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 logits_rows: torch.Tensor | slice, kv_cache: KVCache, backend: AttentionBackend,
@@ -103,9 +126,15 @@ class CausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed)
         rotary_inputs = self.ops.rotary_inputs(self.rotary, positions)
         pending: torch.Tensor | None = None
-        for index, layer in enumerate(self.layers):
-            hidden, pending = layer(hidden, pending, rotary_inputs, kv_cache.layers[index], slot_mapping, backend,
-                                    metadata, self.ops)
+        decode = native_decode_group(backend, metadata) if self.fused_decode else None
+        if decode is not None and input_ids.shape[0] <= FEW_ROWS:
+            for index, decoder in enumerate(self.decoder_layers()):
+                pending = decoder.forward_decode(hidden, pending, rotary_inputs, kv_cache.layers[index], slot_mapping,
+                                                 decode)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden, pending = layer(hidden, pending, rotary_inputs, kv_cache.layers[index], slot_mapping,
+                                        backend, metadata, self.ops)
         assert pending is not None  # a model has layers
         selected = hidden[logits_rows] + pending[logits_rows]  # the last layer's add, on the rows needed
         return self.lm_head(self.ops.rms_norm(selected, self.final_norm, self.config.rms_norm_eps))
@@ -171,3 +200,5 @@ class CausalLM(nn.Module):
             layer.o_proj = Linear(get(o_proj), amx=amx, blocks=blocks_of(o_proj))
             layer.gate_up = Linear(cat(*gate_up), amx=amx, blocks=blocks_of(*gate_up))
             layer.down = Linear(get(down), amx=amx, blocks=blocks_of(down))
+        self.fused_decode = (isinstance(self.ops, NativeLayerOps) and self.dtype == torch.bfloat16
+                             and all(layer.fused_decode_fits() for layer in self.decoder_layers()))
