@@ -1,6 +1,5 @@
 """The AMX few-row linear (kernels/csrc/amx_linear.cpp) against oneDNN and fp32, and its
 use by kernels.linear.Linear."""
-from pathlib import Path
 
 import gguf
 import pytest
@@ -12,7 +11,7 @@ from common.engine.engine import Engine
 from common.engine.gguf import convert_gguf
 from common.sampling_params import SamplingParams
 from kernels.linear import FEW_ROWS, Linear, QuantizedBlocks, pack_weight_blocks
-from kernels.native import amx_available, isa_cap_flags
+from kernels.native import NATIVE_TARGET, _cpu_flags, amx_available, isa_cap_flags
 from tests.common.engine.gguf_files import TinyGguf
 
 # (out, in): the tiny and small models' layer widths, Qwen2-0.5B's qkv, a vocab-wide head.
@@ -21,8 +20,7 @@ SHAPES = [(512, 256), (256, 768), (1152, 896), (256, 2048), (32000, 768)]
 
 def cpu_has_amx() -> bool:
     """AMX on this CPU, and no instruction-set cap below it (kernels/native.py)."""
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split()) and isa_cap_flags() == ("-march=native",)
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(_cpu_flags().split()) and isa_cap_flags() == NATIVE_TARGET
 
 
 @pytest.fixture(scope="module")

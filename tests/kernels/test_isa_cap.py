@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kernels.native import ISA_CAP_ENV, isa_cap_flags
+from kernels.native import ISA_CAP_ENV, NATIVE_TARGET, _cpu_flags, isa_cap_flags
 from services.local_cluster import child_env
 from tests.kernels.conftest import can_build
 
 REPO = Path(__file__).parents[2]
 AVX2_ONLY = {ISA_CAP_ENV: "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-NATIVE = ("-march=native",)
+NATIVE = NATIVE_TARGET
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 # What runs on every CPU: the kernels against their references, the linears, an engine's dtype choice.
 CAPPED_TESTS = ("tests/kernels/test_native.py", "tests/kernels/test_attention.py", "tests/kernels/test_layer_ops.py",
@@ -41,8 +41,7 @@ def test_capped_to_avx2_the_kernels_build_for_it_and_pass_their_tests():
     AMX, bf16 linears widened to fp32 (oneDNN has no bf16 under the cap)."""
     if not can_build():
         pytest.skip("no C++ compiler or ninja: the engine runs its torch paths")
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    if not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= set(flags.split()):
+    if not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= set(_cpu_flags().split()):
         pytest.skip("this CPU cannot run an x86-64-v3 build")
     probe = subprocess.run(
         [sys.executable, "-c",
