@@ -76,12 +76,12 @@ def _node_chains(nodes: list[BlockNode | None]) -> int:
 
 def _evicted_chains(manager: BlockManager, count: int) -> int:
     """Chains of the `count` cached blocks `_evict` is about to take, least recent first."""
-    taken = list(itertools.islice(manager.cached_blocks, count))
-    names, parents = manager.block_hash, manager.block_parent
+    taken = [manager.record(block_id) for block_id in itertools.islice(manager.cached_blocks, count)]
 
     def linked(i: int) -> bool:
         before, block = taken[i - 1], taken[i]
-        return parents[before] == names[block] or parents[block] == names[before]
+        assert before is not None and block is not None  # a cached block is named
+        return before.parent == block.name or block.parent == before.name
     return _chains(linked, len(taken))
 
 

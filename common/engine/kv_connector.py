@@ -325,9 +325,8 @@ class Writeback:
                 if parent is None or parent == current.root:
                     break
                 current = in_batch.get(parent)
-                if current is None and parent in manager.hash_to_block:
-                    parent_id = manager.hash_to_block[parent]
-                    current = EvictedBlock(parent_id, parent, manager.block_parent[parent_id],
-                                           manager.block_root[parent_id], manager.block_hits[parent_id])
+                if current is None:
+                    parent_id = manager.block_of(parent)
+                    current = manager.record(parent_id) if parent_id is not None else None
             chosen.extend(reversed(chain))
         return chosen

@@ -202,8 +202,11 @@ class _WriteBack:
         LookupError when this engine no longer has it."""
         if name in evicting:
             return evicting[name]
-        block_id = self.block_manager.hash_to_block[name]
-        return _parent(self.block_manager.block_parent[block_id], self.block_manager.block_root[block_id])
+        block_id = self.block_manager.block_of(name)
+        record = self.block_manager.record(block_id) if block_id is not None else None
+        if record is None:
+            raise LookupError(name)
+        return _parent(record.parent, record.root)
 
 
 def _parent(parent: int | None, root: int | None) -> int | None:

@@ -316,7 +316,7 @@ class WorkerService:
 
     def _report_cache(self) -> None:
         """Every block of the prefix cache, for a router that rebuilds its index."""
-        cached = list(self.engine.block_manager.hash_to_block)
+        cached = self.engine.block_manager.names()
         for start in range(0, len(cached), CACHE_REPORT_BLOCKS):
             send(self.router, KvEvents(worker_id=self.worker_id, stored=cached[start:start + CACHE_REPORT_BLOCKS]))
 

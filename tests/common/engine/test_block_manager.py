@@ -58,7 +58,7 @@ def test_shared_block_reference_counting():
     manager = BlockManager(4, SIZE)
     blocks, hashes = fill(manager, list(range(4)))
     manager.take(blocks)
-    assert manager.ref_counts[blocks[0]] == 2
+    assert manager.refs(blocks[0]) == 2
     manager.release(blocks)
     assert manager.num_cached == 0  # still referenced once
     manager.release(blocks)
@@ -89,8 +89,8 @@ def test_duplicate_computation_keeps_one_name():
     manager = BlockManager(4, SIZE)
     first, hashes = fill(manager, [1, 2, 3, 4])
     second, _ = fill(manager, [1, 2, 3, 4])
-    assert manager.hash_to_block[hashes[0]] == first[0]
-    assert manager.block_hash[second[0]] is None
+    assert manager.block_of(hashes[0]) == first[0]
+    assert manager.record(second[0]) is None
     manager.release(second)
     manager.release(first)
     manager.check_integrity([])
@@ -158,23 +158,23 @@ def test_blocks_named_over_several_commits_match_as_one_prefix():
 def test_named_blocks_record_their_chain_and_reuse_and_evictions_are_reported_intact():
     manager = BlockManager(4, SIZE)
     seen: list = []
-    manager.on_evict = lambda blocks: seen.append([(b, manager.ref_counts[b.block_id]) for b in blocks])
+    manager.on_evict = lambda blocks: seen.append([(b, manager.refs(b.block_id)) for b in blocks])
     tokens = list(range(1, 2 * SIZE + 1))
     hashes = chain_hashes(7, tokens, SIZE)
     blocks = manager.allocate(2)
     manager.commit(blocks, hashes, tokens, 0, 2, root=7)
-    assert [manager.block_parent[b] for b in blocks] == [7, hashes[0]]
-    assert [manager.block_root[b] for b in blocks] == [7, 7]
+    assert [manager.record(b).parent for b in blocks] == [7, hashes[0]]
+    assert [manager.record(b).root for b in blocks] == [7, 7]
     manager.release(blocks)
     hit = manager.match_prefix(hashes, tokens, 1)
     manager.take(hit)
-    assert manager.block_hits[blocks[0]] == 1 and manager.block_hits[blocks[1]] == 0
+    assert manager.record(blocks[0]).hits == 1 and manager.record(blocks[1]).hits == 0
     manager.release(hit)
     assert manager.allocate(2) and seen == []  # free blocks first: no eviction
     manager.allocate(2)  # evicts block 1 (released last, so least recent), then block 0
     assert [[entry for entry, _ in batch] for batch in seen] == [[
         (blocks[1], hashes[1], hashes[0], 7, 0), (blocks[0], hashes[0], 7, 7, 1)]]
-    assert manager.block_parent[blocks[0]] is None and manager.block_hits[blocks[0]] == 0
+    assert manager.record(blocks[0]) is None  # handed out again, unnamed
     manager.check_integrity([[0], [1], [2], [3]])
 
 
@@ -233,6 +233,10 @@ class ReferenceManager:
             self.refs[block] = 1
         return fresh
 
+    def retain(self, blocks):
+        for block in blocks:
+            self.refs[block] += 1
+
     def release(self, blocks):
         for block in reversed(blocks):
             self.refs[block] -= 1
@@ -261,10 +265,11 @@ lifecycle = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 30), st.just(0), st.just(0)),
     st.tuples(st.just("reset"), st.just(0), st.just(0), st.just(0)),
     st.tuples(st.just("squeeze"), st.integers(1, 40), st.just(0), st.just(0)),  # evicts up to that many
+    st.tuples(st.just("lease"), st.integers(0, 30), st.integers(0, 6), st.integers(1, 6)),  # table, start, blocks
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(lifecycle, max_size=60), st.integers(6, 40))
 def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
     sink = RecordingSink()
@@ -301,6 +306,13 @@ def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
             table = live.pop(a % len(live))
             manager.release(table)
             model.release(table)
+        elif kind == "lease" and live:  # a second holder of part of a table (P/D's KV lease)
+            table = live[a % len(live)]
+            lease = table[b:b + chunk]
+            if lease:
+                manager.retain(lease)
+                model.retain(lease)
+                live.append(lease)
         elif kind == "squeeze":  # a burst of unnamed blocks, given back at once
             count = min(a, manager.num_available)
             burst = manager.allocate(count)
@@ -324,4 +336,29 @@ def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
         assert manager.num_available == model.available()
         assert sink.stored_names == model.stored and sink.removed_names == model.removed
         assert evicted == model.evicted
-        assert manager.hash_to_block == model.by_name
+        assert {name: manager.block_of(name) for name in manager.names()} == model.by_name
+
+
+def test_a_sequence_named_chunk_by_chunk_is_one_run_and_a_shared_prefix_cuts_it_once():
+    manager = BlockManager(64, SIZE)
+    tokens = list(range(1, 12 * SIZE + 1))
+    hashes = chain_hashes(7, tokens, SIZE)
+    blocks = manager.allocate(12)
+    for first in range(0, 12, 3):  # prefill chunks of three blocks each
+        manager.commit(blocks, hashes, tokens, first, first + 3, root=7)
+    assert len(manager.runs()) == 1
+    manager.release(blocks)
+    assert len(manager.runs()) == 1 and list(manager.cached_blocks) == blocks[::-1]
+    other = tokens[:5 * SIZE] + [999] * (3 * SIZE)  # shares five blocks, then diverges
+    other_hashes = chain_hashes(7, other, SIZE)
+    hits = manager.match_prefix(other_hashes, other, 7)
+    assert hits == blocks[:5]
+    manager.take(hits)
+    fresh = manager.allocate(3)
+    manager.commit(hits + fresh, other_hashes, other, 5, 8, root=7)
+    assert sorted(len(run.block_ids) for run in manager.runs()) == [3, 5, 7]  # taken, cached tail, new
+    assert list(manager.cached_blocks) == blocks[5:][::-1]
+    manager.check_integrity([hits + fresh])
+    manager.release(hits + fresh)
+    assert list(manager.cached_blocks) == blocks[5:][::-1] + fresh[::-1] + hits[::-1]
+    manager.check_integrity([])
