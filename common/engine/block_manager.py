@@ -172,6 +172,11 @@ class BlockManager:
             yield from reversed(run.block_ids)
             run = run.next
 
+    @property
+    def num_named(self) -> int:
+        """Blocks with a name (cached or referenced)."""
+        return len(self.run_of_name)
+
     def runs(self) -> list[Run]:
         """Every run, each once (for tests and reports: O(blocks))."""
         return list({id(run): run for run in self.run_of_name.values()}.values())

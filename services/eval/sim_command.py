@@ -98,7 +98,8 @@ def sim(workload, trace_path, workers, prefill_workers, decode_workers, link, ma
     and with --sweep VAR=a,b,c
       {"sweep": VAR, "values": {VALUE: {POLICY: {"overall": ..., "classes": ..., "simulation": ...}}}}
     with each VALUE as written in --sweep. "simulation" is the simulator's own speed:
-    requests, wall_s, requests_per_wall_s, and the router's index_blocks at the end. A
+    requests, wall_s, requests_per_wall_s, the router's index_blocks at the end, and the
+    engines' engine_named_blocks and engine_runs (their blocks' runs) at the end. A
     swept load or rate replaces --load and --rate; workers, zipf and scale replace
     --workers, --zipf and --scale.
     """

@@ -496,8 +496,9 @@ def simulate_policy(point: Point, policy: str, advance: Callable[[int], object] 
                     store: bool = False) -> dict:
     """One simulation of the point's requests under `policy` (with the spec's store when
     `store`), summarised, with the simulator's own speed under "simulation": requests,
-    wall_s, requests_per_wall_s and index_blocks (the blocks the router's prefix indexes
-    name at the end, its pools' together), and with the store its report under
+    wall_s, requests_per_wall_s, index_blocks (the blocks the router's prefix indexes
+    name at the end, its pools' together), engine_named_blocks and engine_runs (the named
+    blocks the engines keep at the end, and the runs they keep them in), and with the store its report under
     overall["store"] (Simulator.store_report: prompt tokens served from the engine cache,
     DRAM, SSD or computed, their rates, the fetches and the store's counters)."""
     return _simulate(point, policy, advance, store)
@@ -540,8 +541,11 @@ def _simulate(point: Point, policy: str, advance: Callable[[int], object] | None
     wall_s = time.perf_counter() - started
     index_blocks = sum(len(cluster.index) for cluster in (simulator.cluster, simulator.decode_cluster)
                        if cluster is not None)
+    managers = [worker.block_manager for worker in simulator.workers.values()]
     summary["simulation"] = {"requests": len(point.requests), "wall_s": wall_s,
-                             "requests_per_wall_s": len(point.requests) / wall_s, "index_blocks": index_blocks}
+                             "requests_per_wall_s": len(point.requests) / wall_s, "index_blocks": index_blocks,
+                             "engine_named_blocks": sum(manager.num_named for manager in managers),
+                             "engine_runs": sum(len(manager.runs()) for manager in managers)}
     return summary
 
 

@@ -42,6 +42,7 @@ def check_policies(results: dict, policies: list[str], workload_class: str, requ
         assert speed["requests"] == requests and speed["wall_s"] > 0
         assert speed["requests_per_wall_s"] == pytest.approx(requests / speed["wall_s"])
         assert speed["index_blocks"] > 0  # what the requests left cached, named in the router's index
+        assert 0 < speed["engine_runs"] <= speed["engine_named_blocks"]  # the engines' cached blocks, in runs
 
 
 def test_a_run_prints_the_table_and_ends_with_the_json_line():
