@@ -2,10 +2,12 @@
 (docs/evaluation.md §2).
 
 A prefill point times the one engine step that computes `n` new tokens of a prompt whose
-first `ctx` tokens an earlier request left in the prefix cache. A decode point times steps
-in which `batch` sequences, all past their prefill, add one token each; its ctx is their
-mean context during those steps. Each point is the median of `repeats` timed steps after
-one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase (+ e·n²
+first `ctx` tokens an earlier request left in the prefix cache (one such prefix per ctx).
+A decode point times steps in which `batch` sequences, all past their prefill, add one
+token each; its ctx is their mean context during those steps. Their contexts are loaded,
+as a decode worker's are: one prompt of ctx tokens is prefilled and each sequence gets a
+copy of its KV in blocks of its own. Each point is the median of `repeats` timed steps
+after one untimed warm-up. `fit` then fits T = a + b·n + c·ctx + d·n·ctx to each phase (+ e·n²
 for prefill). A wake point (`measure_wake`) times a short request after the engine sat
 idle for a while against the same request back to back: a core (or GPU) left idle comes
 back with cold caches and a lowered clock, and the first steps pay for it.
@@ -105,20 +107,24 @@ def measure(engine: Engine, grid: Grid, seed: int = 0,
         raise ProfilerError(f"max_num_batched_tokens must be >= {grid.max_batched_tokens} "
                             f"to run each point in one step")
     rng = random.Random(seed)
+    prefixes: dict[int, list[int]] = {}  # one cached context of each length for every prefill point over it
     points = []
     for phase, n, ctx in planned_points(grid, engine.max_model_len):
-        point_of = _prefill_point if phase == "prefill" else _decode_point
-        points.append(point_of(engine, rng, n, ctx, grid.repeats))
+        if phase == "prefill":
+            prefix = prefixes.setdefault(ctx, _random_ids(engine, rng, ctx))
+            points.append(_prefill_point(engine, rng, n, prefix, grid.repeats))
+        else:
+            points.append(_decode_point(engine, rng, n, ctx, grid.repeats))
         if on_point is not None:
             on_point()
     return points
 
 
-def _prefill_point(engine: Engine, rng: random.Random, n: int, ctx: int, repeats: int) -> Point:
-    prefix = _random_ids(engine, rng, ctx)
+def _prefill_point(engine: Engine, rng: random.Random, n: int, prefix: list[int], repeats: int) -> Point:
+    ctx = len(prefix)
     one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     if prefix:
-        engine.generate([prefix], one_token)  # leaves the prefix in the prefix cache
+        engine.generate([prefix], one_token)  # leaves the prefix in the prefix cache (or finds it there)
     times, cached = [], []
     for attempt in range(repeats + 1):
         request_id = f"profile-prefill-{n}-{ctx}-{attempt}"
@@ -135,17 +141,13 @@ def _prefill_point(engine: Engine, rng: random.Random, n: int, ctx: int, repeats
 
 
 def _decode_point(engine: Engine, rng: random.Random, batch: int, ctx: int, repeats: int) -> Point:
-    # Sequences admitted first decode while later ones still prefill, so none may stop
-    # early: they run to max_model_len unless aborted, which they are once timed.
+    # The sequences run to max_model_len unless aborted, which they are once timed.
     params = SamplingParams(max_tokens=engine.max_model_len - ctx, temperature=0.0, ignore_eos=True)
     ids = [f"profile-decode-{batch}-{ctx}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add_request(request_id, _random_ids(engine, rng, ctx), params)
     generated = dict.fromkeys(ids, 0)
     preemptions = engine.stats.num_preemptions
     try:
-        while not all(generated.values()):  # until every prefill is done
-            _count_tokens(engine.step(), generated)
+        _load_contexts(engine, rng, ids, ctx, params, generated)
         times, contexts = [], []
         for attempt in range(repeats + 1):
             context = ctx + statistics.mean(generated.values())
@@ -193,6 +195,34 @@ def _request_times(engine: Engine, rng: random.Random, gap: float, repeats: int)
         if attempt:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def _load_contexts(engine: Engine, rng: random.Random, ids: list[str], ctx: int, params: SamplingParams,
+                   generated: dict[str, int]) -> None:
+    """Start each of `ids` decoding at a context of `ctx` tokens, as a decode worker takes
+    a request a prefill worker computed (Engine.begin_load): one prompt of ctx tokens is
+    prefilled here, and every sequence gets a copy of its KV in blocks of its own, under
+    a prompt of its own. A step then reads as many distinct KV bytes as if each had
+    prefilled its prompt, and the point costs one prefill of ctx tokens, not one per
+    sequence (on a CPU computing in float32, most of the grid's time was those prefills)."""
+    source = f"profile-context-{ctx}-{ids[0]}"
+    engine.add_request(source, _random_ids(engine, rng, ctx),
+                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold_kv=True)
+    lease = None
+    while lease is None:
+        lease = next((output.kv_lease for output in engine.step() if output.request_id == source), None)
+        if lease is None and not engine.has_unfinished():
+            raise ProfilerError(f"the context of {ctx} tokens was computed but not held")
+    try:
+        values, first = engine.read_blocks(lease.block_ids), lease.first_token_id
+    finally:
+        engine.release_lease(lease.lease_id, source)
+    for request_id in ids:
+        load = engine.begin_load(request_id, _random_ids(engine, rng, ctx), params, first_token_id=first)
+        if load is None:
+            raise ProfilerError(f"the KV pool cannot hold batch {len(ids)} at context {ctx}; raise --kv-cache-gb")
+        engine.write_blocks(load.dst_block_ids, values[load.first_block:load.first_block + len(load.dst_block_ids)])
+        _count_tokens(engine.complete_load(request_id, len(load.dst_block_ids)), generated)
 
 
 def _count_tokens(outputs, generated: dict[str, int]) -> None:

@@ -106,12 +106,30 @@ def test_measure_times_each_point_of_a_real_engine(make_engine):
     engine = make_engine(max_num_batched_tokens=256)
     grid = Grid(prefill_tokens=(16, 128), prefill_contexts=(0, 256), decode_batches=(1, 4),
                 decode_contexts=(32,), repeats=1)
+    before = engine.stats.num_computed_tokens
     points = measure(engine, grid)
     prefill = [(p.n, p.ctx) for p in points if p.phase == "prefill"]
     assert prefill == [(16, 0), (128, 0), (16, 256), (128, 256)]  # the cached context is used
+    # Two attempts of each point; the context of 256 computed once (the second point finds it
+    # cached and computes only its last block again); each decode point prefills one context
+    # of 32 and decodes its batch twice.
+    assert engine.stats.num_computed_tokens - before == 2 * 2 * (16 + 128) + 256 + 16 + 2 * 32 + 2 * (1 + 4)
     decode = [p for p in points if p.phase == "decode"]
     assert [p.n for p in decode] == [1, 4] and all(33 <= p.ctx <= 40 for p in decode)
     assert all(p.seconds > 0 for p in points)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_a_decode_point_prefills_its_context_once_not_once_per_sequence(make_engine):
+    engine = make_engine(max_num_batched_tokens=256)
+    grid = Grid(prefill_tokens=(16,), prefill_contexts=(0,), decode_batches=(8,), decode_contexts=(96,), repeats=2)
+    before = engine.stats.num_computed_tokens
+    [_, decode] = measure(engine, grid)
+    computed = engine.stats.num_computed_tokens - before
+    # the prefill point's 3 x 16 tokens, one context of 96 (and its token), 8 x 3 decode tokens
+    assert computed == 3 * 16 + 96 + 8 * 3
+    assert decode.n == 8 and 97 <= decode.ctx <= 99 and decode.seconds > 0
     assert not engine.has_unfinished()
     engine.check_integrity()
 
