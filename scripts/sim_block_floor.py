@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """How fast can a block-by-block simulation of the Mooncake trace be? A lower bound.
 
-The simulator drives the live engine's BlockManager and the live router's PrefixIndex, and
-both keep their state per KV block (16 tokens). This script
+The simulator drives the live engine's BlockManager and the live router's PrefixIndex. The
+index keeps its nodes per KV block (16 tokens); the block manager kept all its state per
+block until it moved to runs (docs/engine.md §3), and the floor below is still that of a
+per-block design of both. This script
 
 1. simulates the trace (16 workers, h100/llama-3-70b, e2, --load) and counts the blocks
    each per-block operation handled: blocks the index named (hashed and linked, from a

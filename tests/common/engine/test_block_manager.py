@@ -337,6 +337,10 @@ def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
         assert sink.stored_names == model.stored and sink.removed_names == model.removed
         assert evicted == model.evicted
         assert {name: manager.block_of(name) for name in manager.names()} == model.by_name
+        assert {block: manager.record(block)[1:] for block in model.chain} == \
+            {block: (name, parent, root, model.hits.get(block, 0))
+             for block, (name, parent, root, _) in model.chain.items()}
+        assert all(manager.refs(block) == model.refs.get(block, 0) for block in range(num_blocks))
 
 
 def test_a_sequence_named_chunk_by_chunk_is_one_run_and_a_shared_prefix_cuts_it_once():
