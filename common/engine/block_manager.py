@@ -185,10 +185,13 @@ class BlockManager:
         """The name of every named block (cached or referenced)."""
         return list(self.run_of_name)
 
-    def block_of(self, name: int) -> int | None:
-        """The block named `name`, if any."""
+    def named(self, name: int) -> EvictedBlock | None:
+        """The record (see `record`) of the block named `name`; None if no block is."""
         run = self.run_of_name.get(name)
-        return None if run is None else run.block_ids[_position(run.names, name)]
+        if run is None:
+            return None
+        position = _position(run.names, name)
+        return EvictedBlock(run.block_ids[position], name, run.parent_at(position), run.root, run.hits)
 
     def record(self, block_id: int) -> EvictedBlock | None:
         """The named block's name, chain and reuse count; None for an unnamed block."""
@@ -346,14 +349,12 @@ class BlockManager:
             run = self.lru.next
             size = len(run.block_ids)
             keep = max(size - (count - len(block_ids)), 0)  # the run's tail goes first
-            taken_ids, taken_names = run.block_ids[keep:][::-1], run.names[keep:][::-1]
             if hook is not None:
-                records += [EvictedBlock(block_id, name, run.parent_at(position), run.root, run.hits)
-                            for position, block_id, name in zip(range(size - 1, keep - 1, -1), taken_ids,
-                                                                  taken_names)]
-            self._forget_tail(run, keep)
-            block_ids += taken_ids
-            names += taken_names
+                records += [EvictedBlock(run.block_ids[position], run.names[position], run.parent_at(position),
+                                         run.root, run.hits) for position in range(size - 1, keep - 1, -1)]
+            gone_ids, gone_names = self._forget_tail(run, keep)
+            block_ids += reversed(gone_ids)
+            names += reversed(gone_names)
         _consume(map(self.unnamed_refs.__setitem__, block_ids, repeat(1)))
         if hook is not None:
             hook(records)
@@ -361,8 +362,9 @@ class BlockManager:
             self.events.removed(names)
         return block_ids
 
-    def _forget_tail(self, run: Run, keep: int) -> None:
-        """Unname the cached run's blocks from position `keep` on (all of it at 0)."""
+    def _forget_tail(self, run: Run, keep: int) -> tuple[list[int], list[int]]:
+        """Unname the cached run's blocks from position `keep` on (all of it at 0);
+        returns their ids and names, in the run's order."""
         gone_ids, gone_names = run.block_ids[keep:], run.names[keep:]
         _consume(map(self.run_of_name.__delitem__, gone_names))
         _consume(map(self.block_run.__setitem__, gone_ids, repeat(None)))
@@ -370,6 +372,7 @@ class BlockManager:
         if keep == 0:
             self._unlink(run)
         del run.block_ids[keep:], run.names[keep:], run.tokens[keep * self.width:]
+        return gone_ids, gone_names
 
     def release(self, block_ids: Seq[int]) -> None:
         """Drop one reference from each block; unreferenced named blocks stay cached.
@@ -461,12 +464,12 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached (unreferenced) block; returns how many."""
-        cached = list(self.cached_blocks)
+        cached: list[int] = []
         names: list[int] = []
-        while self.lru.next is not self.lru:
-            run = self.lru.next
-            names += run.names[::-1]
-            self._forget_tail(run, 0)
+        while self.lru.next is not self.lru:  # least recent first, each run from its tail
+            gone_ids, gone_names = self._forget_tail(self.lru.next, 0)
+            cached += reversed(gone_ids)
+            names += reversed(gone_names)
         _consume(map(self.unnamed_refs.__setitem__, cached, repeat(0)))
         self.free_blocks.extend(cached)
         if names and self.events is not None:

@@ -326,7 +326,6 @@ class Writeback:
                     break
                 current = in_batch.get(parent)
                 if current is None:
-                    parent_id = manager.block_of(parent)
-                    current = manager.record(parent_id) if parent_id is not None else None
+                    current = manager.named(parent)
             chosen.extend(reversed(chain))
         return chosen

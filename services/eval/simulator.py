@@ -202,8 +202,7 @@ class _WriteBack:
         LookupError when this engine no longer has it."""
         if name in evicting:
             return evicting[name]
-        block_id = self.block_manager.block_of(name)
-        record = self.block_manager.record(block_id) if block_id is not None else None
+        record = self.block_manager.named(name)
         if record is None:
             raise LookupError(name)
         return _parent(record.parent, record.root)

@@ -89,7 +89,7 @@ def test_duplicate_computation_keeps_one_name():
     manager = BlockManager(4, SIZE)
     first, hashes = fill(manager, [1, 2, 3, 4])
     second, _ = fill(manager, [1, 2, 3, 4])
-    assert manager.block_of(hashes[0]) == first[0]
+    assert manager.named(hashes[0]).block_id == first[0]
     assert manager.record(second[0]) is None
     manager.release(second)
     manager.release(first)
@@ -336,7 +336,7 @@ def test_every_decision_is_the_block_by_block_contracts(ops, num_blocks):
         assert manager.num_available == model.available()
         assert sink.stored_names == model.stored and sink.removed_names == model.removed
         assert evicted == model.evicted
-        assert {name: manager.block_of(name) for name in manager.names()} == model.by_name
+        assert {name: manager.named(name).block_id for name in manager.names()} == model.by_name
         assert {block: manager.record(block)[1:] for block in model.chain} == \
             {block: (name, parent, root, model.hits.get(block, 0))
              for block, (name, parent, root, _) in model.chain.items()}
