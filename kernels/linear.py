@@ -199,6 +199,14 @@ class Linear:
         return len(buckets)
 
     @property
+    def build_key(self) -> tuple:
+        """What the kernels oneDNN builds for this Linear's calls depend on: shapes, types and
+        the path, never the weight's values (oneDNN caches them by descriptor). Linears with
+        equal keys share those kernels, so warming one up warms all of them."""
+        return (self.out_features, self.in_features, self.prepacked, self.weight.dtype,
+                None if self.bias is None else self.bias.dtype)
+
+    @property
     def kernel(self) -> str:
         """What multiplies few-row calls: 'amx' (on bf16), 'amx-q4' or 'amx-q8' (on quantized
         blocks), 'onednn', 'widened' (bf16 in fp32, see the module's docstring) or 'torch'."""

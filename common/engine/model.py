@@ -153,9 +153,15 @@ class CausalLM(nn.Module):
         return "+".join(sorted({linear.kernel for linear in [self.lm_head, *self.layer_linears()]}))
 
     def warm_up_linears(self, max_rows: int) -> int:
-        """Linear.warm_up for the decoder layers' linears, whose calls take a row per token
-        of a step (the LM head's take one per sequence); returns the calls made."""
-        return sum(linear.warm_up(max_rows) for linear in self.layer_linears())
+        """Linear.warm_up for one decoder-layer linear of each `build_key` (the layers'
+        calls take a row per token of a step, the LM head's one per sequence): every layer
+        shares its shapes' kernels, so warming every layer's only multiplied zeros once a layer
+        more (most of a 1-core worker's start, docs/performance.md §8.11). Returns the calls
+        made."""
+        by_key: dict[tuple, Linear] = {}
+        for linear in self.layer_linears():
+            by_key.setdefault(linear.build_key, linear)
+        return sum(linear.warm_up(max_rows) for linear in by_key.values())
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor],

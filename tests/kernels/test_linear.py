@@ -96,6 +96,15 @@ def test_row_buckets_list_every_bucket_a_call_up_to_max_rows_is_padded_to():
     assert row_buckets(FEW_ROWS) == []
 
 
+def test_linears_of_one_shape_and_path_share_a_build_key_whatever_their_values():
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    key = Linear(weight.clone()).build_key
+    assert Linear(torch.randn(96, 64).to(torch.bfloat16)).build_key == key
+    assert Linear(torch.randn(64, 96).to(torch.bfloat16)).build_key != key
+    assert Linear(weight.clone(), torch.zeros(96, dtype=torch.bfloat16)).build_key != key
+    assert Linear(weight.float()).build_key != key
+
+
 def test_warm_up_calls_the_prepacked_weight_once_per_bucket_and_leaves_it_alone():
     weight = torch.randn(96, 64).to(torch.bfloat16)
     linear = Linear(weight.clone())
