@@ -11,7 +11,8 @@
 // previous layer's MLP output, none for the first layer. `hidden`, the residual stream, is
 // added to in place (as the layer's add_rms_norm calls do); returns this layer's MLP output
 // not yet added to it, as common/engine/model.py DecoderLayer.forward does.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
