@@ -37,8 +37,13 @@ from kernels.toolchain import choose_compiler, shares_cxx_runtime
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp",
-           CSRC / "amx_attention.cpp", CSRC / "kv_copy.cpp", CSRC / "argmax.cpp", CSRC / "decode_layer.cpp")
+# The sources, compiled as two units of a few sources each (one per core of a small
+# machine): a source alone spent ~5 s of its compile on torch's headers, which a unit
+# pays once (a first build on 2 cores 33-36 s -> 11-13 s, docs/performance.md §8.11).
+# Each source keeps its internals in a namespace of its own, so that they can share a unit.
+UNITS = ((CSRC / "paged_attention.cpp", CSRC / "amx_attention.cpp", CSRC / "kv_copy.cpp"),
+         (CSRC / "elementwise.cpp", CSRC / "amx_linear.cpp", CSRC / "argmax.cpp", CSRC / "decode_layer.cpp"))
+SOURCES = tuple(source for unit in UNITS for source in unit)
 HEADERS = (CSRC / "lanes.h", CSRC / "amx.h", CSRC / "paged_inputs.h")
 LIBRARY_NAME = "baton_cpu_kernels"
 DISABLE_ENV = "BATON_NATIVE_KERNELS"
@@ -136,6 +141,16 @@ def load_native_ops() -> bool:
     return True
 
 
+def write_units(folder: Path) -> list[str]:
+    """Write UNITS into `folder` as sources that include theirs; returns their paths."""
+    paths = []
+    for index, unit in enumerate(UNITS):
+        path = folder / f"unit{index}.cpp"
+        path.write_text("".join(f'#include "{source}"\n' for source in unit))
+        paths.append(str(path))
+    return paths
+
+
 def _build(folder: Path) -> None:
     from torch.utils import cpp_extension  # imports setuptools: only when building
 
@@ -148,11 +163,11 @@ def _build(folder: Path) -> None:
     if wanted and compiler != wanted:
         log.warning("native_kernels_compiler_replaced", wanted=wanted, using=compiler,
                     reason="CXX links libstdc++ statically; its copy of the C++ runtime breaks torch's")
-    log.info("native_kernels_building", folder=str(folder), compiler=compiler, note="first use on this machine, ~15 s")
+    log.info("native_kernels_building", folder=str(folder), compiler=compiler, note="first use on this machine, ~12 s")
     os.environ["CXX"] = compiler  # torch's extension builder reads the compiler from CXX
     try:
         with heartbeat("building Baton's CPU kernels"):
-            cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(build_flags()),
+            cpp_extension.load(name=LIBRARY_NAME, sources=write_units(folder), extra_cflags=list(build_flags()),
                                extra_ldflags=list(LDFLAGS),
                                build_directory=str(folder), is_python_module=False, verbose=False)
     finally:

@@ -32,6 +32,7 @@
 #include "lanes.h"
 #include "paged_inputs.h"
 
+namespace baton_amx_attention {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -370,3 +371,5 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("amx_paged_attention", &amx_paged_attention); }
+
+}  // namespace baton_amx_attention

@@ -38,6 +38,7 @@
 
 #include "amx.h"
 
+namespace baton_amx_linear {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 constexpr int64_t kTileK = 32;      // bf16 values along K in a tile row (64 bytes)
@@ -347,3 +348,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_block_linear", &amx_block_linear);
 }
+
+}  // namespace baton_amx_linear

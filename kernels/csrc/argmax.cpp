@@ -20,6 +20,7 @@
 
 #include "lanes.h"
 
+namespace baton_argmax {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 using namespace baton;
@@ -94,3 +95,5 @@ at::Tensor argmax_rows(const at::Tensor& values) {
 TORCH_LIBRARY_FRAGMENT(baton, m) { m.def("argmax_rows(Tensor values) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+
+}  // namespace baton_argmax

@@ -18,6 +18,7 @@
 
 #include <optional>
 
+namespace baton_decode_layer {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
@@ -100,3 +101,5 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layer", &decode_layer); }
+
+}  // namespace baton_decode_layer

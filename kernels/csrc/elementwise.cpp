@@ -20,6 +20,7 @@
 
 #include "lanes.h"
 
+namespace baton_elementwise {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 using namespace baton;
@@ -262,3 +263,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("rotary_embedding_to_cache", &rotary_embedding_to_cache);
 }
+
+}  // namespace baton_elementwise

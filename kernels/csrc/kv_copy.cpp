@@ -23,6 +23,7 @@
 #include <nmmintrin.h>
 #endif
 
+namespace baton_kv_copy {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 #if !defined(__SSE4_2__)
@@ -211,3 +212,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("kv_pool_to_slots", &kv_pool_to_slots);
   m.impl("kv_pool_checksums", &kv_pool_checksums);
 }
+
+}  // namespace baton_kv_copy

@@ -25,6 +25,7 @@
 #include "lanes.h"
 #include "paged_inputs.h"
 
+namespace baton_paged_attention {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
 
 using namespace baton;
@@ -392,3 +393,5 @@ TORCH_LIBRARY(baton, m) {
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace baton_paged_attention

@@ -171,3 +171,12 @@ def test_a_damaged_build_in_the_cache_is_built_again(tmp_path, native_kernels):
     assert "native_kernels_rebuilding" in done.stdout + done.stderr
     assert "native_kernels_compiler_replaced" in done.stdout + done.stderr
     assert "libstdc++.so.6" in needed_libraries(folder / f"{LIBRARY_NAME}.so")
+
+
+def test_every_source_in_csrc_is_built_in_exactly_one_unit(tmp_path):
+    from kernels.native import CSRC, write_units
+
+    units = [Path(path).read_text().splitlines() for path in write_units(tmp_path)]
+    included = [line.removeprefix('#include "').removesuffix('"') for unit in units for line in unit]
+    assert len(units) == 2 and all(units)
+    assert sorted(included) == sorted(str(source) for source in CSRC.glob("*.cpp"))
