@@ -154,10 +154,10 @@ class CausalLM(nn.Module):
 
     def warm_up_linears(self, max_rows: int) -> int:
         """Linear.warm_up for one decoder-layer linear of each `build_key` (the layers'
-        calls take a row per token of a step, the LM head's one per sequence): every layer
-        shares its shapes' kernels, so warming every layer's only multiplied zeros once a layer
-        more (most of a 1-core worker's start, docs/performance.md §8.11). Returns the calls
-        made."""
+        calls take a row per token of a step, the LM head's one per sequence). The layers'
+        linears of one shape share oneDNN's kernels, so warming each layer's own only
+        multiplied zeros again and again (most of a 1-core worker's start,
+        docs/performance.md §8.11). Returns the calls made."""
         by_key: dict[tuple, Linear] = {}
         for linear in self.layer_linears():
             by_key.setdefault(linear.build_key, linear)
