@@ -199,6 +199,15 @@ class Linear:
         return len(buckets)
 
     @property
+    def layer_operand(self) -> tuple[torch.Tensor, int] | None:
+        """The weight kernels/csrc/decode_layer.cpp multiplies calls of up to FEW_ROWS rows
+        by, as this Linear does, and its `bits` there: 16 or the blocks' bits on AMX, 0 for
+        the oneDNN prepacked weight; None where that op cannot (widened or torch's path)."""
+        if self.amx_weight is not None:
+            return self.amx_weight, self.amx_bits
+        return (self.weight, 0) if self.prepacked else None
+
+    @property
     def build_key(self) -> tuple:
         """What the kernels oneDNN builds for this Linear's calls depend on: shapes, types and
         the path, never the weight's values (oneDNN caches them by descriptor). Linears with

@@ -50,6 +50,7 @@ class DecoderLayer(nn.Module):
         self.o_proj: Linear
         self.gate_up: Linear
         self.down: Linear
+        self.decode_operands: tuple = ()  # set by fused_decode_fits, for forward_decode
 
     def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary_inputs: tuple,
                 kv_layer: torch.Tensor, slot_mapping: torch.Tensor, backend: AttentionBackend, metadata: object,
@@ -79,9 +80,16 @@ class DecoderLayer(nn.Module):
         return hidden, self.down(ops.silu_and_mul(self.gate_up(normed)))
 
     def fused_decode_fits(self) -> bool:
-        """Whether `forward_decode` can run this layer: every linear on AMX, no q/k norm."""
-        return self.q_norm is None and all(linear.amx_weight is not None
-                                           for linear in (self.qkv, self.o_proj, self.gate_up, self.down))
+        """Whether `forward_decode` can run this layer: every linear on AMX or prepacked for
+        oneDNN (Linear.layer_operand), no q/k norm. Where it can, keeps the linears'
+        operands for it (`decode_operands`: weight, bits and bias of each in turn)."""
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down)
+        operands = [linear.layer_operand for linear in linears]
+        if self.q_norm is not None or any(operand is None for operand in operands):
+            return False
+        self.decode_operands = tuple(value for linear, operand in zip(linears, operands)
+                                     for value in (*cast(tuple, operand), linear.bias))
+        return True
 
     def forward_decode(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary_inputs: tuple,
                        kv_layer: torch.Tensor, slot_mapping: torch.Tensor, group: NativeDecode) -> torch.Tensor:
@@ -89,11 +97,8 @@ class DecoderLayer(nn.Module):
         (kernels/csrc/decode_layer.cpp: the same kernels in the same order): adds to
         `hidden` in place and returns this layer's MLP output."""
         config = self.config
-        qkv, o_proj, gate_up, down = self.qkv, self.o_proj, self.gate_up, self.down
         return torch.ops.baton.decode_layer.default(
-            hidden, pending, self.input_norm, self.post_norm, config.rms_norm_eps,
-            qkv.amx_weight, qkv.amx_bits, qkv.bias, o_proj.amx_weight, o_proj.amx_bits, o_proj.bias,
-            gate_up.amx_weight, gate_up.amx_bits, gate_up.bias, down.amx_weight, down.amx_bits, down.bias,
+            hidden, pending, self.input_norm, self.post_norm, config.rms_norm_eps, *self.decode_operands,
             config.num_heads, config.num_kv_heads, config.head_dim, *rotary_inputs, kv_layer, slot_mapping,
             group.block_table, group.query_starts, group.query_lens, group.context_lens, group.block_size,
             config.head_dim ** -0.5)

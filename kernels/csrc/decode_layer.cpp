@@ -6,8 +6,10 @@
 // here the layer is one call from Python.
 //
 // Contract: bf16 rows [tokens, hidden] of single-token decode queries, one a sequence
-// (query_starts = 0..tokens-1, query_lens all 1); each linear an AMX weight, `bits` 16 for a
-// bf16 copy (amx_linear) or 4 / 8 for GGUF blocks (amx_block_linear); `pending` is the
+// (query_starts = 0..tokens-1, query_lens all 1), at most kernels/linear.py's FEW_ROWS; each
+// linear's weight as kernels/linear.py Linear multiplies such rows: `bits` 16 for an AMX
+// bf16 copy (amx_linear), 4 / 8 for GGUF blocks on AMX (amx_block_linear), 0 for a weight
+// prepacked for oneDNN (mkldnn::_linear_pointwise, where the CPU has no AMX); `pending` is the
 // previous layer's MLP output, none for the first layer. `hidden`, the residual stream, is
 // added to in place (as the layer's add_rms_norm calls do); returns this layer's MLP output
 // not yet added to it, as common/engine/model.py DecoderLayer.forward does.
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string_view>
 
 namespace baton_decode_layer {  // named apart: kernels/native.py compiles several sources as one unit
 namespace {
@@ -30,6 +33,10 @@ using RotateAndStore = void(at::Tensor&, const at::Tensor&, const at::Tensor&, c
                             at::Tensor&, const at::Tensor&);
 using PagedAttention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, at::Tensor&);
+
+using OnednnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                std::string_view, c10::List<std::optional<at::Scalar>>,
+                                std::optional<std::string_view>);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -52,9 +59,16 @@ const Ops& ops() {
   return handles;
 }
 
+// Looked up on first use: a torch built without oneDNN has no such op, and AMX layers never ask.
+const c10::TypedOperatorHandle<OnednnLinear>& onednn_linear() {
+  static const auto handle = op<OnednnLinear>("mkldnn::_linear_pointwise");
+  return handle;
+}
+
 at::Tensor multiply(const Ops& o, const at::Tensor& x, const at::Tensor& weight, int64_t bits,
                     const std::optional<at::Tensor>& bias) {
   if (bits == 16) return o.linear.call(x, weight, bias);
+  if (bits == 0) return onednn_linear().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
   return o.block_linear.call(x, weight, bits, bias);
 }
 
@@ -101,5 +115,8 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layer", &decode_layer); }
+
+// A weight prepacked for oneDNN is an MKLDNN tensor, which sends the call here.
+TORCH_LIBRARY_IMPL(baton, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }
 
 }  // namespace baton_decode_layer
