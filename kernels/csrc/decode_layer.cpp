@@ -9,10 +9,10 @@
 // (query_starts = 0..tokens-1, query_lens all 1), at most kernels/linear.py's FEW_ROWS; each
 // linear's weight as kernels/linear.py Linear multiplies such rows: `bits` 16 for an AMX
 // bf16 copy (amx_linear), 4 / 8 for GGUF blocks on AMX (amx_block_linear), 0 for a weight
-// prepacked for oneDNN (mkldnn::_linear_pointwise, where the CPU has no AMX); `pending` is the
-// previous layer's MLP output, none for the first layer. `hidden`, the residual stream, is
-// added to in place (as the layer's add_rms_norm calls do); returns this layer's MLP output
-// not yet added to it, as common/engine/model.py DecoderLayer.forward does.
+// prepacked for oneDNN (mkldnn::_linear_pointwise: no AMX, or a shape the tiles do not fit);
+// `pending` is the previous layer's MLP output, none for the first layer. `hidden`, the
+// residual stream, is added to in place (as the layer's add_rms_norm calls do); returns this
+// layer's MLP output not yet added to it, as common/engine/model.py DecoderLayer.forward does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
