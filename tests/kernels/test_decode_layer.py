@@ -12,7 +12,7 @@ from common.engine.gguf import convert_gguf
 from common.sampling_params import SamplingParams
 from kernels.linear import onednn_bf16_native
 from tests.common.engine.gguf_files import TinyGguf
-from tests.kernels.test_amx_linear import amx, cpu_has_amx  # noqa: F401  (amx: the fixture)
+from tests.kernels.test_amx_linear import amx  # noqa: F401  (the fixture)
 
 PROMPTS = [[3 + (7 * i + j) % 500 for j in range(5 + 9 * i)] for i in range(6)]
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -36,11 +36,13 @@ def fused_calls(engine: Engine) -> int:
     return sum(event.count for event in prof.key_averages() if event.key == "baton::decode_layer")
 
 
-def test_a_fused_decode_step_gives_the_python_layers_bits(amx, make_engine, test_device):  # noqa: F811
-    if test_device != "cpu":
-        pytest.skip("the fused layer is a CPU path")
+def test_a_fused_decode_step_gives_the_python_layers_bits(native_kernels, make_engine, test_device):
+    """On AMX linears where the CPU has them, else on bf16 weights prepacked for oneDNN."""
+    if test_device != "cpu" or not onednn_bf16_native():
+        pytest.skip("the fused layer is a CPU path for bf16 linears that AMX or oneDNN compute natively")
     engine = make_engine(dtype="bfloat16")
     assert engine.model.fused_decode
+    assert engine.model.amx_linears or engine.model.linear_kernels() == "onednn"
     assert fused_calls(engine) == len(engine.model.layers)  # the decode step only, once a layer
     assert outputs(engine, fused=True) == outputs(engine, fused=False)
 
@@ -51,16 +53,6 @@ def test_a_fused_decode_step_on_gguf_blocks_gives_the_same_bits(amx, tmp_path, q
     model_dir = convert_gguf(spec.write(tmp_path / "tiny.gguf"), tmp_path / "converted")
     engine = Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_kv_blocks=256))
     assert engine.model.fused_decode and engine.model.linear_kernels().startswith("amx-q")
-    assert outputs(engine, fused=True) == outputs(engine, fused=False)
-
-
-def test_a_fused_decode_step_on_onednn_weights_gives_the_python_layers_bits(native_kernels, make_engine,
-                                                                           test_device):
-    if test_device != "cpu" or cpu_has_amx() or not onednn_bf16_native():
-        pytest.skip("needs a CPU with native bf16 in oneDNN and no AMX (AMX layers are tested above)")
-    engine = make_engine(dtype="bfloat16")
-    assert engine.model.fused_decode and engine.model.linear_kernels() == "onednn"
-    assert fused_calls(engine) == len(engine.model.layers)
     assert outputs(engine, fused=True) == outputs(engine, fused=False)
 
 
